@@ -1,0 +1,3 @@
+from mlxpipe.cli import main
+
+main()
