@@ -1,0 +1,31 @@
+"""Shared pytest set-up: every test runs with its own HOME and Hugging Face cache.
+
+Fixtures that build expensive things (models, the fake hub, the test cluster)
+live in ``tests/fixtures/`` and are session-scoped; they are imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# Session fixtures from tests/fixtures/ are imported below this line.
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point HOME, HF_HOME and MLXPIPE_HOME at a fresh temp dir for each test."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_HOME", str(home / ".cache" / "huggingface"))
+    monkeypatch.setenv("MLXPIPE_HOME", str(home / ".cache" / "mlxpipe"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    return home
