@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Session fixtures from tests/fixtures/ are imported below this line.
+from fixtures.demo_model import demo_model  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,83 @@
+"""The one place mlxpipe writes to the terminal.
+
+Library modules never print: they return values or raise ``MlxpipeError``.
+Commands render through here: Rich on stdout for people, plain JSON for
+scripts (``--json``), and errors on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    """Machine-readable output: exactly one JSON document on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def error(message: str, hint: str | None = None) -> None:
+    """One line saying what is wrong, and one saying what to do."""
+    err.print(f"[bold red]error:[/] {_escape(message)}")
+    if hint:
+        err.print(f"[dim]hint:[/] {_escape(hint)}")
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {_escape(message)}")
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.1f} TiB"
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+class ProgressCallback:
+    """A transient Rich progress bar fed by ``(done, total)`` calls; silent when disabled."""
+
+    def __init__(self, description: str, enabled: bool = True) -> None:
+        self.description = description
+        self.enabled = enabled and err.is_terminal
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> ProgressCallback:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                console=err, transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self.description, total=None)
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, total=total)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()

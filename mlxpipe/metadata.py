@@ -1,0 +1,337 @@
+"""What a model is made of, read from its metadata alone (no weights).
+
+``config.json``, ``model.safetensors.index.json`` and the safetensors headers
+give every tensor's dtype and shape, so the exact bytes of every layer, without
+downloading a single weight. Hub access lives in ``mlxpipe.hub``; this module
+holds the data types, local-directory reading and the model facts the planner
+needs (layers, files, KV-cache size).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+from mlxpipe.errors import ModelError
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+# What a rank needs besides its weights; the same patterns mlx-lm's sharded_load uses.
+SUPPORT_PATTERNS = (
+    "*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja",
+)
+# Tensors are matched to layers by their layer number, as mlx-lm does, since sanitize can rename them.
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+    "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}
+_CONFIG_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_HEADER_LIMIT = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the checkpoint, as its safetensors header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def layer(self) -> int | None:
+        """The layer number this tensor belongs to, or None for shared tensors."""
+        m = _LAYER_RE.search(self.name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """A checkpoint described without its weights."""
+
+    source: str  # a hub repo id or a local directory
+    config: dict[str, Any]
+    tensors: tuple[Tensor, ...]
+    file_sizes: dict[str, int]  # every file of the checkpoint -> bytes
+    revision: str | None = None
+    commit: str | None = None
+    local: bool = False
+    support_files: tuple[str, ...] = field(default=())
+
+    @property
+    def model_type(self) -> str:
+        return str(self.text_config.get("model_type") or self.config.get("model_type") or "")
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config (nested as ``text_config`` in multimodal models)."""
+        nested = self.config.get("text_config")
+        if isinstance(nested, dict) and "num_hidden_layers" in nested and "num_hidden_layers" not in self.config:
+            return nested
+        return self.config
+
+    @property
+    def num_layers(self) -> int:
+        n = self.text_config.get("num_hidden_layers")
+        if not isinstance(n, int) or n <= 0:
+            raise ModelError(
+                f"{self.source}: config.json has no positive 'num_hidden_layers'",
+                "mlxpipe pipelines transformer models whose blocks are a 'layers' list",
+            )
+        return n
+
+    @property
+    def weight_files(self) -> tuple[str, ...]:
+        return tuple(sorted({t.file for t in self.tensors}))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "commit": self.commit,
+            "local": self.local,
+            "config": self.config,
+            "file_sizes": self.file_sizes,
+            "support_files": list(self.support_files),
+            "tensors": [[t.name, t.dtype, list(t.shape), t.file] for t in self.tensors],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelMetadata:
+        return cls(
+            source=data["source"],
+            revision=data.get("revision"),
+            commit=data.get("commit"),
+            local=data.get("local", False),
+            config=data["config"],
+            file_sizes=data["file_sizes"],
+            support_files=tuple(data.get("support_files", ())),
+            tensors=tuple(Tensor(n, d, tuple(s), f) for n, d, s, f in data["tensors"]),
+        )
+
+
+def parse_header(raw: bytes, file: str) -> list[Tensor]:
+    """The tensors of one safetensors header (the JSON after the 8-byte length)."""
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{file}: unreadable safetensors header ({e})") from None
+    return [
+        Tensor(name, info["dtype"], tuple(info["shape"]), file)
+        for name, info in header.items()
+        if name != "__metadata__"
+    ]
+
+
+def read_local_header(path: Path) -> list[Tensor]:
+    """Read a local safetensors file's header without touching its data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelError(f"{path}: not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", head)
+        if length > _HEADER_LIMIT:
+            raise ModelError(f"{path}: not a safetensors file (header of {length} bytes)")
+        return parse_header(f.read(length), path.name)
+
+
+def weight_map(index: dict[str, Any], source: str) -> dict[str, str]:
+    """The index's tensor -> file map, refusing file names that escape the repo."""
+    wm = index.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise ModelError(f"{source}: {WEIGHT_INDEX} has no 'weight_map'")
+    for name in set(wm.values()):
+        check_repo_filename(name, source)
+    return wm
+
+
+def check_repo_filename(name: Any, source: str) -> None:
+    """Refuse a file name that could land outside the model's directory."""
+    bad = (
+        not isinstance(name, str) or not name or name.startswith(("/", "~")) or "\\" in name
+        or "\0" in name or ":" in name or any(part in ("", ".", "..") for part in name.split("/"))
+    )
+    if bad:
+        raise ModelError(
+            f"{source}: the weight index names the file {name!r}, which escapes the model directory",
+            "the checkpoint's index is malformed or malicious; nothing was fetched",
+        )
+
+
+def load_local(directory: Path) -> ModelMetadata:
+    """Describe a local checkpoint directory."""
+    source = str(directory)
+    config = _read_json(directory / "config.json", source)
+    if (directory / WEIGHT_INDEX).exists():
+        wm = weight_map(_read_json(directory / WEIGHT_INDEX, source), source)
+        files = sorted(set(wm.values()))
+    elif (directory / SINGLE_WEIGHTS).exists():
+        files = [SINGLE_WEIGHTS]
+    else:
+        raise ModelError(
+            f"{source}: neither {WEIGHT_INDEX} nor {SINGLE_WEIGHTS} found",
+            "mlxpipe reads safetensors checkpoints (convert with mlx_lm.convert)",
+        )
+    tensors: list[Tensor] = []
+    for name in files:
+        if not (directory / name).exists():
+            raise ModelError(f"{source}: the weight index names {name}, which is missing")
+        tensors.extend(read_local_header(directory / name))
+    sizes = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in directory.rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    }
+    support = tuple(sorted(f for f in sizes if is_support_file(f)))
+    return ModelMetadata(source, config, tuple(tensors), sizes, local=True, support_files=support)
+
+
+def is_support_file(name: str) -> bool:
+    """A non-weight file every rank needs (config, tokenizer, custom code)."""
+    from fnmatch import fnmatch
+
+    return any(fnmatch(name, p) for p in SUPPORT_PATTERNS)
+
+
+def _read_json(path: Path, source: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{source}: no {path.name}", "is this a model directory?") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{source}: cannot read {path.name} ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{source}: {path.name} is not a JSON object")
+    return data
+
+
+# --- Model facts ---------------------------------------------------------------------
+
+
+def validate(meta: ModelMetadata) -> None:
+    """Refuse models mlxpipe cannot pipeline, before anything is launched."""
+    model_type = meta.model_type
+    if not model_type:
+        raise ModelError(f"{meta.source}: config.json has no 'model_type'")
+    if resolve_model_type(model_type) not in mlx_lm_model_types():
+        raise ModelError(
+            f"{meta.source}: model_type {model_type!r} is not supported by the installed mlx-lm",
+            "upgrade mlx-lm (pip install -U mlx-lm) or pick a supported model",
+        )
+    n = meta.num_layers
+    present = {t.layer for t in meta.tensors if t.layer is not None}
+    if not present:
+        raise ModelError(
+            f"{meta.source}: no tensor belongs to a 'layers.N' block",
+            "mlxpipe pipelines models whose blocks are a 'layers' list",
+        )
+    missing = sorted(set(range(n)) - present)
+    if missing:
+        raise ModelError(
+            f"{meta.source}: the checkpoint has no weights for layers {_ranges(missing)} of {n}",
+            "convert the model with mlx_lm.convert first",
+        )
+
+
+def resolve_model_type(model_type: str) -> str:
+    return _model_remapping().get(model_type, model_type)
+
+
+@lru_cache(maxsize=1)
+def mlx_lm_model_types() -> frozenset[str]:
+    """The model types the installed mlx-lm implements, found without importing it."""
+    models = _mlx_lm_dir() / "models"
+    return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
+
+
+@lru_cache(maxsize=1)
+def _model_remapping() -> dict[str, str]:
+    # Read MODEL_REMAPPING from mlx_lm/utils.py's source: importing it would import mlx.
+    tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def _mlx_lm_dir() -> Path:
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("mlx-lm is not installed", "pip install mlx-lm")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def kv_bytes_per_token(meta: ModelMetadata) -> list[tuple[int, int | None]]:
+    """Per layer: KV-cache bytes per token of context, and its window (None = unbounded).
+
+    An estimate from the config: full attention stores keys and values for every
+    token; MLA stores one latent; sliding-window layers stop growing at the window.
+    """
+    c = meta.text_config
+    width = _activation_bytes(meta)
+    heads = c.get("num_attention_heads") or 1
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (c.get("hidden_size", 0) // heads)
+    if c.get("kv_lora_rank"):
+        per_token = (c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0)) * width
+    else:
+        per_token = 2 * kv_heads * head_dim * width
+    windows = _layer_windows(c, meta.num_layers)
+    return [(per_token, w) for w in windows]
+
+
+def _activation_bytes(meta: ModelMetadata) -> int:
+    c = meta.text_config
+    dtype = c.get("torch_dtype") or c.get("dtype") or meta.config.get("torch_dtype")
+    if dtype in _CONFIG_DTYPE_BYTES:
+        return _CONFIG_DTYPE_BYTES[dtype]
+    # Quantized or untyped checkpoints compute in the dtype of their norms.
+    for t in meta.tensors:
+        if t.name.endswith("norm.weight"):
+            return DTYPE_BYTES.get(t.dtype, 2)
+    return 2
+
+
+def _layer_windows(c: dict[str, Any], n: int) -> list[int | None]:
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if not window:
+        return [None] * n
+    if isinstance(types, list) and len(types) >= n:
+        return [window if "sliding" in str(t) else None for t in types[:n]]
+    pattern = c.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 1:
+        return [None if i % pattern == pattern - 1 else window for i in range(n)]
+    if c.get("model_type") == "gemma2":
+        return [window if i % 2 == 0 else None for i in range(n)]
+    return [None] * n
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    nums = sorted(numbers)
+    start = prev = nums[0]
+    for x in nums[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)

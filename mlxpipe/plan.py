@@ -1,0 +1,337 @@
+"""The shard plan: which layers each rank runs, what it must hold and fetch.
+
+Pure functions over plain data (the model's metadata and the hostfile): no MLX,
+no network, so planning is instant and exhaustively testable.
+
+mlx-lm's convention holds throughout: rank 0 runs the LAST layers and the
+highest rank the FIRST (``mlx_lm.models.pipeline.PipelineMixin.pipeline``), and
+a split lists layers per rank in rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.hostfile import GB, Host
+from mlxpipe.metadata import ModelMetadata, kv_bytes_per_token
+
+STRATEGIES = ("even", "memory", "split")
+DEFAULT_CONTEXT = 4096
+# Activations, the runtime and the tokenizer: held back from every host's budget.
+RUNTIME_OVERHEAD = GB // 2
+# What macOS lets the GPU wire by default (iogpu.wired_limit_mb = 0): about
+# two thirds of RAM up to 36 GB, three quarters above.
+SMALL_MAC_GB = 36
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank runs and needs."""
+
+    rank: int
+    host: str
+    start: int  # first layer (inclusive)
+    end: int  # last layer (exclusive)
+    weight_bytes: int  # its layers plus the tensors every rank keeps
+    files: tuple[str, ...]  # weight files it needs
+    download_bytes: int  # those files plus config and tokenizer files
+    kv_bytes_per_1k: int  # KV cache per 1,000 tokens of context
+    budget_bytes: int | None  # memory the GPU may use on that host
+    headroom_bytes: int | None  # budget - weights - overhead - KV at the planned context
+    fits: bool | None
+    max_context: int | None
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, validated shard plan."""
+
+    model: str
+    commit: str | None
+    strategy: str
+    num_layers: int
+    context: int
+    split: tuple[int, ...]  # layers per rank, rank order
+    ranks: tuple[RankPlan, ...]
+    model_bytes: int  # every weight of the model
+    model_download_bytes: int  # every file of the model
+    support_files: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    suggested_split: tuple[int, ...] | None = None
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits is not False for r in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fits"] = self.fits
+        for r, rp in zip(data["ranks"], self.ranks):
+            r["layers"] = rp.layers
+        return data
+
+
+# --- Splits ------------------------------------------------------------------------
+
+
+def even_split(num_layers: int, size: int) -> list[int]:
+    """mlx-lm's even split: the low ranks get the extra layers."""
+    base, extra = divmod(num_layers, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def proportional_split(num_layers: int, weights: Sequence[float]) -> list[int]:
+    """Layers proportional to ``weights``, every rank at least one (largest remainder)."""
+    size = len(weights)
+    spare = num_layers - size
+    total = sum(weights)
+    shares = [spare * w / total for w in weights]
+    split = [1 + int(s) for s in shares]
+    order = sorted(range(size), key=lambda r: (-(shares[r] - int(shares[r])), r))
+    for r in order[: num_layers - sum(split)]:
+        split[r] += 1
+    return split
+
+
+def layer_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
+    """Each rank's [start, end): rank r runs the layers after those of ranks > r."""
+    return [(sum(split[r + 1 :]), sum(split[r:])) for r in range(len(split))]
+
+
+def check_split(split: Sequence[int], num_layers: int, size: int) -> None:
+    if len(split) != size:
+        raise UsageError(
+            f"--split has {len(split)} entries but the hostfile has {size} hosts",
+            "give one layer count per host, in rank order",
+        )
+    if any(s <= 0 for s in split):
+        raise UsageError(f"--split {_fmt(split)}: every rank needs at least one layer")
+    if sum(split) != num_layers:
+        raise UsageError(
+            f"--split {_fmt(split)} sums to {sum(split)} but the model has {num_layers} layers",
+            "the layer counts must add up to the model's layers",
+        )
+
+
+def choose_split(
+    strategy: str | None, split: Sequence[int] | None, num_layers: int, hosts: Sequence[Host]
+) -> tuple[str, list[int]]:
+    """Resolve the strategy (default: memory when every host declares it, else even)."""
+    size = len(hosts)
+    if size > num_layers:
+        raise PlanError(
+            f"the hostfile has {size} hosts but the model has only {num_layers} layers",
+            "use at most one host per layer",
+        )
+    if split is not None:
+        if strategy not in (None, "split"):
+            raise UsageError("--split and --strategy conflict", "give one of them")
+        check_split(split, num_layers, size)
+        return "split", list(split)
+    if strategy is None:
+        strategy = "memory" if all(h.memory_gb for h in hosts) else "even"
+    if strategy == "even":
+        return strategy, even_split(num_layers, size)
+    if strategy == "memory":
+        missing = [h for h in hosts if not h.memory_gb]
+        if missing:
+            raise UsageError(
+                f"--strategy memory needs 'memory_gb' for every host; {missing[0].label} has none",
+                "add memory_gb to each host in the hostfile, or use --strategy even",
+            )
+        return strategy, proportional_split(num_layers, [budget_bytes(h) or 0 for h in hosts])
+    raise UsageError(f"unknown strategy {strategy!r}", f"use one of: {', '.join(STRATEGIES[:2])} or --split")
+
+
+# --- Costs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Costs:
+    layer_bytes: list[int]
+    shared_bytes: int
+    layer_files: list[set[str]]
+    shared_files: set[str]
+    kv: list[tuple[int, int | None]]
+
+
+def _costs(meta: ModelMetadata) -> _Costs:
+    n = meta.num_layers
+    layer_bytes = [0] * n
+    layer_files: list[set[str]] = [set() for _ in range(n)]
+    shared_bytes, shared_files = 0, set()
+    for t in meta.tensors:
+        layer = t.layer
+        if layer is None:
+            shared_bytes += t.nbytes
+            shared_files.add(t.file)
+        elif layer < n:  # layers past num_hidden_layers (MTP) are dropped by sanitize
+            layer_bytes[layer] += t.nbytes
+            layer_files[layer].add(t.file)
+    return _Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta))
+
+
+def kv_bytes(kv: Sequence[tuple[int, int | None]], tokens: int) -> int:
+    """KV-cache bytes for ``tokens`` of context over the given layers."""
+    return sum(per * (min(tokens, w) if w else tokens) for per, w in kv)
+
+
+def budget_bytes(host: Host) -> int | None:
+    """What the GPU may use on ``host``: the wired limit, else macOS's default share."""
+    if host.wired_limit_gb:
+        return int(host.wired_limit_gb * GB)
+    if not host.memory_gb:
+        return None
+    share = 0.67 if host.memory_gb <= SMALL_MAC_GB else 0.75
+    return int(host.memory_gb * share * GB)
+
+
+def _max_context(kv: Sequence[tuple[int, int | None]], free: int, limit: int) -> int:
+    """The longest context whose KV cache fits in ``free`` bytes (binary search)."""
+    if free < 0:
+        return 0
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv_bytes(kv, mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _rank_weight_bytes(costs: _Costs, start: int, end: int) -> int:
+    return costs.shared_bytes + sum(costs.layer_bytes[start:end])
+
+
+# --- The plan ------------------------------------------------------------------------
+
+
+def make_plan(
+    meta: ModelMetadata,
+    hosts: Sequence[Host],
+    *,
+    strategy: str | None = None,
+    split: Sequence[int] | None = None,
+    context: int = DEFAULT_CONTEXT,
+) -> Plan:
+    """Plan ``meta`` over ``hosts``."""
+    if context <= 0:
+        raise UsageError(f"--context must be positive, got {context}")
+    n = meta.num_layers
+    strategy, chosen = choose_split(strategy, split, n, hosts)
+    costs = _costs(meta)
+    max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
+    support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
+    ranks = []
+    for host, (start, end) in zip(hosts, layer_ranges(chosen)):
+        files = set(costs.shared_files).union(*costs.layer_files[start:end])
+        weights = _rank_weight_bytes(costs, start, end)
+        kv = costs.kv[start:end]
+        budget = budget_bytes(host)
+        headroom = fits = max_ctx = None
+        if budget is not None:
+            free = budget - weights - RUNTIME_OVERHEAD
+            headroom = free - kv_bytes(kv, context)
+            fits = headroom >= 0
+            max_ctx = _max_context(kv, free, max_positions)
+        ranks.append(
+            RankPlan(
+                rank=host.rank,
+                host=host.ssh,
+                start=start,
+                end=end,
+                weight_bytes=weights,
+                files=tuple(sorted(files)),
+                download_bytes=sum(meta.file_sizes.get(f, 0) for f in files) + support_bytes,
+                kv_bytes_per_1k=kv_bytes(kv, 1000),
+                budget_bytes=budget,
+                headroom_bytes=headroom,
+                fits=fits,
+                max_context=max_ctx,
+            )
+        )
+    plan = Plan(
+        model=meta.source,
+        commit=meta.commit,
+        strategy=strategy,
+        num_layers=n,
+        context=context,
+        split=tuple(chosen),
+        ranks=tuple(ranks),
+        model_bytes=sum(t.nbytes for t in meta.tensors if t.layer is None or t.layer < n),
+        model_download_bytes=sum(meta.file_sizes.values()),
+        support_files=meta.support_files,
+        notes=_notes(hosts),
+    )
+    if not plan.fits:
+        suggestion = suggest_split(costs, hosts, context)
+        if suggestion is not None and tuple(suggestion) != plan.split:
+            plan = _replace(plan, suggested_split=tuple(suggestion))
+    return plan
+
+
+def suggest_split(costs: _Costs, hosts: Sequence[Host], context: int) -> list[int] | None:
+    """A split under which every rank fits, or None if none exists.
+
+    Tries the split proportional to each host's spare capacity first (balanced),
+    then packs layers greedily in pipeline order (finds one whenever one exists).
+    """
+    budgets = [budget_bytes(h) for h in hosts]
+    if any(b is None for b in budgets):
+        return None
+    n, size = len(costs.layer_bytes), len(hosts)
+    caps = [b - costs.shared_bytes - RUNTIME_OVERHEAD for b in budgets]  # type: ignore[operator]
+    if any(c <= 0 for c in caps):
+        return None
+
+    def fits(split: Sequence[int]) -> bool:
+        return all(
+            sum(costs.layer_bytes[s:e]) + kv_bytes(costs.kv[s:e], context) <= caps[r]
+            for r, (s, e) in enumerate(layer_ranges(split))
+        )
+
+    balanced = proportional_split(n, caps)
+    if fits(balanced):
+        return balanced
+    # Greedy in pipeline order: the highest rank takes the first layers.
+    split = [0] * size
+    layer = 0
+    for r in reversed(range(size)):
+        used = 0
+        ranks_after = r  # ranks still to fill after this one
+        while layer < n - ranks_after:
+            cost = costs.layer_bytes[layer] + kv_bytes(costs.kv[layer : layer + 1], context)
+            if used + cost > caps[r]:
+                break
+            used += cost
+            split[r] += 1
+            layer += 1
+        if split[r] == 0:
+            return None
+    return split if layer == n else None
+
+
+def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:
+    if any(h.memory_gb and not h.wired_limit_gb for h in hosts):
+        return (
+            "Budgets assume macOS's default GPU wired limit (about 67% of RAM up to 36 GB, 75% above). "
+            "If you raised it with `sudo sysctl iogpu.wired_limit_mb=N`, add wired_limit_gb to that host.",
+        )
+    return ()
+
+
+def _replace(plan: Plan, **changes: Any) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
+
+
+def _fmt(split: Sequence[int]) -> str:
+    return ",".join(str(s) for s in split)

@@ -1,0 +1,92 @@
+"""What a command works on: the model, the hosts and the split, resolved once.
+
+Flags win over the ``--config`` preset, which wins over the defaults (the demo
+model on ``hostfiles/local-2.json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from mlxpipe.config import Preset, load_preset, pick
+from mlxpipe.errors import ModelError
+from mlxpipe.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
+from mlxpipe.metadata import ModelMetadata, validate
+from mlxpipe.plan import DEFAULT_CONTEXT, Plan, make_plan
+
+DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model on a cluster, as the user asked for it."""
+
+    model: str
+    revision: str | None
+    hostfile: Hostfile
+    strategy: str | None
+    split: tuple[int, ...] | None
+    preset: Preset
+
+
+def resolve_target(
+    model: str | None,
+    revision: str | None,
+    hostfile: Path | None,
+    strategy: str | None,
+    split: Sequence[int] | None,
+    config: Path | None,
+) -> Target:
+    """Apply flag > preset > default and read the hostfile."""
+    preset = load_preset(config)
+    chosen_model = pick(model, preset.model)
+    if chosen_model is None:
+        chosen_model = str(default_model())
+    if split is None and strategy is None:
+        split, strategy = preset.split, preset.strategy
+    return Target(
+        model=chosen_model,
+        revision=pick(revision, preset.revision),
+        hostfile=load_hostfile(hostfile) if hostfile else default_hostfile(),
+        strategy=strategy,
+        split=tuple(split) if split else None,
+        preset=preset,
+    )
+
+
+def default_model() -> Path:
+    """The embedded demo model, which must have been built."""
+    from mlxpipe.demo_model import demo_model_dir
+
+    path = demo_model_dir()
+    if not (path / "config.json").exists():
+        raise ModelError(
+            f"no --model given and the demo model is not built yet ({path})",
+            "build it with `mlxpipe demo-model` (or `make demo`), or pass --model",
+        )
+    return path
+
+
+def default_hostfile() -> Hostfile:
+    """``hostfiles/local-2.json`` when run from the repo, else the same two local ranks."""
+    if DEFAULT_HOSTFILE.exists():
+        return load_hostfile(DEFAULT_HOSTFILE)
+    local = {"ssh": LOCAL_HOST, "ips": [LOCAL_HOST]}
+    return parse_hostfile([local, local], Path("<built-in local-2>"))
+
+
+def load_model_metadata(target: Target, *, refresh: bool = False, progress=None) -> ModelMetadata:
+    """The target model's metadata, validated for pipelining."""
+    from mlxpipe.hub import load_metadata
+
+    meta = load_metadata(target.model, target.revision, refresh=refresh, progress=progress)
+    validate(meta)
+    return meta
+
+
+def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT) -> Plan:
+    return make_plan(
+        meta, target.hostfile.hosts, strategy=target.strategy, split=target.split, context=context
+    )
