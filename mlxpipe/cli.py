@@ -128,5 +128,71 @@ def plan(
         raise typer.Exit(1)
 
 
+@app.command()
+@_boundary
+def download(
+    model: Optional[str] = ModelOpt,
+    hostfile: Optional[Path] = HostfileOpt,
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    config: Optional[Path] = ConfigOpt,
+    rank: Optional[int] = typer.Option(None, "--rank", help="Fetch only this rank's files, on this machine."),
+    local: bool = typer.Option(False, "--local", help="Alias of --rank for the rank whose host is this machine (127.0.0.1)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List each host's files and bytes; fetch nothing."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Fetch on every host exactly the weight files its ranks need (plus config and tokenizer).
+
+    Each host downloads into its own cache (hf_home or model_dir from the hostfile, else its
+    default Hugging Face cache), in parallel, through huggingface_hub. A second run fetches 0 bytes.
+
+    Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
+    """
+    from mlxpipe import download as dl
+    from mlxpipe.render import download_table, download_progress, tasks_table
+    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    hosts = target.hostfile.hosts
+    if local and rank is None:
+        locals_ = [h.rank for h in hosts if h.is_local]
+        if not locals_:
+            raise UsageError("--local: no host in the hostfile is 127.0.0.1", "use --rank R")
+        rank = locals_[0]
+    if rank is not None and not 0 <= rank < len(hosts):
+        raise UsageError(f"--rank {rank}: the hostfile has ranks 0-{len(hosts) - 1}")
+    with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
+        meta = load_model_metadata(target, progress=progress)
+    the_plan = plan_target(target, meta)
+    tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank])
+    if dry_run:
+        if json_out:
+            console.print_json([{"host": t.host.ssh, "ranks": list(t.ranks), "files": list(t.job.files),
+                                 "bytes": t.total_bytes} for t in tasks])
+        else:
+            console.out.print(tasks_table(tasks, meta))
+        return
+    with download_progress(tasks, enabled=not json_out) as on_update:
+        if rank is not None:
+            reports = [dl.run_local(tasks[0], on_update)]
+        else:
+            reports = dl.run_on_hosts(tasks, on_update)
+    if json_out:
+        console.print_json([{"host": r.task.host.ssh, "ranks": list(r.task.ranks), "path": r.result.path,
+                             "fetched_bytes": r.result.fetched_bytes, "present_bytes": r.result.present_bytes,
+                             "model_bytes": meta_total(meta), "files": list(r.task.job.files)}
+                            for r in reports if r.result])
+        return
+    console.out.print(download_table(reports, meta))
+    fetched = sum(r.result.fetched_bytes for r in reports if r.result)
+    if fetched == 0:
+        console.out.print("Every host already had its files: 0 bytes transferred.")
+
+
+def meta_total(meta: Any) -> int:
+    return sum(meta.file_sizes.values())
+
+
 def main() -> None:
     app()

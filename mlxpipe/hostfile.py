@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,9 @@ LOCAL_HOST = "127.0.0.1"
 GB = 1024**3
 
 # An ssh destination: user@host, a name or an address. Never a leading "-",
-# which ssh would read as an option, and no shell metacharacters.
-_SSH_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?[A-Za-z0-9_:.\[\]%-]+$")
+# which ssh would read as an option, and no shell metacharacters (matched whole:
+# "$" alone would let a trailing newline through).
+_SSH_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?[A-Za-z0-9_:.\[\]%][A-Za-z0-9_:.\[\]%-]*")
 _KNOWN_KEYS = {
     "ssh", "ips", "rdma", "memory_gb", "wired_limit_gb", "hf_home", "model_dir", "python",
 }
@@ -145,6 +147,8 @@ def _read(path: Path) -> Any:
         raise HostfileError(f"{path}: no such hostfile", "pass --hostfile with an existing file") from None
     except OSError as e:
         raise HostfileError(f"{path}: cannot read hostfile ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise HostfileError(f"{path}: not a text file", "a hostfile is JSON or YAML text") from None
     try:
         if path.suffix in (".yaml", ".yml"):
             return yaml.safe_load(text)
@@ -162,9 +166,11 @@ def _parse_host(path: Path, rank: int, raw: Any) -> Host:
     if not isinstance(raw, dict):
         raise HostfileError(f"{where}: expected an object with 'ssh', got {type(raw).__name__}")
     ssh = raw.get("ssh")
-    if not isinstance(ssh, str) or not ssh:
+    if ssh is None or ssh == "":
         raise HostfileError(f"{where}: missing 'ssh'", 'add "ssh": "<hostname>" (127.0.0.1 runs locally)')
-    if not _SSH_RE.match(ssh):
+    if not isinstance(ssh, str):
+        raise HostfileError(f"{where}: 'ssh' must be a host name string, got {ssh!r}")
+    if not _SSH_RE.fullmatch(ssh):
         raise HostfileError(
             f"{where}: 'ssh' value {ssh!r} is not a host name",
             "use a plain host name, user@host or an address",
@@ -206,7 +212,7 @@ def _positive(raw: dict[str, Any], key: str, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise HostfileError(f"{where}: '{key}' must be a number, got {value!r}")
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:  # JSON and YAML both accept NaN and infinity
         raise HostfileError(f"{where}: '{key}' must be positive, got {value}")
     return float(value)
 

@@ -115,6 +115,7 @@ def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata
         info = api.model_info(repo, revision=revision, files_metadata=True)
         commit = info.sha
         sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
+        hashes = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs and s.lfs.sha256}
         config = _json(hf_hub_download(repo, "config.json", revision=commit), repo, "config.json")
         if WEIGHT_INDEX in sizes:
             index = _json(hf_hub_download(repo, WEIGHT_INDEX, revision=commit), repo, WEIGHT_INDEX)
@@ -134,7 +135,7 @@ def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata
     support = tuple(sorted(f for f in sizes if is_support_file(f) and "/" not in f))
     return ModelMetadata(
         source=repo, config=config, tensors=tuple(tensors), file_sizes=sizes,
-        revision=revision, commit=commit, support_files=support,
+        revision=revision, commit=commit, support_files=support, file_sha256=hashes,
     )
 
 

@@ -70,6 +70,7 @@ class ModelMetadata:
     commit: str | None = None
     local: bool = False
     support_files: tuple[str, ...] = field(default=())
+    file_sha256: dict[str, str] = field(default_factory=dict)  # LFS files: the hub's sha256
 
     @property
     def model_type(self) -> str:
@@ -106,6 +107,7 @@ class ModelMetadata:
             "config": self.config,
             "file_sizes": self.file_sizes,
             "support_files": list(self.support_files),
+            "file_sha256": self.file_sha256,
             "tensors": [[t.name, t.dtype, list(t.shape), t.file] for t in self.tensors],
         }
 
@@ -119,6 +121,7 @@ class ModelMetadata:
             config=data["config"],
             file_sizes=data["file_sizes"],
             support_files=tuple(data.get("support_files", ())),
+            file_sha256=data.get("file_sha256", {}),
             tensors=tuple(Tensor(n, d, tuple(s), f) for n, d, s, f in data["tensors"]),
         )
 

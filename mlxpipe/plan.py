@@ -281,7 +281,7 @@ def suggest_split(costs: _Costs, hosts: Sequence[Host], context: int) -> list[in
     """A split under which every rank fits, or None if none exists.
 
     Tries the split proportional to each host's spare capacity first (balanced),
-    then packs layers greedily in pipeline order (finds one whenever one exists).
+    then searches every split in pipeline order (finds one whenever one exists).
     """
     budgets = [budget_bytes(h) for h in hosts]
     if any(b is None for b in budgets):
@@ -300,22 +300,34 @@ def suggest_split(costs: _Costs, hosts: Sequence[Host], context: int) -> list[in
     balanced = proportional_split(n, caps)
     if fits(balanced):
         return balanced
-    # Greedy in pipeline order: the highest rank takes the first layers.
-    split = [0] * size
-    layer = 0
-    for r in reversed(range(size)):
-        used = 0
-        ranks_after = r  # ranks still to fill after this one
-        while layer < n - ranks_after:
-            cost = costs.layer_bytes[layer] + kv_bytes(costs.kv[layer : layer + 1], context)
-            if used + cost > caps[r]:
-                break
-            used += cost
-            split[r] += 1
-            layer += 1
-        if split[r] == 0:
+    # A greedy fill can strand a small host behind a large one, so search all
+    # boundaries: the highest rank takes the first layers; a layer's cost
+    # (weights + KV at ``context``) is additive, so prefix sums price a range.
+    cost = [costs.layer_bytes[i] + kv_bytes(costs.kv[i : i + 1], context) for i in range(n)]
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    # reach[k]: layer boundary -> where the previous rank's range started, for
+    # the first k ranks in pipeline order (ranks size-1 ... size-k).
+    reach: list[dict[int, int]] = [{0: 0}]
+    for k in range(size):
+        cap, nxt = caps[size - 1 - k], {}
+        for start in reach[-1]:
+            end = start + 1
+            while end <= n - (size - 1 - k) and prefix[end] - prefix[start] <= cap:
+                nxt.setdefault(end, start)
+                end += 1
+        if not nxt:
             return None
-    return split if layer == n else None
+        reach.append(nxt)
+    if n not in reach[-1]:
+        return None
+    split, end = [0] * size, n
+    for k in range(size, 0, -1):
+        start = reach[k][end]
+        split[size - k] = end - start
+        end = start
+    return split
 
 
 def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:

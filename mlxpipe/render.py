@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
 from rich.table import Table
 
-from mlxpipe.console import short_bytes
+from mlxpipe.console import err, short_bytes
 from mlxpipe.plan import Plan
 
 
@@ -36,3 +39,50 @@ def plan_table(plan: Plan) -> Table:
             row += [short_bytes(r.budget_bytes), short_bytes(r.headroom_bytes), fits, ctx]
         t.add_row(*row)
     return t
+
+
+def tasks_table(tasks: Sequence[Any], meta: Any) -> Table:
+    """``download --dry-run``: each host's files and bytes."""
+    whole = sum(meta.file_sizes.values())
+    t = Table(title=f"{meta.source} @ {(meta.commit or '')[:12]}: files per host", title_justify="left")
+    for name, justify in (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right")):
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for task in tasks:
+        files = "\n".join(task.job.files)
+        share = f"{100 * task.total_bytes / whole:.0f}%" if whole else "-"
+        t.add_row(task.host.ssh, ",".join(map(str, task.ranks)), files, short_bytes(task.total_bytes), share)
+    return t
+
+
+def download_table(reports: Sequence[Any], meta: Any) -> Table:
+    """After ``download``: what each host fetched and already had."""
+    whole = sum(meta.file_sizes.values())
+    t = Table(title=f"{meta.source} @ {(meta.commit or '')[:12]}", title_justify="left")
+    for name in ("host", "ranks", "files", "fetched", "already present", "whole model", "path"):
+        t.add_column(name, justify="left" if name in ("host", "ranks", "path") else "right")
+    for r in reports:
+        res = r.result
+        t.add_row(
+            r.task.host.ssh, ",".join(map(str, r.task.ranks)), str(len(r.task.job.files)),
+            short_bytes(res.fetched_bytes), short_bytes(res.present_bytes), short_bytes(whole), res.path,
+        )
+    return t
+
+
+@contextmanager
+def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[Any]:
+    """One Rich progress bar per host (bytes, rate, ETA); yields the update callback."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=err,
+    )
+    ids = {id(t): progress.add_task(t.host.ssh, total=t.total_bytes) for t in tasks}
+    with progress:
+        yield lambda report: progress.update(ids[id(report.task)], completed=report.done_bytes)
