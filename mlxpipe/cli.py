@@ -138,7 +138,12 @@ def download(
     split: Optional[str] = SplitOpt,
     config: Optional[Path] = ConfigOpt,
     rank: Optional[int] = typer.Option(None, "--rank", help="Fetch only this rank's files, on this machine."),
-    local: bool = typer.Option(False, "--local", help="Alias of --rank for the rank whose host is this machine (127.0.0.1)."),
+    local: bool = typer.Option(False, "--local", help="Alias of --rank for the first rank whose host is 127.0.0.1."),
+    from_controller: bool = typer.Option(
+        False, "--from-controller",
+        help="For hosts without internet: fetch on this machine, then send each host only its files over ssh "
+        "(rsync, else scp). Also sends a local model directory.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List each host's files and bytes; fetch nothing."),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -150,48 +155,50 @@ def download(
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
     from mlxpipe import download as dl
-    from mlxpipe.render import download_table, download_progress, tasks_table
+    from mlxpipe.render import controller_line, download_progress, download_table, tasks_table
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     hosts = target.hostfile.hosts
     if local and rank is None:
-        locals_ = [h.rank for h in hosts if h.is_local]
-        if not locals_:
+        here = [h.rank for h in hosts if h.is_local]
+        if not here:
             raise UsageError("--local: no host in the hostfile is 127.0.0.1", "use --rank R")
-        rank = locals_[0]
+        rank = here[0]
     if rank is not None and not 0 <= rank < len(hosts):
         raise UsageError(f"--rank {rank}: the hostfile has ranks 0-{len(hosts) - 1}")
+    if rank is not None and from_controller:
+        raise UsageError("--from-controller sends every host its files; --rank fetches one rank's here", "give one of them")
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, progress=progress)
+    if not from_controller:
+        dl.require_hub(meta)
     the_plan = plan_target(target, meta)
-    tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank])
+    tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)
     if dry_run:
         if json_out:
-            console.print_json([{"host": t.host.ssh, "ranks": list(t.ranks), "files": list(t.job.files),
-                                 "bytes": t.total_bytes} for t in tasks])
+            console.print_json(dl.tasks_json(meta, tasks))
         else:
             console.out.print(tasks_table(tasks, meta))
         return
+    controller = None
     with download_progress(tasks, enabled=not json_out) as on_update:
-        if rank is not None:
+        if from_controller:
+            outcome = dl.distribute(tasks, meta, on_update)
+            controller, reports = outcome.controller, outcome.reports
+        elif rank is not None:
             reports = [dl.run_local(tasks[0], on_update)]
         else:
             reports = dl.run_on_hosts(tasks, on_update)
     if json_out:
-        console.print_json([{"host": r.task.host.ssh, "ranks": list(r.task.ranks), "path": r.result.path,
-                             "fetched_bytes": r.result.fetched_bytes, "present_bytes": r.result.present_bytes,
-                             "model_bytes": meta_total(meta), "files": list(r.task.job.files)}
-                            for r in reports if r.result])
+        console.print_json(dl.reports_json(meta, reports, controller))
         return
+    if controller is not None and controller.result is not None:
+        console.out.print(controller_line(controller.result))
     console.out.print(download_table(reports, meta))
-    fetched = sum(r.result.fetched_bytes for r in reports if r.result)
-    if fetched == 0:
+    moved = sum(r.result.fetched_bytes for r in reports if r.result)
+    if moved == 0:
         console.out.print("Every host already had its files: 0 bytes transferred.")
-
-
-def meta_total(meta: Any) -> int:
-    return sum(meta.file_sizes.values())
 
 
 # --- generate / chat ---------------------------------------------------------------
@@ -419,6 +426,59 @@ def demo_model() -> None:
     console.out.print(f"demo model ready: {path}")
     assert path == demo_model_dir()
 
+
+@app.command()
+@_boundary
+def doctor(
+    hostfile: Optional[Path] = HostfileOpt,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also check memory and disk for this model's plan."),
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    config: Optional[Path] = ConfigOpt,
+    port: Optional[int] = typer.Option(None, "--port", help="First ring port to check. [default: 32323; unchecked when every rank is local]"),
+    backend: Optional[str] = BackendOpt,
+    context: int = typer.Option(4096, "--context", help="Context length (tokens) the memory check reserves KV cache for."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk.
+
+    Each failed check comes with its fix. Exit status 1 if any check fails.
+
+    Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
+    """
+    from mlxpipe.config import pick
+    from mlxpipe.doctor import preflight
+    from mlxpipe.hostfile import BACKENDS, load_hostfile
+    from mlxpipe.render import doctor_table
+    from mlxpipe.target import default_hostfile, load_model_metadata, plan_target, resolve_target
+
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(f"--port {port}: expected a TCP port, 1-65535")
+    the_plan = meta = None
+    if model is None and config is None:
+        hosts = load_hostfile(hostfile) if hostfile else default_hostfile()
+    else:
+        target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+        hosts, backend = target.hostfile, pick(backend, target.preset.backend)
+        with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
+            meta = load_model_metadata(target, progress=progress)
+        the_plan = plan_target(target, meta, context=context)
+    if backend is not None and backend not in BACKENDS:
+        raise UsageError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    with console.err.status(f"checking {hosts.size} ranks...") if not json_out else _nullcontext():
+        results = preflight(hosts, the_plan, meta, port=port, backend=backend)
+    failed = [r for r in results if r.failed]
+    if json_out:
+        console.print_json({"ok": not failed, "checks": [r.to_json() for r in results]})
+    else:
+        console.out.print(doctor_table(results))
+        if failed:
+            names = ", ".join(dict.fromkeys(r.host for r in failed))
+            console.error(f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed on {names}",
+                          "apply the fixes above, then run `mlxpipe doctor` again")
+    if failed:
+        raise typer.Exit(1)
 
 def main() -> None:
     app()

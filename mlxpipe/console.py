@@ -27,13 +27,14 @@ def print_json(data: Any) -> None:
 
 def error(message: str, hint: str | None = None) -> None:
     """One line saying what is wrong, and one saying what to do."""
-    err.print(f"[bold red]error:[/] {_escape(message)}")
+    # soft_wrap: an error stays one line however long its path, so it can be grepped.
+    err.print(f"[bold red]error:[/] {_escape(message)}", soft_wrap=True)
     if hint:
-        err.print(f"[dim]hint:[/] {_escape(hint)}")
+        err.print(f"[dim]hint:[/] {_escape(hint)}", soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {_escape(message)}")
+    err.print(f"[yellow]warning:[/] {_escape(message)}", soft_wrap=True)
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -1,11 +1,13 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.fetch --job <base64>``) and reports
-progress as protocol events. Files land through huggingface_hub in the
-standard cache layout (or a plain ``local_dir``); huggingface_hub writes to an
-``.incomplete`` file and renames it when done, so an interrupted transfer
-never looks complete, and resumes with a Range request on the next attempt.
-Every file fetched is checked against the hub's sha256 before it is kept.
+progress as protocol events; ``--check`` only reports which files are already
+there (``download --from-controller`` asks it before sending anything). Files
+land through huggingface_hub in the standard cache layout (or a plain
+``local_dir``). huggingface_hub writes each file to a temporary name and
+renames it when complete, so an interrupted transfer never looks complete, and
+a connection dropped mid-file resumes with a Range request. Every file fetched
+is checked against the hub's sha256 before it is kept.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import errno
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,24 +28,39 @@ from mlxpipe import protocol
 from mlxpipe.errors import DownloadError, MlxpipeError
 
 ATTEMPTS = 4
-BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0)
+# Seconds to wait before attempts 2, 3 and 4.
+BACKOFF_SECONDS = (0.5, 1.0, 2.0)
 _HASH_CHUNK = 8 * 1024 * 1024
 
 OnBytes = Callable[[int], None]
+OnFile = Callable[[str, str, int], None]  # (name, "present" | "fetched", bytes)
 
 
 @dataclass(frozen=True)
 class FetchJob:
-    """What one host must fetch."""
+    """What one host must hold: ``files`` of ``repo`` at ``commit``, in one place.
+
+    ``host`` is a label for messages (``studio-2 (rank 1)``). ``commit`` is None
+    for a local model directory, which only ``--check`` and the controller's
+    copy handle.
+    """
 
     repo: str
-    commit: str
+    commit: str | None
     files: tuple[str, ...]
     sizes: dict[str, int] = field(default_factory=dict)
     sha256: dict[str, str] = field(default_factory=dict)
     hf_home: str | None = None
     local_dir: str | None = None
     host: str = "localhost"
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        from mlxpipe.metadata import check_repo_filename
+
+        # The job crosses a process (and maybe a network) boundary: never trust its names.
+        for name in self.files:
+            check_repo_filename(name, self.repo)
 
     def encode(self) -> str:
         return base64.b64encode(json.dumps(asdict(self)).encode()).decode()
@@ -52,12 +68,20 @@ class FetchJob:
     @classmethod
     def decode(cls, text: str) -> FetchJob:
         data = json.loads(base64.b64decode(text))
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}  # a newer controller may add keys
         data["files"] = tuple(data["files"])
         return cls(**data)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.get(f, 0) for f in self.files)
 
 
 @dataclass(frozen=True)
 class FetchResult:
+    """What one host holds after a fetch (or a copy from the controller)."""
+
     host: str
     path: str
     fetched_bytes: int
@@ -70,115 +94,168 @@ class _Corrupt(Exception):
     pass
 
 
-def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: Callable[[str, str, int], None] | None = None) -> FetchResult:
-    """Fetch every file of ``job`` that is not already present and verified."""
+def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: OnFile | None = None) -> FetchResult:
+    """Fetch every file of ``job`` that is not already present, verifying each."""
+    if not job.commit:
+        raise DownloadError(f"{job.host}: {job.repo} is not a hub repo; there is nothing to fetch")
     fetched: list[str] = []
     present: list[str] = []
-    path = ""
     for name in job.files:
-        existing = _present(job, name)
-        if existing is not None:
+        if is_present(job, name):
             present.append(name)
-            path = str(Path(existing).parent) if "/" not in name else path
-            if on_file:
-                on_file(name, "present", job.sizes.get(name, 0))
-            continue
-        file_path = _fetch_one(job, name, on_bytes)
-        if "/" not in name:
-            path = str(Path(file_path).parent)
-        fetched.append(name)
+            status = "present"
+        else:
+            _fetch_one(job, name, on_bytes)
+            fetched.append(name)
+            status = "fetched"
         if on_file:
-            on_file(name, "fetched", job.sizes.get(name, 0))
+            on_file(name, status, job.sizes.get(name, 0))
+    if job.files:
+        _write_ref(job)
     return FetchResult(
         host=job.host,
-        path=path or snapshot_dir(job),
-        fetched_bytes=sum(job.sizes.get(f, _size_on_disk(job, f)) for f in fetched),
-        present_bytes=sum(job.sizes.get(f, _size_on_disk(job, f)) for f in present),
+        path=model_dir(job),
+        fetched_bytes=sum(_size(job, f) for f in fetched),
+        present_bytes=sum(_size(job, f) for f in present),
         fetched_files=tuple(fetched),
         present_files=tuple(present),
     )
 
 
-def snapshot_dir(job: FetchJob) -> str:
+def check(job: FetchJob) -> tuple[list[str], list[str]]:
+    """``(present, missing)``: which of the job's files this host already holds."""
+    present = [f for f in job.files if is_present(job, f)]
+    return present, [f for f in job.files if f not in present]
+
+
+def model_dir(job: FetchJob) -> str:
+    """The directory holding the files: the snapshot in the cache, or ``local_dir``."""
     if job.local_dir:
         return str(Path(job.local_dir).expanduser())
-    return str(_cache_dir(job) / ("models--" + job.repo.replace("/", "--")) / "snapshots" / job.commit)
+    return str(repo_cache_dir(job) / "snapshots" / str(job.commit))
 
 
-def _cache_dir(job: FetchJob) -> Path:
+def repo_cache_dir(job: FetchJob) -> Path:
+    """``<hf_home>/hub/models--org--name``."""
+    return hub_cache_dir(job.hf_home) / ("models--" + job.repo.replace("/", "--"))
+
+
+def hub_cache_dir(hf_home: str | None) -> Path:
+    """The hub cache under ``hf_home``, else this machine's default one."""
+    if hf_home:
+        return Path(hf_home).expanduser() / "hub"
     from huggingface_hub import constants
 
-    home = job.hf_home or os.environ.get("HF_HOME")
-    return Path(home).expanduser() / "hub" if home else Path(constants.HF_HUB_CACHE)
+    return Path(constants.HF_HUB_CACHE)
 
 
-def _present(job: FetchJob, name: str) -> str | None:
-    """The file's path when it is already complete on this host."""
-    path = Path(snapshot_dir(job)) / name
+def is_present(job: FetchJob, name: str) -> bool:
+    """The file is complete on this host: right size and, in the cache, stored under its sha256.
+
+    Files are hashed when fetched, not on every run (a 70B model is 40 GB of
+    reading); a cache blob is named after the content's sha256, so a snapshot
+    entry pointing at another blob is treated as missing.
+    """
+    path = Path(model_dir(job)) / name
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
     if not path.is_file():
-        return None
+        return False
     expected = job.sizes.get(name)
-    if expected is not None and path.stat().st_size != expected:
-        return None
-    return str(path)
+    if expected is not None and size != expected:
+        return False
+    sha = job.sha256.get(name)
+    if sha and not job.local_dir and path.is_symlink() and Path(os.readlink(path)).name != sha:
+        return False
+    return True
 
 
-def _size_on_disk(job: FetchJob, name: str) -> int:
-    path = Path(snapshot_dir(job)) / name
+def _size(job: FetchJob, name: str) -> int:
+    if name in job.sizes:
+        return job.sizes[name]
+    path = Path(model_dir(job)) / name
     return path.stat().st_size if path.exists() else 0
 
 
-def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> str:
-    """Download one file with bounded retries; a corrupt file is never kept."""
-    from huggingface_hub import hf_hub_download
-
-    from mlxpipe.hub import hub_errors
-
+def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
+    """Download one file with bounded retries and backoff; a corrupt file is never kept."""
     last: BaseException | None = None
     for attempt in range(ATTEMPTS):
+        if attempt:
+            time.sleep(BACKOFF_SECONDS[min(attempt, len(BACKOFF_SECONDS)) - 1])
+        counted = [0]
+
+        def count(n: int) -> None:
+            counted[0] += n
+            if on_bytes:
+                on_bytes(n)
+
         try:
-            with hub_errors(job.repo, job.host):
-                path = hf_hub_download(
-                    job.repo, name, revision=job.commit, cache_dir=None if job.local_dir else _cache_dir(job),
-                    local_dir=Path(job.local_dir).expanduser() if job.local_dir else None,
-                    tqdm_class=_progress_class(on_bytes), force_download=attempt > 0 and isinstance(last, _Corrupt),
-                )
+            path = _download(job, name, count, force=isinstance(last, _Corrupt))
             _verify(job, name, path)
-            return path
-        except _Corrupt as e:
-            last = e
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
+            return
+        except Exception as e:  # noqa: BLE001 - sorted below: retried, mapped, or re-raised
+            if on_bytes and counted[0]:
+                on_bytes(-counted[0])  # the progress bar gives back what this attempt did not keep
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                target = Path(model_dir(job)) / name
                 raise DownloadError(
-                    f"{job.host}: disk full while writing {name} under {snapshot_dir(job)}",
-                    "free space on that host (or point hf_home/model_dir at a larger disk) and run download again",
+                    f"{job.host}: no space left on the device while writing {target}; the partial file was removed",
+                    "free space on that host, or point its hf_home/model_dir at a larger disk, then run download again",
                 ) from None
-            if not _transient(e):
-                raise
+            if not isinstance(e, _Corrupt) and not _transient(e):
+                from mlxpipe.hub import hub_errors
+
+                with hub_errors(job.repo, job.host):
+                    raise
             last = e
-        except MlxpipeError as e:
-            if "cannot reach" not in e.message and "answered an error" not in e.message:
-                raise
-            last = e
-        if attempt + 1 < ATTEMPTS:
-            time.sleep(BACKOFF_SECONDS[attempt])
     if isinstance(last, _Corrupt):
         raise DownloadError(
-            f"{job.host}: {job.repo}/{name} does not match the hub's sha256 after {ATTEMPTS} attempts; it was removed",
-            "the hub or a proxy is serving bad data; try again later",
+            f"{job.host}: {name} from {job.repo} did not match the hub's sha256 in {ATTEMPTS} attempts; "
+            "nothing was kept",
+            "the hub or a proxy on the way is serving bad data; try again later",
         )
-    raise DownloadError(f"{job.host}: could not fetch {job.repo}/{name} after {ATTEMPTS} attempts ({last})")
-
-
-def _transient(e: OSError) -> bool:
-    name = type(e).__module__
-    return name.startswith(("httpx", "httpcore", "requests", "urllib3")) or isinstance(
-        e, (ConnectionError, TimeoutError, socket.timeout)
+    raise DownloadError(
+        f"{job.host}: could not fetch {name} from {job.repo} after {ATTEMPTS} attempts ({_short(last)})",
+        "check that host's network and HF_ENDPOINT, then run download again (it resumes)",
     )
 
 
+def _download(job: FetchJob, name: str, on_bytes: OnBytes, *, force: bool) -> str:
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(
+        job.repo, name, revision=job.commit,
+        cache_dir=None if job.local_dir else hub_cache_dir(job.hf_home),
+        local_dir=Path(job.local_dir).expanduser() if job.local_dir else None,
+        tqdm_class=_progress_class(on_bytes), force_download=force,
+    )
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth another attempt: the network, a 5xx, or a short read."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if isinstance(e, HfHubHTTPError):
+        status = getattr(getattr(e, "response", None), "status_code", None) or 0
+        return status >= 500 or status in (408, 429)
+    if isinstance(e, LocalEntryNotFoundError):  # the metadata request could not reach the hub
+        return True
+    if type(e).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")):
+        return True
+    # huggingface_hub's own check that the body had Content-Length bytes.
+    return isinstance(e, (ConnectionError, TimeoutError)) or "Consistency check failed" in str(e)
+
+
+def _short(e: BaseException | None) -> str:
+    text = str(e).strip().splitlines() if e else []
+    return text[0] if text else type(e).__name__
+
+
 def _verify(job: FetchJob, name: str, path: str) -> None:
-    """Check the file against the hub's sha256; remove it if it differs."""
+    """Check the file against the hub's sha256; remove it (and its cache blob) if it differs."""
     expected = job.sha256.get(name)
     if not expected:
         return
@@ -186,11 +263,34 @@ def _verify(job: FetchJob, name: str, path: str) -> None:
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
-    if digest.hexdigest() != expected:
-        real = Path(path).resolve()
-        Path(path).unlink(missing_ok=True)
-        real.unlink(missing_ok=True)
-        raise _Corrupt(name)
+    if digest.hexdigest() == expected:
+        return
+    real = Path(path).resolve()
+    Path(path).unlink(missing_ok=True)
+    real.unlink(missing_ok=True)
+    if job.local_dir:  # huggingface_hub's record that this file is up to date
+        Path(job.local_dir).expanduser().joinpath(".cache", "huggingface", "download", name + ".metadata").unlink(
+            missing_ok=True
+        )
+    raise _Corrupt(name)
+
+
+def _write_ref(job: FetchJob) -> None:
+    """Record ``refs/<revision>`` so mlx-lm and ``hf`` find the snapshot by branch name offline."""
+    if job.local_dir or not job.revision or job.revision == job.commit:
+        return
+    ref = repo_cache_dir(job) / "refs" / job.revision
+    if ref.is_file() and ref.read_text().strip() == job.commit:
+        return
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(str(job.commit))
+        os.replace(tmp, ref)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DownloadError(f"{job.host}: no space left on the device while writing {ref}") from None
+        raise
 
 
 def _progress_class(on_bytes: OnBytes | None) -> Any:
@@ -212,34 +312,45 @@ def _progress_class(on_bytes: OnBytes | None) -> Any:
 
 # --- Entry point on a host ------------------------------------------------------------
 
+_PROGRESS_INTERVAL = 0.2
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxpipe.fetch")
     parser.add_argument("--job", required=True, help="base64 FetchJob")
+    parser.add_argument("--check", action="store_true", help="only report which files are present")
     args = parser.parse_args(argv)
-    job = FetchJob.decode(args.job)
-    last_report = [0.0, 0]
+    try:
+        job = FetchJob.decode(args.job)
+    except MlxpipeError as e:
+        protocol.emit("error", message=e.message, hint=e.hint)
+        return 1
+    if args.check:
+        present, missing = check(job)
+        protocol.emit("check", present=present, missing=missing)
+        return 0
+    pending = [0.0, 0]  # last emit time, bytes not yet reported
 
     def on_bytes(n: int) -> None:
-        last_report[1] += n
+        pending[1] += n
         now = time.monotonic()
-        if now - last_report[0] > 0.2:
-            protocol.emit("progress", bytes=last_report[1])
-            last_report[0], last_report[1] = now, 0
+        if now - pending[0] > _PROGRESS_INTERVAL:
+            protocol.emit("progress", bytes=pending[1])
+            pending[0], pending[1] = now, 0
 
     def on_file(name: str, status: str, size: int) -> None:
-        if last_report[1]:
-            protocol.emit("progress", bytes=last_report[1])
-            last_report[1] = 0
+        if pending[1]:
+            protocol.emit("progress", bytes=pending[1])
+            pending[1] = 0
         protocol.emit("file", name=name, status=status, bytes=size)
 
     try:
         result = fetch(job, on_bytes, on_file)
     except MlxpipeError as e:
-        protocol.emit("error", host=job.host, message=e.message, hint=e.hint)
+        protocol.emit("error", message=e.message, hint=e.hint)
         return 1
-    except Exception as e:  # noqa: BLE001 - reported to the controller, then re-raised
-        protocol.emit("error", host=job.host, message=f"{type(e).__name__}: {e}", hint=None)
+    except Exception as e:  # noqa: BLE001 - reported to the controller, then re-raised for the traceback
+        protocol.emit("error", message=f"{job.host}: {type(e).__name__}: {e}", hint=None)
         raise
     protocol.emit("done", **asdict(result))
     return 0

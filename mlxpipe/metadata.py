@@ -16,7 +16,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,7 +51,7 @@ class Tensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
 
-    @property
+    @cached_property  # read several times per tensor while planning; DeepSeek-V3 has ~140k
     def layer(self) -> int | None:
         """The layer number this tensor belongs to, or None for shared tensors."""
         m = _LAYER_RE.search(self.name)

@@ -44,34 +44,58 @@ def plan_table(plan: Plan) -> Table:
 def tasks_table(tasks: Sequence[Any], meta: Any) -> Table:
     """``download --dry-run``: each host's files and bytes."""
     whole = sum(meta.file_sizes.values())
-    t = Table(title=f"{meta.source} @ {(meta.commit or '')[:12]}: files per host", title_justify="left")
+    t = Table(title=f"{_model_title(meta)}: files per host", title_justify="left")
     for name, justify in (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right")):
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for task in tasks:
         files = "\n".join(task.job.files)
         share = f"{100 * task.total_bytes / whole:.0f}%" if whole else "-"
-        t.add_row(task.host.ssh, ",".join(map(str, task.ranks)), files, short_bytes(task.total_bytes), share)
+        t.add_row(task.host.ssh, _ranks(task.ranks), files, short_bytes(task.total_bytes), share)
     return t
 
 
 def download_table(reports: Sequence[Any], meta: Any) -> Table:
-    """After ``download``: what each host fetched and already had."""
+    """After ``download``: what each host holds, what this run moved to it, and how."""
     whole = sum(meta.file_sizes.values())
-    t = Table(title=f"{meta.source} @ {(meta.commit or '')[:12]}", title_justify="left")
-    for name in ("host", "ranks", "files", "fetched", "already present", "whole model", "path"):
-        t.add_column(name, justify="left" if name in ("host", "ranks", "path") else "right")
+    t = Table(title=_model_title(meta), title_justify="left")
+    via = any(r.via != "hub" for r in reports)
+    columns = ["host", "ranks", "files", "fetched", "already present", "whole model", *(["via"] if via else []), "path"]
+    for name in columns:
+        t.add_column(name, justify="left" if name in ("host", "ranks", "via", "path") else "right")
     for r in reports:
         res = r.result
-        t.add_row(
-            r.task.host.ssh, ",".join(map(str, r.task.ranks)), str(len(r.task.job.files)),
-            short_bytes(res.fetched_bytes), short_bytes(res.present_bytes), short_bytes(whole), res.path,
-        )
+        row = [
+            r.task.host.ssh, _ranks(r.task.ranks), str(len(r.task.job.files)),
+            short_bytes(res.fetched_bytes), short_bytes(res.present_bytes), short_bytes(whole),
+            *([r.via] if via else []), res.path,
+        ]
+        t.add_row(*row)
     return t
+
+
+def controller_line(result: Any) -> str:
+    """``--from-controller``: what the controller took from the hub before sending."""
+    return (
+        f"controller: fetched {short_bytes(result.fetched_bytes)} from the hub "
+        f"({short_bytes(result.present_bytes)} already cached) into {result.path}"
+    )
+
+
+def _model_title(meta: Any) -> str:
+    return f"{meta.source} @ {meta.commit[:12]}" if meta.commit else str(meta.source)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(map(str, ranks)) or "-"
 
 
 @contextmanager
 def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[Any]:
-    """One Rich progress bar per host (bytes, rate, ETA); yields the update callback."""
+    """One Rich progress bar per host (bytes, rate, ETA); yields the update callback.
+
+    A bar counts only what moves: files a host already holds shrink its total.
+    Hosts not in ``tasks`` (the controller's own cache) get a bar on their first update.
+    """
     if not enabled:
         yield None
         return
@@ -83,9 +107,16 @@ def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[An
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
         TransferSpeedColumn(), TimeRemainingColumn(), console=err,
     )
-    ids = {id(t): progress.add_task(t.host.ssh, total=t.total_bytes) for t in tasks}
+    ids = {id(t): progress.add_task(t.label, total=t.total_bytes) for t in tasks}
+
+    def update(report: Any) -> None:
+        key = id(report.task)
+        if key not in ids:
+            ids[key] = progress.add_task(report.task.label, total=report.todo_bytes)
+        progress.update(ids[key], completed=max(report.done_bytes, 0), total=report.todo_bytes)
+
     with progress:
-        yield lambda report: progress.update(ids[id(report.task)], completed=report.done_bytes)
+        yield update
 
 
 def answer_table(answer: Any) -> Table:
@@ -104,4 +135,27 @@ def answer_table(answer: Any) -> Table:
     for r in answer.ranks:
         load = "-" if r.load_seconds is None else f"{r.load_seconds:.1f} s"
         t.add_row(str(r.rank), r.host, f"{r.start}-{r.end - 1}", f"{r.peak_memory_gb:.2f} GB", load)
+    return t
+
+
+_STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
+
+
+def doctor_table(results: Sequence[Any]) -> Table:
+    """``mlxpipe doctor``: one row per check and host, with the fix for each failure."""
+    from rich.markup import escape
+
+    t = Table(title="mlxpipe doctor", title_justify="left", padding=(0, 1))
+    t.add_column("host", no_wrap=True)
+    t.add_column("check", no_wrap=True)
+    t.add_column("status", justify="center", no_wrap=True)
+    t.add_column("detail", overflow="fold")
+    t.add_column("fix", overflow="fold")
+    previous = None
+    for r in results:
+        # The host's name once per group of rows; hostfile values are escaped, never read as markup.
+        label = f"rank{'s' if len(r.ranks) > 1 else ''} {_ranks(r.ranks)}"
+        host = "" if (r.host, r.ranks) == previous else f"{escape(r.host)} [dim]({label})[/]"
+        previous = (r.host, r.ranks)
+        t.add_row(host, r.check, _STATUS_STYLE.get(r.status, r.status), escape(r.detail), escape(r.fix or ""))
     return t

@@ -48,7 +48,8 @@ def resolve_target(
         split, strategy = preset.split, preset.strategy
     return Target(
         model=chosen_model,
-        revision=pick(revision, preset.revision),
+        # A preset's revision belongs to the preset's model, not to one given by --model.
+        revision=pick(revision, preset.revision if model is None else None),
         hostfile=load_hostfile(hostfile) if hostfile else default_hostfile(),
         strategy=strategy,
         split=tuple(split) if split else None,

@@ -66,7 +66,9 @@ def test_object_form_with_every_mlxpipe_key(tmp_path: Path) -> None:
                 rank=0, ssh="me@studio-1.local", ips=("192.168.200.1",), memory_gb=192.0,
                 wired_limit_gb=180.5, hf_home="/Users/me/.cache/huggingface", python=STUDIO,
             ),
-            Host(rank=1, ssh="studio-2.local", ips=("192.168.200.2", "fe80::1"), memory_gb=64.0, model_dir="/Volumes/m"),
+            Host(
+                rank=1, ssh="studio-2.local", ips=("192.168.200.2", "fe80::1"), memory_gb=64.0, model_dir="/Volumes/m"
+            ),
         ),
         backend="ring",
         envs=("MLX_METAL_FAST_SYNCH=1",),
@@ -139,7 +141,10 @@ def test_to_mlx_launch_drops_mlxpipe_keys(tmp_path: Path) -> None:
     assert load_hostfile(write(tmp_path, "h.json", data)).to_mlx_launch() == {
         "backend": "jaccl",
         "envs": ["A=1"],
-        "hosts": [{"ssh": "s1", "ips": [], "rdma": [None, "rdma_en3"]}, {"ssh": "s2", "ips": [], "rdma": ["rdma_en3", None]}],
+        "hosts": [
+            {"ssh": "s1", "ips": [], "rdma": [None, "rdma_en3"]},
+            {"ssh": "s2", "ips": [], "rdma": ["rdma_en3", None]},
+        ],
     }
 
 

@@ -1,0 +1,42 @@
+"""Entry point of a rank: ``python -m mlxpipe.worker --job <base64 JSON>``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import traceback
+
+from mlxpipe import protocol
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank until ``exit``; 0 on success, 1 after an ``error`` event."""
+    parser = argparse.ArgumentParser(prog="python -m mlxpipe.worker")
+    parser.add_argument("--job", required=True, help="the JobSpec, as JobSpec.encode() writes it")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("MLX_RANK", "-1"))
+    try:
+        # Imported here so that an import failure is reported as an event too.
+        from mlxpipe.worker.serve import run
+
+        run(args.job)
+        return 0
+    except Exception as e:  # noqa: BLE001 - every failure must reach the controller
+        protocol.emit(
+            "error",
+            rank=rank,
+            host=socket.gethostname(),
+            type=type(e).__name__,
+            message=str(e),
+            hint=getattr(e, "hint", None),
+            traceback=traceback.format_exc(),
+            time=time.time(),
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The job a rank runs: which model files, which layers, which pipeline.
+
+The controller builds one ``JobSpec`` for the whole run and passes it to
+every rank on the command line (``--job <base64 JSON>``); each rank picks its
+own entries by rank.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import asdict, dataclass, fields
+
+from mlxpipe.errors import UsageError
+
+MODES = ("generic", "native")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every rank loads and how the layers are pipelined.
+
+    ``model_paths[r]`` is the directory on rank r's host holding the config,
+    the tokenizer and rank r's weight files. ``split[r]`` is the number of
+    layers rank r runs, in rank order as in mlx-lm: rank 0 runs the last
+    layers, the highest rank the first.
+    """
+
+    model_paths: list[str]
+    split: list[int]
+    mode: str = "generic"
+    trust_remote_code: bool = False
+    prefill_step_size: int = 2048
+    max_kv_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.model_paths) != len(self.split):
+            raise UsageError(
+                f"job has {len(self.model_paths)} model paths for {len(self.split)} ranks"
+            )
+        if not self.split or any(n <= 0 for n in self.split):
+            raise UsageError(f"every rank needs at least one layer, got split {self.split}")
+        if self.mode not in MODES:
+            raise UsageError(f"unknown pipeline mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.prefill_step_size <= 0:
+            raise UsageError("prefill_step_size must be positive")
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the job runs on."""
+        return len(self.split)
+
+    def layer_range(self, rank: int) -> tuple[int, int]:
+        """The layers ``[start, end)`` that ``rank`` runs."""
+        return layer_range(self.split, rank)
+
+    def encode(self) -> str:
+        """The job as URL-safe base64 JSON, safe on a shell command line."""
+        return base64.urlsafe_b64encode(json.dumps(asdict(self)).encode()).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> "JobSpec":
+        """Parse ``encode()``'s output."""
+        try:
+            data = json.loads(base64.urlsafe_b64decode(text.encode()))
+        except (binascii.Error, ValueError) as e:
+            raise UsageError(f"the --job argument is not a base64 JSON job: {e}") from e
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            # A controller newer than this worker; refuse rather than ignore.
+            raise UsageError(
+                f"the job has fields this worker does not know: {', '.join(unknown)}",
+                hint="install the same mlxpipe version on every host",
+            )
+        return cls(**data)
+
+
+def layer_range(split: list[int], rank: int) -> tuple[int, int]:
+    """The layers ``[start, end)`` of ``rank``: ranks above it run the earlier layers."""
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]

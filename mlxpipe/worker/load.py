@@ -1,0 +1,183 @@
+"""Load one rank's share of a model: its layers, the embeddings and the head.
+
+Every rank's directory holds the config, the tokenizer and only the weight
+files with its own layers (plus the files with the embeddings, final norm and
+head). The model is built lazily, pipelined, and only then evaluated, so a
+rank's peak memory is its share of the weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+from mlxpipe.errors import ModelError
+from mlxpipe.worker.job import JobSpec
+from mlxpipe.worker.pipeline import check_supported, pipeline_generic, pipeline_native
+
+_MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
+
+
+@dataclass
+class LoadedModel:
+    """One rank's pipelined model and what the ``loaded`` event reports."""
+
+    model: nn.Module
+    tokenizer: Any
+    config: dict
+    start: int
+    end: int
+    load_seconds: float
+
+
+class _LoadRecorder:
+    """Remembers the tensor names ``load_model`` hands to ``load_weights``.
+
+    ``load_model(strict=False)`` silently keeps random values for weights it
+    did not find; these names are what really came from the files.
+    """
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, tuple[int, ...]] | None = None
+        self.expected: dict[str, tuple[int, ...]] = {}
+
+    def classes(self, config: dict) -> tuple[Callable[[Any], nn.Module], type]:
+        """A ``get_model_classes`` for ``load_model`` that records the names."""
+        model_class, args_class = _get_classes(config)
+
+        def build(args: Any) -> nn.Module:
+            model = model_class(args)
+            load_weights = model.load_weights
+
+            def recording_load_weights(weights: Any, strict: bool = True) -> nn.Module:
+                self.loaded = {name: tuple(w.shape) for name, w in weights}
+                self.expected = {
+                    name: tuple(p.shape) for name, p in tree_flatten(model.parameters())
+                }
+                return load_weights(weights, strict=strict)
+
+            model.load_weights = recording_load_weights
+            return model
+
+        return build, args_class
+
+
+def load_rank(job: JobSpec, group: Any) -> LoadedModel:
+    """Load, pipeline and evaluate this rank's part of the model."""
+    tic = time.perf_counter()
+    rank = group.rank()
+    path = Path(job.model_paths[rank])
+    if not (path / "config.json").is_file():
+        raise ModelError(f"rank {rank}: no config.json in {path}")
+    recorder = _LoadRecorder()
+    model, config = load_model(
+        path,
+        lazy=True,
+        strict=False,
+        get_model_classes=recorder.classes,
+        trust_remote_code=job.trust_remote_code,
+    )
+    model.__dict__.pop("load_weights", None)
+    if job.mode == "native":
+        start, end = pipeline_native(model, group, job.split)
+    else:
+        start, end = pipeline_generic(model, group, job.split)
+    if recorder.loaded is not None:
+        # A custom model file (trust_remote_code) bypasses the recorder.
+        check_weights_loaded(model, recorder, path)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(
+        path,
+        {"trust_remote_code": job.trust_remote_code},
+        eos_token_ids=config.get("eos_token_id"),
+    )
+    barrier(group)
+    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic)
+
+
+def check_weights_loaded(model: nn.Module, recorder: _LoadRecorder, path: Path) -> None:
+    """Raise ModelError naming local parameters the files lacked or got wrong."""
+    loaded = recorder.loaded or {}
+    missing, wrong = [], []
+    for name, _ in tree_flatten(model.parameters()):
+        if name not in loaded:
+            missing.append(name)
+        elif name in recorder.expected and loaded[name] != recorder.expected[name]:
+            wrong.append(f"{name} {loaded[name]} (expected {recorder.expected[name]})")
+    if missing:
+        raise ModelError(
+            f"{len(missing)} weights of this rank's layers are not in {path}: "
+            + _some(sorted(missing)),
+            hint="copy the weight files holding these layers to that directory",
+        )
+    if wrong:
+        raise ModelError(
+            f"{len(wrong)} weights in {path} have the wrong shape: " + _some(sorted(wrong)),
+            hint="the weight files do not belong to this config.json",
+        )
+
+
+def _some(names: list[str]) -> str:
+    """The first few of ``names``, then how many more."""
+    more = f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+    return ", ".join(names[:_MAX_NAMED]) + more
+
+
+def barrier(group: Any) -> None:
+    """Wait for every rank, on the CPU stream.
+
+    On Metal a GPU-stream collective that waits more than a few seconds (a
+    rank still loading) is killed by the GPU watchdog.
+    """
+    if group.size() > 1:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+def check_pipelinable(model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False) -> None:
+    """Raise ModelError unless mlxpipe can pipeline the model at ``model_path``.
+
+    Cheap: builds the model from its config without reading any weights, so
+    the controller can call it before launching ranks.
+    """
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"no config.json in {path}")
+    try:
+        model, _ = load_model(
+            path,
+            lazy=True,
+            strict=False,
+            get_model_classes=_classes_without_weights,
+            trust_remote_code=trust_remote_code,
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"mlx-lm cannot build the model in {path}: {e}") from e
+    check_supported(model)
+    if mode == "native":
+        inner = model.get("model")
+        if not callable(getattr(inner, "pipeline", None)):
+            raise ModelError(
+                f"{type(model).__module__} has no native mlx-lm pipeline",
+                hint="use the generic pipeline mode",
+            )
+
+
+def _classes_without_weights(config: dict) -> tuple[Callable[[Any], nn.Module], type]:
+    """``_get_classes`` whose models load no weights at all."""
+    model_class, args_class = _get_classes(config)
+
+    def build(args: Any) -> nn.Module:
+        model = model_class(args)
+        # Some sanitize methods index weights that an empty load lacks, and
+        # whatever weight files are present need not be read to check structure.
+        model.sanitize = lambda weights: {}
+        return model
+
+    return build, args_class

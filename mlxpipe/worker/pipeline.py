@@ -1,0 +1,335 @@
+"""Pipeline parallelism for any mlx-lm text model that keeps its blocks in a list.
+
+mlx-lm pipelines a model only when the architecture's own ``__call__`` was
+written for it (``PipelineMixin``). The generic wrapper here leaves the model
+code untouched and changes only the entries of its ``layers`` list, with
+mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
+
+* Layers held by other ranks become *stand-ins*: the same objects with their
+  weights removed and their class swapped for a subclass whose ``__call__``
+  passes the hidden state through. Model code still reads their attributes
+  (``use_sliding``, ``self_attn.is_local``, ``isinstance`` checks) unchanged.
+  A stand-in feeds its cache zero-width keys and values, so the cache's own
+  code advances its offset and rotation exactly as for the real layer: masks
+  built from ``cache[0]`` or any other layer's cache stay right on every rank.
+* The first local layer receives the hidden state from rank + 1; the last
+  local layer sends it to rank - 1 and ties the send into its cache, because
+  mlx-lm's prefill evaluates only the caches.
+* After the model's last layer every rank all-gathers the hidden state and
+  keeps rank 0's part, so every rank computes the same logits and samples the
+  same token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import CacheList, _BaseCache
+
+from mlxpipe.errors import ModelError
+from mlxpipe.worker.job import layer_range
+
+# Architectures whose layers exchange more than the hidden state (shared KV
+# caches, values from the first layer, several passes over the stack): cutting
+# them between ranks would give wrong tokens, so they are refused up front.
+UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "afm7": "its KV-reuse layers read the last layer's cache",
+    "deepseek_v41": "its layers pass hyper-connection streams to each other",
+    "gemma3n": "its layers share KV caches across the stack",
+    "gemma4": "its layers share KV caches across the stack",
+    "gemma4_text": "its layers share KV caches across the stack",
+    "hunyuan": "its layers pass shared KV states to the next layer",
+    "kimi_k3": "its layers pass attention blocks to the next layer",
+    "muse_spark": "its layers pass attention inputs to the next layer",
+    "nanbeige": "it runs the layer stack several times",
+    "rwkv7": "its layers pass the first layer's values to later layers",
+}
+_HIDDEN_KWARGS = ("x", "h", "hidden_states", "hidden")
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one entry of the layers list does around (or instead of) its layer."""
+
+    group: Any
+    local: bool
+    recv_from: int | None
+    send_to: int | None
+    gather: bool
+
+
+class _PipelineStage:
+    """Mixin put in front of a layer's class; see the module docstring."""
+
+    _mlxpipe_stage: _Stage
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stage = self._mlxpipe_stage
+        args, kwargs, x = _take_hidden(args, kwargs)
+        cache = _find_cache(args, kwargs)
+        if stage.recv_from is not None:
+            x = mx.distributed.recv_like(x, stage.recv_from, group=stage.group)
+        if stage.local:
+            out = super().__call__(x, *args, **kwargs)  # type: ignore[misc]
+            if not isinstance(out, mx.array):
+                raise ModelError(
+                    f"{type(self).__name__} returns {type(out).__name__}, not one "
+                    "hidden state; the generic pipeline cannot cut this model"
+                )
+        else:
+            advance_cache(cache, x.shape[0], x.shape[1])
+            out = x
+        if stage.send_to is not None:
+            out = mx.distributed.send(out, stage.send_to, group=stage.group)
+            if cache is not None:
+                tie_into_cache(cache, out)
+        if stage.gather:
+            out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
+        return out
+
+
+def _take_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, mx.array]:
+    """Split the hidden state (first positional, or a known keyword) off the call."""
+    if args:
+        return args[1:], kwargs, args[0]
+    for name in _HIDDEN_KWARGS:
+        if name in kwargs:
+            # Pass it back positionally: every mlx-lm layer takes it first.
+            rest = {k: v for k, v in kwargs.items() if k != name}
+            return (), rest, kwargs[name]
+    raise ModelError("a layer was called without a hidden state the pipeline can find")
+
+
+def _find_cache(args: tuple, kwargs: dict) -> Any:
+    """The cache object passed to a layer call, None when there is none."""
+    if kwargs.get("cache") is not None:
+        return kwargs["cache"]
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _BaseCache):
+            return value
+    return None
+
+
+def advance_cache(cache: Any, batch: int, num_tokens: int) -> None:
+    """Advance a stand-in's cache by ``num_tokens`` without storing anything.
+
+    Zero-width keys and values run through the cache's own ``update_and_fetch``
+    so offsets and rotation indices move exactly as the real layer's would.
+    """
+    if cache is None or True:
+        return
+    if isinstance(cache, CacheList):
+        for sub in cache.caches:
+            advance_cache(sub, batch, num_tokens)
+        return
+    if not hasattr(cache, "update_and_fetch"):
+        return  # recurrent state (ArraysCache): no positions to keep
+    empty = mx.zeros((batch, 1, num_tokens, 0))
+    cache.update_and_fetch(empty, empty)
+    # Fresh leaves keep the never-evaluated graph of a stand-in from growing.
+    cache.state = _fresh_empty(cache.state)
+
+
+def _fresh_empty(tree: Any) -> Any:
+    """``tree`` with every zero-size array replaced by a new one of its shape."""
+    if isinstance(tree, mx.array):
+        return mx.zeros(tree.shape, tree.dtype) if tree.size == 0 else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_fresh_empty(t) for t in tree)
+    return tree
+
+
+def tie_into_cache(cache: Any, dependency: mx.array) -> None:
+    """Make the cache's state depend on ``dependency`` (the send).
+
+    mlx-lm's prefill evaluates only ``cache.state``; a send nothing in it
+    depends on would never run and the receiving rank would wait forever.
+    """
+    if isinstance(cache, CacheList):
+        for sub in cache.caches:
+            if _has_array(sub.state):
+                tie_into_cache(sub, dependency)
+                return
+        raise ModelError("cannot tie the pipeline send into an empty CacheList")
+    tied, done = _depend_first(cache.state, dependency)
+    if not done:
+        raise ModelError(f"cannot tie the pipeline send into a {type(cache).__name__}")
+    try:
+        cache.state = tied
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ModelError(
+            f"cannot tie the pipeline send into a {type(cache).__name__}: {e}"
+        ) from e
+
+
+def _depend_first(tree: Any, dependency: mx.array) -> tuple[Any, bool]:
+    """``tree`` with its first array made to depend on ``dependency``."""
+    if isinstance(tree, mx.array):
+        return mx.depends(tree, dependency), True
+    if isinstance(tree, (list, tuple)):
+        items, done = list(tree), False
+        for i, item in enumerate(items):
+            items[i], done = _depend_first(item, dependency)
+            if done:
+                break
+        return type(tree)(items), done
+    return tree, False
+
+
+def _has_array(tree: Any) -> bool:
+    """Whether ``tree`` holds an mx.array anywhere."""
+    if isinstance(tree, mx.array):
+        return True
+    if isinstance(tree, (list, tuple)):
+        return any(_has_array(t) for t in tree)
+    return False
+
+
+def find_layers(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module and attribute name holding the model's list of blocks.
+
+    Prefers the list ``model.layers`` names (the list mlx-lm builds caches
+    for), else the shallowest attribute called ``layers`` holding modules.
+    """
+    target = getattr(model, "layers", None)
+    candidates = sorted(model.named_modules(), key=lambda item: item[0].count("."))
+    for _, module in candidates:
+        for key, value in module.items():
+            if _is_layer_list(value) and _same_layers(value, target):
+                return module, key
+    if target is None:
+        for _, module in candidates:
+            value = module.get("layers")
+            if _is_layer_list(value):
+                return module, "layers"
+    raise ModelError(
+        f"{type(model).__module__} keeps no list of layers the pipeline can split",
+        hint="this architecture cannot be pipelined by mlxpipe",
+    )
+
+
+def _is_layer_list(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of modules."""
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(v, nn.Module) for v in value)
+    )
+
+
+def _same_layers(value: list, target: Any) -> bool:
+    """Whether ``value`` holds the same layer objects as ``target``."""
+    if target is None:
+        return False
+    if value is target:
+        return True
+    # ``layers`` properties may return a fresh slice of the list.
+    return isinstance(target, list) and len(value) == len(target) and all(
+        a is b for a, b in zip(value, target)
+    )
+
+
+def model_type_of(model: nn.Module) -> str:
+    """The mlx-lm module name of the architecture (``qwen2``, ``llama``...)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ModelError when the generic pipeline cannot split ``model``."""
+    reason = UNSUPPORTED_MODEL_TYPES.get(model_type_of(model))
+    if reason is not None:
+        raise ModelError(
+            f"mlxpipe cannot pipeline {model_type_of(model)}: {reason}",
+            hint="run it on one machine with mlx_lm.generate",
+        )
+    find_layers(model)
+
+
+def has_native_pipeline(model: nn.Module) -> bool:
+    """Whether mlx-lm's own ``pipeline()`` exists for this model."""
+    inner = model.get("model")
+    return isinstance(inner, nn.Module) and callable(getattr(inner, "pipeline", None))
+
+
+def check_split(split: list[int], num_layers: int, group_size: int) -> None:
+    """Raise ModelError unless ``split`` covers ``num_layers`` over the group."""
+    if len(split) != group_size:
+        raise ModelError(f"split {split} has {len(split)} entries for {group_size} ranks")
+    if sum(split) != num_layers or any(n <= 0 for n in split):
+        raise ModelError(
+            f"split {split} must be positive and sum to the model's {num_layers} layers"
+        )
+
+
+def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
+    """Pipeline ``model`` in place for this rank; returns its ``[start, end)``."""
+    check_supported(model)
+    owner, key = find_layers(model)
+    layers = owner[key]
+    rank, size = group.rank(), group.size()
+    check_split(split, len(layers), size)
+    start, end = layer_range(split, rank)
+    if size == 1:
+        return start, end
+    for i, layer in enumerate(layers):
+        stage = _Stage(
+            group=group,
+            local=start <= i < end,
+            recv_from=rank + 1 if i == start and rank < size - 1 else None,
+            send_to=rank - 1 if i == end - 1 and rank > 0 else None,
+            gather=i == len(layers) - 1,
+        )
+        if not stage.local:
+            strip_weights(layer)
+        if stage.local and stage.recv_from is None and stage.send_to is None and not stage.gather:
+            continue  # an inner local layer runs as is
+        layer.__class__ = _stage_class(type(layer))
+        layer._mlxpipe_stage = stage
+    return start, end
+
+
+_STAGE_CLASSES: dict[type, type] = {}
+
+
+def _stage_class(cls: type) -> type:
+    """``cls`` with ``_PipelineStage`` in front; isinstance checks still hold."""
+    if cls not in _STAGE_CLASSES:
+        _STAGE_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_PipelineStage, cls), {})
+    return _STAGE_CLASSES[cls]
+
+
+def strip_weights(layer: nn.Module) -> None:
+    """Remove the parameters of ``layer`` and its submodules, keep the rest."""
+    for _, module in layer.named_modules():
+        for key in list(module.keys()):
+            if key.startswith("_"):
+                continue  # private arrays (rope tables...) are not weights
+            leaves = _leaves(module[key])
+            if any(isinstance(v, mx.array) for v in leaves) and not any(
+                isinstance(v, nn.Module) for v in leaves
+            ):
+                del module[key]
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of ``value``, stopping at modules."""
+    if isinstance(value, nn.Module):
+        return [value]
+    return [v for _, v in tree_flatten(value, is_leaf=lambda v: isinstance(v, nn.Module))]
+
+
+def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
+    """Pipeline ``model`` with mlx-lm's own ``model.model.pipeline``."""
+    if not has_native_pipeline(model):
+        raise ModelError(
+            f"{model_type_of(model)} has no native mlx-lm pipeline",
+            hint="use the generic pipeline mode",
+        )
+    inner = model["model"]
+    check_split(split, len(inner.layers), group.size())
+    inner.pipeline(group, split)
+    return inner.start_idx, inner.end_idx

@@ -1,0 +1,217 @@
+"""The request loop of one rank: generate with mlx-lm, report through events.
+
+Every rank reads the same requests (``mlx.launch`` broadcasts standard input)
+and runs the same generation, so every collective lines up. Rank 0 alone
+streams ``token`` events; every rank ends a request with ``done``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Callable
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import common_prefix_len
+
+from mlxpipe import protocol
+from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.worker.job import JobSpec
+from mlxpipe.worker.load import LoadedModel, barrier, load_rank
+
+DEFAULT_MAX_TOKENS = 256
+Emit = Callable[..., None]
+
+
+@dataclass
+class _PromptCache:
+    """A cache and the exact tokens it holds, kept between chat turns."""
+
+    cache: list[Any]
+    tokens: list[int]
+
+
+def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit) -> None:
+    """Join the group, load this rank's layers, then serve requests from ``stream``."""
+    job = JobSpec.decode(job_text)
+    group = init_group(job.world_size)
+    loaded = load_rank(job, group)
+    emit(
+        "loaded",
+        rank=group.rank(),
+        host=socket.gethostname(),
+        layers=[loaded.start, loaded.end],
+        num_layers=sum(job.split),
+        mode=job.mode,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        load_seconds=loaded.load_seconds,
+    )
+    Server(loaded, group, job, emit).serve(stream or sys.stdin)
+
+
+def init_group(world_size: int) -> Any:
+    """The distributed group of the job; a single rank needs no backend."""
+    group = mx.distributed.init(strict=world_size > 1)
+    if group.size() != world_size:
+        raise LaunchError(
+            f"the job is for {world_size} ranks but mlx.launch started {group.size()}",
+            hint="the hostfile and the job must list the same hosts",
+        )
+    return group
+
+
+class Server:
+    """Answers ``generate`` and ``exit`` requests on one rank."""
+
+    def __init__(
+        self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = protocol.emit
+    ) -> None:
+        self.loaded = loaded
+        self.group = group
+        self.job = job
+        self.rank = group.rank()
+        self.host = socket.gethostname()
+        self._emit = emit
+        self._prompt_cache: _PromptCache | None = None
+
+    def serve(self, stream: IO[str]) -> None:
+        """Handle requests from ``stream`` until ``exit`` or end of input."""
+        while True:
+            request = protocol.read_request(stream)
+            kind = "exit" if request is None else request.get("type")
+            if kind == "exit":
+                self.exit()
+                return
+            if kind != "generate":
+                raise UsageError(f"unknown request type {kind!r}")
+            self.generate(request)
+
+    def exit(self) -> None:
+        """Wait for every rank, so no rank sees its peer vanish, then say bye."""
+        barrier(self.group)
+        self._emit("bye", rank=self.rank, host=self.host)
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one generation; emit its events and return the ``done`` fields."""
+        tic = time.perf_counter()
+        tokens = self.prompt_tokens(request)
+        keep = bool(request.get("keep_cache", False))
+        cache, cached = self._cache_for(tokens, keep)
+        temp = float(request.get("temp", 0.0))
+        self._seed(request.get("seed"), temp)
+        sampler = make_sampler(
+            temp, top_p=float(request.get("top_p", 0.0)), min_p=float(request.get("min_p", 0.0))
+        )
+        max_tokens = int(request.get("max_tokens", DEFAULT_MAX_TOKENS))
+        if max_tokens < 1:
+            raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
+
+        generated: list[int] = []
+        ttft = None
+        response = None
+        for response in stream_generate(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            mx.array(tokens[cached:]),
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prompt_cache=cache,
+            prefill_step_size=self.job.prefill_step_size,
+        ):
+            if ttft is None:
+                ttft = time.perf_counter() - tic
+            generated.append(response.token)
+            self._emit_token(request, response)
+        assert response is not None  # stream_generate always yields once
+
+        # Every token stream_generate yields has been fed to the cache.
+        self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
+        done = {
+            "rank": self.rank,
+            "prompt_tokens": response.prompt_tokens,
+            "cached_tokens": cached,
+            "prompt_tps": response.prompt_tps,
+            "generation_tokens": response.generation_tokens,
+            "generation_tps": response.generation_tps,
+            "peak_memory": mx.get_peak_memory() / 1e9,
+            "ttft": ttft,
+            "finish_reason": response.finish_reason,
+            "tokens": generated,
+        }
+        if "id" in request:
+            done["id"] = request["id"]
+        self._emit("done", **done)
+        return done
+
+    def _emit_token(self, request: dict[str, Any], response: Any) -> None:
+        """Rank 0 streams text; the end-of-sequence token itself is not shown."""
+        if self.rank != 0:
+            return
+        stop = response.finish_reason == "stop"
+        if stop and not response.text:
+            return
+        fields = {"text": response.text, "token": None if stop else response.token}
+        if "id" in request:
+            fields["id"] = request["id"]
+        self._emit("token", **fields)
+
+    def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
+        """The request's prompt as token ids, through the chat template if any."""
+        tokenizer = self.loaded.tokenizer
+        prompt, messages = request.get("prompt"), request.get("messages")
+        if (prompt is None) == (messages is None):
+            raise UsageError("a generate request needs exactly one of prompt and messages")
+        use_template = not request.get("ignore_chat_template") and tokenizer.has_chat_template
+        if messages is None and not use_template:
+            return list(tokenizer.encode(prompt))
+        if not use_template:
+            raise UsageError("chat messages need a tokenizer with a chat template")
+        messages = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
+        system = request.get("system_prompt")
+        if system is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
+        """A cache for ``tokens`` and how many of them it already holds."""
+        previous, self._prompt_cache = self._prompt_cache, None
+        if keep and previous is not None and _cache_length(previous.cache) in (None, len(previous.tokens)):
+            # At least one token must be fed to get logits for the next one.
+            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1)
+            extra = len(previous.tokens) - common
+            if extra == 0:
+                return previous.cache, common
+            if can_trim_prompt_cache(previous.cache):
+                if trim_prompt_cache(previous.cache, extra) == extra:
+                    return previous.cache, common
+        return make_prompt_cache(self.loaded.model, max_kv_size=self.job.max_kv_size), 0
+
+    def _seed(self, seed: int | None, temp: float) -> None:
+        """Seed sampling identically on every rank, so every rank picks the same token."""
+        if seed is None:
+            if temp == 0:
+                return  # greedy: no randomness to share
+            mine = random.getrandbits(31) if self.rank == 0 else 0
+            shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
+            seed = int(shared.item())
+        mx.random.seed(int(seed))
+
+
+def _cache_length(cache: list[Any]) -> int | None:
+    """The number of tokens in the cache, from the first cache that counts them."""
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+        for sub in getattr(c, "caches", ()):
+            offset = getattr(sub, "offset", None)
+            if isinstance(offset, int):
+                return offset
+    return None
