@@ -270,8 +270,11 @@ def test_model_flag_overrides_the_preset_model(model: Path, tmp_path: Path) -> N
 
 
 def test_model_flag_drops_the_preset_revision(model: Path) -> None:
-    data = plan_json("--config", str(REPO / "configs" / "llama-3.3-70b-4bit.yaml"), "--model", str(model))
-    assert data["model"] == str(model)
+    # The preset's strategy (memory) still applies; the local hostfile declares no memory, hence --strategy.
+    data = plan_json(
+        "--config", str(REPO / "configs" / "llama-3.3-70b-4bit.yaml"), "--model", str(model), "--strategy", "even"
+    )
+    assert (data["model"], data["commit"]) == (str(model), None)
 
 
 def test_bad_preset(model: Path, tmp_path: Path) -> None:

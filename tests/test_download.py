@@ -258,9 +258,9 @@ def test_json_reports_what_each_host_fetched(hub_env: FakeHub, repos: dict, tmp_
 def test_a_connection_dropped_in_a_host_process_resumes(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
     shard = "model-00001-of-00010.safetensors"
     size = hub_env.file(DEMO, shard).size
-    hub_env.drop_connection(DEMO, shard, after_bytes=25 * 2**20)
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, DEMO)
+    hub_env.drop_connection(DEMO, shard, after_bytes=25 * 2**20)
     result = invoke("--model", DEMO, "--hostfile", str(hostfile), "--split", "29,1")
     assert result.exit_code == 0, result.output
     # Two whole 10 MiB chunks reached the file before the drop: the retry asks for the rest.
@@ -272,16 +272,15 @@ def test_a_connection_dropped_in_a_host_process_resumes(hub_env: FakeHub, repos:
 
 
 def test_a_file_corrupted_once_on_a_host_is_refetched(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
-    shard = "model-00003-of-00006.safetensors"
-    hub_env.corrupt(TINY, shard, times=1)
+    shard = "model-00003-of-00006.safetensors"  # rank 0's alone
     hostfile = write_hostfile(tmp_path, 2)
-    meta = prime(hub_env, TINY)
-    plan = plan_for(meta, hostfile)
+    meta = prime(hub_env, TINY)  # before the fault: reading shard headers would consume it
+    assert [shard in rp.files for rp in plan_for(meta, hostfile).ranks] == [True, False]
+    hub_env.corrupt(TINY, shard, times=1)
     result = invoke("--model", TINY, "--hostfile", str(hostfile))
     assert result.exit_code == 0, result.output
     assert [r.filename for r in content_gets(hub_env)].count(shard) == 2
-    path = snapshot(tmp_path / "host1", meta) / shard
-    assert shard in plan.ranks[1].files
+    path = snapshot(tmp_path / "host0", meta) / shard
     assert hashlib.sha256(path.read_bytes()).hexdigest() == meta.file_sha256[shard]
 
 
@@ -290,9 +289,9 @@ def test_a_file_always_corrupted_is_one_error_naming_host_and_file(
 ) -> None:
     monkeypatch.setattr(fetch_mod, "BACKOFF_SECONDS", (0.0, 0.0, 0.0))
     shard = "model-00006-of-00006.safetensors"
-    hub_env.corrupt(TINY, shard, times=fetch_mod.ATTEMPTS)
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, TINY)
+    hub_env.corrupt(TINY, shard, times=fetch_mod.ATTEMPTS)
     result = invoke("--model", TINY, "--hostfile", str(hostfile), "--rank", "0")
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == (

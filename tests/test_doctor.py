@@ -1,0 +1,258 @@
+"""``mlxpipe doctor`` and the preflight: on this machine and on the ssh test cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from fixtures.cluster import Cluster, cluster, cluster_session  # noqa: F401
+from mlxpipe.cli import app
+from mlxpipe.doctor import CheckResult, preflight, require_ok, ring_ports
+from mlxpipe.errors import LaunchError
+from mlxpipe.hostfile import load_hostfile
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL_2 = REPO / "hostfiles" / "local-2.json"
+LOCAL = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+OTHER_MLX = "0.29.0"
+
+
+def doctor(*args: str) -> tuple[int, list[dict[str, Any]], str]:
+    """Run ``mlxpipe doctor --json``: exit code, the checks, and stderr."""
+    result = CliRunner().invoke(app, ["doctor", "--json", *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    data = json.loads(result.stdout)
+    assert data["ok"] == (result.exit_code == 0)
+    return result.exit_code, data["checks"], result.stderr
+
+
+def statuses(checks: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    return {(c["host"], c["check"]): c["status"] for c in checks}
+
+
+def failures(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in checks if c["status"] == "fail"]
+
+
+def write(path: Path, hosts: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps(hosts))
+    return path
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port on 127.0.0.1 held by a listening socket for the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def other_mlx_python(tmp_path: Path) -> str:
+    """An interpreter that reports another mlx version (two real mlx installs cost too much here)."""
+    path = tmp_path / "python-other-mlx"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'{sys.executable} "$@" | sed \'s/"mlx": "[^"]*"/"mlx": "{OTHER_MLX}"/\'\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+# --- This machine -----------------------------------------------------------------------
+
+
+def test_local_hostfile_passes() -> None:
+    code, checks, _ = doctor("--hostfile", str(LOCAL_2))
+    assert code == 0
+    # Both ranks share one machine and interpreter: one probe, one set of rows for ranks 0 and 1.
+    assert [(c["host"], c["ranks"], c["check"], c["status"]) for c in checks] == [
+        ("127.0.0.1", [0, 1], "ssh", "ok"),
+        ("127.0.0.1", [0, 1], "python", "ok"),
+        ("127.0.0.1", [0, 1], "versions", "ok"),
+        ("127.0.0.1", [0, 1], "ports", "ok"),
+    ]
+    import mlx.core as mx
+
+    assert f"mlx {mx.__version__}" in checks[2]["detail"]
+
+
+def test_table_names_every_check_and_exits_0() -> None:
+    result = CliRunner().invoke(app, ["doctor", "--hostfile", str(LOCAL_2)])
+    assert result.exit_code == 0, result.output
+    for word in ("127.0.0.1 (ranks 0,1)", "ssh", "python", "versions", "ports", "ok"):
+        assert word in result.stdout
+
+
+def test_preflight_of_local_ranks_is_fast() -> None:
+    hostfile = load_hostfile(LOCAL_2)
+    preflight(hostfile)  # warm the page cache
+    start = time.perf_counter()
+    results = preflight(hostfile, port=32323)
+    assert time.perf_counter() - start < 1.5
+    assert not [r for r in results if r.failed]
+
+
+def test_interpreter_without_mlx_fails_naming_the_rank(tmp_path: Path) -> None:
+    python3 = "/usr/bin/python3"
+    if not os.access(python3, os.X_OK):
+        pytest.skip(f"{python3} is not installed")
+    hostfile = write(tmp_path / "h.json", [LOCAL, {**LOCAL, "python": python3}])
+    code, checks, stderr = doctor("--hostfile", str(hostfile))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["ranks"], bad["check"]) == ([1], "versions")
+    assert "mlx" in bad["detail"] and "not installed" in bad["detail"] and python3 in bad["detail"]
+    assert python3 in bad["fix"]
+
+
+def test_missing_interpreter_fails(tmp_path: Path) -> None:
+    hostfile = write(tmp_path / "h.json", [LOCAL, {**LOCAL, "python": str(tmp_path / "no-python")}])
+    code, checks, _ = doctor("--hostfile", str(hostfile))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["ranks"], bad["check"]) == ([1], "python")
+    assert "not found" in bad["detail"] and "'python'" in bad["fix"]
+
+
+def test_other_mlx_version_fails_naming_both_versions(tmp_path: Path, other_mlx_python: str) -> None:
+    import mlx.core as mx
+
+    hostfile = write(tmp_path / "h.json", [LOCAL, LOCAL, {**LOCAL, "python": other_mlx_python}])
+    code, checks, _ = doctor("--hostfile", str(hostfile))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["ranks"], bad["check"]) == ([2], "versions")
+    assert f"mlx {OTHER_MLX} here, {mx.__version__} on 127.0.0.1" in bad["detail"]
+    assert f"mlx=={mx.__version__}" in bad["fix"]
+
+
+def test_busy_ring_port_fails(busy_port: int) -> None:
+    code, checks, _ = doctor("--hostfile", str(LOCAL_2), "--port", str(busy_port))
+    assert code == 1
+    [bad] = failures(checks)
+    assert bad["check"] == "ports"
+    assert f"127.0.0.1:{busy_port} Address already in use" in bad["detail"]
+    assert "--port" in bad["fix"]
+
+
+def test_memory_too_small_fails(tmp_path: Path, tiny_models: Any) -> None:
+    hostfile = write(tmp_path / "h.json", [{**LOCAL, "memory_gb": 0.001}, {**LOCAL, "memory_gb": 0.001}])
+    code, checks, stderr = doctor("--hostfile", str(hostfile), "--model", str(tiny_models["llama"]))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["host"], bad["ranks"], bad["check"]) == ("127.0.0.1", [0, 1], "memory")
+    assert "memory_gb 0.001 in the hostfile" in bad["detail"]
+    assert bad["fix"]
+    # The same model with real memory: memory and disk pass (a local model on its own machine is all present).
+    code, checks, _ = doctor("--hostfile", str(LOCAL_2), "--model", str(tiny_models["llama"]))
+    assert code == 0
+    assert statuses(checks)[("127.0.0.1", "memory")] == statuses(checks)[("127.0.0.1", "disk")] == "ok"
+
+
+def test_disk_too_small_fails(tmp_path: Path, tiny_models: Any) -> None:
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "mlxpipe-test", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+    try:
+        hostfile = write(tmp_path / "h.json", [LOCAL, {**LOCAL, "model_dir": str(small)}])
+        code, checks, _ = doctor("--hostfile", str(hostfile), "--model", str(tiny_models["llama"]))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["ranks"], bad["check"]) == ([1], "disk")
+    assert "still to download" in bad["detail"] and "hf_home" in bad["fix"]
+
+
+def test_ring_ports_follow_mlx_launch(tmp_path: Path) -> None:
+    hosts = [{"ssh": "a", "ips": ["10.0.0.1", "10.1.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]
+    assert ring_ports(load_hostfile(write(tmp_path / "h.json", hosts)), 40000) == [
+        (0, "10.0.0.1", 40000), (0, "10.1.0.1", 40001), (1, "10.0.0.2", 40002),
+    ]
+
+
+def test_require_ok_names_the_first_failure() -> None:
+    results = [
+        CheckResult("a", (0,), "ssh", "ok", "fine"),
+        CheckResult("b", (1,), "ssh", "fail", "cannot connect: Connection refused", "start sshd"),
+        CheckResult("c", (2,), "ports", "fail", "busy", "another port"),
+    ]
+    with pytest.raises(LaunchError) as e:
+        require_ok(results)
+    assert e.value.message == "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
+    assert e.value.hint == "start sshd"
+    require_ok(results[:1])
+
+
+# --- The ssh test cluster -----------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_cluster_passes(cluster: Cluster, tiny_models: Any) -> None:
+    code, checks, _ = doctor("--hostfile", str(cluster.hostfile(3)), "--model", str(tiny_models["llama"]))
+    assert code == 0, failures(checks)
+    assert {(c["host"], c["check"]) for c in checks} == {
+        (h, check) for h in cluster.hosts for check in ("ssh", "python", "versions", "ports", "memory", "disk")
+    }
+    assert set(statuses(checks).values()) == {"ok"}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["kill_sshd", "block"])
+def test_unreachable_host_fails_naming_it(cluster: Cluster, how: str) -> None:
+    hostfile = cluster.hostfile(2)
+    getattr(cluster, how)(1)
+    code, checks, _ = doctor("--hostfile", str(hostfile))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["host"], bad["check"]) == (cluster.hosts[1], "ssh")
+    assert bad["detail"].startswith("cannot connect: ")
+    assert cluster.hosts[1] in bad["fix"]
+    assert statuses(checks)[(cluster.hosts[0], "versions")] == "ok"
+    result = CliRunner().invoke(app, ["doctor", "--hostfile", str(hostfile)])
+    assert result.exit_code == 1
+    assert f"error: 1 check failed on {cluster.hosts[1]}" in result.stderr
+
+
+@pytest.mark.cluster
+def test_cluster_host_with_other_mlx_fails_naming_it(cluster: Cluster, other_mlx_python: str) -> None:
+    import mlx.core as mx
+
+    code, checks, _ = doctor("--hostfile", str(cluster.hostfile(3, python={1: other_mlx_python})))
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["host"], bad["check"]) == (cluster.hosts[1], "versions")
+    assert f"mlx {OTHER_MLX} here, {mx.__version__} on {cluster.hosts[0]}, {cluster.hosts[2]}" in bad["detail"]
+
+
+@pytest.mark.cluster
+def test_cluster_busy_ring_port_fails(cluster: Cluster) -> None:
+    address = cluster.hosts[0]
+    hold = ("import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], 32323)); s.listen(); "
+            "print('bound', flush=True); time.sleep(60)")
+    holder = cluster.popen_on(0, [sys.executable, "-c", hold, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "bound\n"
+        code, checks, _ = doctor("--hostfile", str(cluster.hostfile(2)))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1
+    [bad] = failures(checks)
+    assert (bad["host"], bad["check"]) == (address, "ports")
+    assert f"{address}:32323 Address already in use" in bad["detail"]
