@@ -151,6 +151,7 @@ def download(
 
     Each host downloads into its own cache (hf_home or model_dir from the hostfile, else its
     default Hugging Face cache), in parallel, through huggingface_hub. A second run fetches 0 bytes.
+    Hosts without internet: --from-controller fetches here once and sends each host only its files.
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
@@ -456,7 +457,7 @@ def doctor(
     if port is not None and not 0 < port < 65536:
         raise UsageError(f"--port {port}: expected a TCP port, 1-65535")
     the_plan = meta = None
-    if model is None and config is None:
+    if all(v is None for v in (model, revision, strategy, split, config)):  # no model: no plan to check against
         hosts = load_hostfile(hostfile) if hostfile else default_hostfile()
     else:
         target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
@@ -473,12 +474,12 @@ def doctor(
         console.print_json({"ok": not failed, "checks": [r.to_json() for r in results]})
     else:
         console.out.print(doctor_table(results))
-        if failed:
-            names = ", ".join(dict.fromkeys(r.host for r in failed))
-            console.error(f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed on {names}",
-                          "apply the fixes above, then run `mlxpipe doctor` again")
     if failed:
+        names = ", ".join(dict.fromkeys(r.host for r in failed))
+        console.error(f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed on {names}",
+                      "apply the fixes in the fix column, then run `mlxpipe doctor` again")
         raise typer.Exit(1)
+
 
 def main() -> None:
     app()

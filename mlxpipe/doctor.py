@@ -31,10 +31,10 @@ from mlxpipe import remote, storage
 from mlxpipe.console import human_bytes
 from mlxpipe.errors import LaunchError
 from mlxpipe.hostfile import GB, Host, Hostfile
+from mlxpipe.launch import DEFAULT_PORT
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan, make_plan
 
-DEFAULT_PORT = 32323  # mlx.launch's --starting-port default (also mlxpipe.launch.DEFAULT_PORT)
 CONNECT_TIMEOUT = 5
 PROBE_TIMEOUT = 30.0
 MIN_PYTHON = (3, 10)
@@ -147,6 +147,7 @@ class _Probe:
     python: str
     ports: list[tuple[str, int]] = field(default_factory=list)
     files: dict[str, dict[str, int]] = field(default_factory=dict)  # model dir -> file -> bytes
+    file_ranks: dict[str, list[int]] = field(default_factory=dict)  # model dir -> the ranks reading it
     facts: dict[str, Any] | None = None
     returncode: int | None = None
     stderr: str = ""
@@ -231,7 +232,9 @@ def _probes(hostfile: Hostfile, plan: Plan | None, meta: ModelMetadata | None, p
     if plan is not None and meta is not None:
         for p in probes:
             for h in p.hosts:
-                files = p.files.setdefault(storage.model_path(h, meta), {})
+                directory = storage.model_path(h, meta)
+                p.file_ranks.setdefault(directory, []).append(h.rank)
+                files = p.files.setdefault(directory, {})
                 for name in (*plan.support_files, *plan.ranks[h.rank].files):
                     files[name] = meta.file_sizes.get(name, 0)
     return probes
@@ -443,21 +446,27 @@ def _disk_checks(probes: Sequence[_Probe]) -> list[CheckResult]:
         if p.facts is None:
             continue
         for directory, files in p.files.items():
-            total = sum(files.values())
-            present = p.facts["present"].get(directory, 0)
-            missing = total - present
-            where = p.facts["disk"].get(directory)
-            if missing <= 0:
-                results.append(p.result("disk", OK, f"all {len(files)} files present in {directory} ({_size(total)})"))
-            elif where is None:
-                results.append(p.result("disk", WARN, f"{_size(missing)} to download; cannot read free space at {directory}"))
-            elif missing > where[1]:
-                results.append(p.result(
-                    "disk", FAIL, f"{_size(missing)} still to download to {directory}, only {_size(where[1])} free on {where[0]}",
-                    f"free space there, or set hf_home (or model_dir) for {p.host.ssh} to a disk with room"))
-            else:
-                results.append(p.result("disk", OK, f"{_size(missing)} to download, {_size(where[1])} free on {where[0]}"))
+            results.append(_disk_check(p, directory, files))
     return results
+
+
+def _disk_check(p: _Probe, directory: str, files: dict[str, int]) -> CheckResult:
+    assert p.facts is not None
+    ranks = tuple(p.file_ranks[directory])
+    total = sum(files.values())
+    missing = total - p.facts["present"].get(directory, 0)
+    where = p.facts["disk"].get(directory)
+    if missing <= 0:
+        status, detail, fix = OK, f"all {len(files)} files present in {directory} ({_size(total)})", None
+    elif where is None:
+        status, detail, fix = WARN, f"{_size(missing)} to download; cannot read free space at {directory}", None
+    elif missing > where[1]:
+        status = FAIL
+        detail = f"{_size(missing)} still to download to {directory}, only {_size(where[1])} free on {where[0]}"
+        fix = f"free space there, or set hf_home (or model_dir) for {p.host.ssh} to a disk with room"
+    else:
+        status, detail, fix = OK, f"{_size(missing)} to download, {_size(where[1])} free on {where[0]}", None
+    return CheckResult(p.host.ssh, ranks, "disk", status, detail, fix)
 
 
 def _last_line(text: str) -> str:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Sequence
 
 from mlxpipe import protocol, remote, storage
 from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
@@ -62,6 +63,7 @@ class HostReport:
     via: str = "hub"  # hub, or how --from-controller sent the files: copy, rsync, scp, none
     missing: tuple[str, ...] = ()
     stderr: deque[str] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL))
+    proc: subprocess.Popen[str] | None = field(default=None, repr=False)
 
     @property
     def todo_bytes(self) -> int:
@@ -198,7 +200,7 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
     task = report.task
     argv = [remote.python_for(task.host), "-m", "mlxpipe.fetch", *extra, "--job", task.job.encode()]
     try:
-        proc = remote.start(task.host, argv)
+        proc = report.proc = remote.start(task.host, argv)
     except OSError as e:
         report.error = f"{task.label}: cannot start {argv[0]} ({e.strerror or e})"
         return
@@ -215,7 +217,7 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
         tail = " | ".join(list(report.stderr)[-3:]) or "no output"
         report.error = f"{task.label}: mlxpipe.fetch exited with status {code} ({tail})"
         if code == 255 and not task.host.is_local:
-            report.hint = f"check that `ssh {task.host.ssh}` works without a password (BatchMode)"
+            report.hint = f"check that `ssh {task.host.ssh}` works without a password (mlxpipe doctor)"
         elif code == 127 or "No module named" in tail:
             report.hint = f"install mlxpipe on {task.host.ssh}, or set 'python' for it in the hostfile"
 
@@ -241,7 +243,7 @@ def _apply(report: HostReport, event: dict) -> None:
         report.hint = event.get("hint")
 
 
-def _drain(stream, sink: deque[str]) -> None:
+def _drain(stream: IO[str], sink: deque[str]) -> None:
     for line in stream:
         line = line.rstrip()
         if line:
@@ -260,15 +262,24 @@ def _parallel(reports: Sequence[HostReport], work: Callable[[HostReport, threadi
     threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in reports]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        # The host processes run in sessions of their own (no terminal signal reaches
+        # them): end them here, or a Ctrl-C would leave them downloading.
+        for r in reports:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
+        raise
 
 
 def _raise_first_failure(reports: Sequence[HostReport]) -> None:
     failed = [r for r in reports if r.error]
     if failed:
         first = failed[0]
-        others = f" ({len(failed) - 1} more hosts failed)" if len(failed) > 1 else ""
+        more = len(failed) - 1
+        others = f" ({more} more host{'s' if more > 1 else ''} failed)" if more else ""
         raise DownloadError(f"{first.error}{others}", first.hint)
 
 

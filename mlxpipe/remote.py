@@ -96,8 +96,9 @@ def send(host: Host, shipment: Shipment, label: str, on_sent: OnSent | None = No
         copy_local(shipment, label, on_sent)
         return "copy"
     _check_plain(shipment, label)
-    _run(host, label, ssh_argv(host, _mkdir_command(shipment)))
-    if shutil.which("rsync"):
+    # One round trip makes the directories and says whether the host has rsync too.
+    remote_rsync = _run(host, label, ssh_argv(host, _mkdir_command(shipment) + " && { command -v rsync || true; }"))
+    if shutil.which("rsync") and remote_rsync.strip():
         _run(host, label, rsync_argv(host, shipment))
         if on_sent:
             for rel in shipment.files:
@@ -209,7 +210,8 @@ def _src_size(shipment: Shipment, rel: str) -> int:
         return 0
 
 
-def _run(host: Host, label: str, argv: list[str]) -> None:
+def _run(host: Host, label: str, argv: list[str]) -> str:
+    """Run ``argv`` here; its stdout, or a ``DownloadError`` naming the host."""
     try:
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     except OSError as e:
@@ -217,8 +219,9 @@ def _run(host: Host, label: str, argv: list[str]) -> None:
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-_ERROR_TAIL:]) or "no output"
         hint = (
-            f"check that `ssh {host.ssh}` works without a password (BatchMode)"
+            f"check that `ssh {host.ssh}` works without a password (mlxpipe doctor)"
             if proc.returncode == 255
             else "check the disk space and permissions on that host"
         )
         raise DownloadError(f"{label}: {argv[0]} failed with status {proc.returncode} ({tail})", hint)
+    return proc.stdout

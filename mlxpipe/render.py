@@ -95,8 +95,9 @@ def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[An
 
     A bar counts only what moves: files a host already holds shrink its total.
     Hosts not in ``tasks`` (the controller's own cache) get a bar on their first update.
+    Drawn only on a terminal: in a log, the table that follows says it all.
     """
-    if not enabled:
+    if not enabled or not err.is_terminal:
         yield None
         return
     from rich.progress import (

@@ -272,7 +272,7 @@ def test_a_connection_dropped_in_a_host_process_resumes(hub_env: FakeHub, repos:
 
 
 def test_a_file_corrupted_once_on_a_host_is_refetched(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
-    shard = "model-00003-of-00006.safetensors"  # rank 0's alone
+    shard = "model-00004-of-00006.safetensors"  # layer 3: rank 0 alone
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, TINY)  # before the fault: reading shard headers would consume it
     assert [shard in rp.files for rp in plan_for(meta, hostfile).ranks] == [True, False]
@@ -335,7 +335,7 @@ def test_a_host_without_access_is_named_with_how_to_log_in_there(
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         "error: dl/gated is gated (on 127.0.0.1 (rank 0)): you must accept its terms and be logged in (1 more "
-        "hosts failed)",
+        "host failed)",
         "hint: accept the terms on the model's page, then log in with `hf auth login` or set HF_TOKEN on "
         "127.0.0.1 (rank 0)",
     ]
@@ -410,9 +410,11 @@ def test_from_controller_sends_each_host_only_its_files(hub_env: FakeHub, repos:
     result = invoke("--model", TINY, "--hostfile", str(hostfile), "--from-controller", "--json")
     assert result.exit_code == 0, result.output
 
-    # The hub served each needed file once, to the controller's own cache.
+    # The hub served each needed file once, to the controller's own cache (which
+    # already held the two files read for the metadata).
     union = set().union(*(wanted(plan, r) for r in range(3)))
-    assert sorted(r.filename for r in content_gets(hub_env)) == sorted(union)
+    cached = {"config.json", "model.safetensors.index.json"}
+    assert sorted(r.filename for r in content_gets(hub_env)) == sorted(union - cached)
     controller_snapshot = snapshot(Path(os.environ["HF_HOME"]), meta)
     assert listing(controller_snapshot) == union
 
@@ -429,7 +431,9 @@ def test_from_controller_sends_each_host_only_its_files(hub_env: FakeHub, repos:
     assert not any((plain / f).is_symlink() for f in wanted(plan, 2))
 
     report = json.loads(result.stdout)
-    assert report["controller"]["fetched_bytes"] == sum(meta.file_sizes[f] for f in union) == hub_env.bytes_served()
+    controller = report["controller"]
+    assert controller["fetched_bytes"] == sum(meta.file_sizes[f] for f in union - cached) == hub_env.bytes_served()
+    assert controller["present_bytes"] == sum(meta.file_sizes[f] for f in cached)
     assert [(h["via"], h["fetched_bytes"], h["present_bytes"]) for h in report["hosts"]] == [
         ("copy", plan.ranks[r].download_bytes, 0) for r in range(3)
     ]

@@ -182,16 +182,28 @@ class Server:
     def _cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
         """A cache for ``tokens`` and how many of them it already holds."""
         previous, self._prompt_cache = self._prompt_cache, None
-        if keep and previous is not None and _cache_length(previous.cache) in (None, len(previous.tokens)):
+        common = extra = 0
+        usable = keep and previous is not None
+        if usable:
             # At least one token must be fed to get logits for the next one.
             common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1)
             extra = len(previous.tokens) - common
-            if extra == 0:
+            usable = _cache_length(previous.cache) in (None, len(previous.tokens)) and (
+                extra == 0 or can_trim_prompt_cache(previous.cache)
+            )
+        # Ranks hold different caches (native mode keeps only local ones), so
+        # they agree before anyone trims: all must feed the same tokens.
+        if keep and self._all_agree(usable):
+            if extra == 0 or trim_prompt_cache(previous.cache, extra) == extra:
                 return previous.cache, common
-            if can_trim_prompt_cache(previous.cache):
-                if trim_prompt_cache(previous.cache, extra) == extra:
-                    return previous.cache, common
         return make_prompt_cache(self.loaded.model, max_kv_size=self.job.max_kv_size), 0
+
+    def _all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a tiny collective on the CPU)."""
+        if self.group.size() == 1:
+            return flag
+        votes = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=mx.cpu)
+        return int(votes.item()) == self.group.size()
 
     def _seed(self, seed: int | None, temp: float) -> None:
         """Seed sampling identically on every rank, so every rank picks the same token."""
