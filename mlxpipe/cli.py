@@ -217,6 +217,9 @@ PrefillOpt = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per p
 PortOpt = typer.Option(None, "--port", help="First ring port. [default: 32323; a free one when every rank is local]")
 TimeoutOpt = typer.Option(120.0, "--timeout", help="Watchdog: seconds without progress before the run is ended.")
 TrustOpt = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code to run (off by default).")
+FromControllerOpt = typer.Option(
+    False, "--from-controller", help="Hosts without internet: fetch on this machine once and send each host its own files."
+)
 
 
 def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template) -> Any:
@@ -239,12 +242,29 @@ def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, 
     return sampling
 
 
-def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool) -> Any:
-    """Plan, fetch what is missing, check, launch, and wait for every rank to load."""
+def _ensure_files(the_plan: Any, meta: Any, target: Any, from_controller: bool, quiet: bool) -> None:
+    """The download step: every host gets the files of its ranks (a no-op when they are there)."""
     from mlxpipe import download as dl
-    from mlxpipe.config import DEFAULT_BACKEND, pick
-    from mlxpipe.generate import PIPELINE_MODES, Pipeline, RunOptions, check_files_reachable
     from mlxpipe.render import download_progress
+
+    hosts = target.hostfile.hosts
+    if meta.local and all(h.is_local and not h.model_dir for h in hosts):
+        return  # every rank reads the directory itself
+    tasks = dl.host_tasks(the_plan, meta, hosts)
+    with download_progress(tasks, enabled=not quiet) as on_update:
+        if meta.local or from_controller:
+            dl.distribute(tasks, meta, on_update)
+        else:
+            dl.run_on_hosts(tasks, on_update)
+
+
+def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
+                    from_controller: bool = False) -> Any:
+    """Plan, fetch what is missing, check, launch, and wait for every rank to load."""
+    from mlxpipe.config import DEFAULT_BACKEND, pick
+    from mlxpipe.doctor import preflight, require_ok
+    from mlxpipe.generate import PIPELINE_MODES, Pipeline, RunOptions
+    from mlxpipe.launch import default_port
     from mlxpipe.target import load_model_metadata, plan_target
 
     if pipeline_mode not in PIPELINE_MODES:
@@ -258,14 +278,14 @@ def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout,
         bad = next(r for r in the_plan.ranks if r.fits is False)
         hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
         raise UsageError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
-    check_files_reachable(meta, target)
-    if not meta.local:
-        tasks = dl.host_tasks(the_plan, meta, target.hostfile.hosts)
-        with download_progress(tasks, enabled=not quiet) as on_update:
-            dl.run_on_hosts(tasks, on_update)
-    _check_pipelinable(meta, trust)
+    chosen_backend = pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND)
+    port = port or default_port(target.hostfile)
+    with console.err.status("preflight: ssh, versions, ports, memory, disk...") if not quiet else _nullcontext():
+        require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=chosen_backend))
+    _ensure_files(the_plan, meta, target, from_controller, quiet)
+    _check_pipelinable(meta, pipeline_mode, trust)
     options = RunOptions(
-        backend=pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND),
+        backend=chosen_backend,
         mode=pipeline_mode, prefill_step_size=prefill, port=port, step_timeout=timeout,
         trust_remote_code=trust,
     )
@@ -281,12 +301,12 @@ def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout,
     return pipe
 
 
-def _check_pipelinable(meta: Any, trust: bool) -> None:
-    """Refuse a model the generic wrapper cannot handle before any rank starts."""
+def _check_pipelinable(meta: Any, mode: str, trust: bool) -> None:
+    """Refuse a model the pipeline cannot handle before any rank starts."""
     from mlxpipe.generate import controller_model_dir
-    from mlxpipe.worker.pipeline import check_pipelinable
+    from mlxpipe.worker.load import check_pipelinable
 
-    check_pipelinable(controller_model_dir(meta), trust_remote_code=trust)
+    check_pipelinable(controller_model_dir(meta), mode=mode, trust_remote_code=trust)
 
 
 class _nullcontext:
@@ -320,6 +340,7 @@ def generate(
     port: Optional[int] = PortOpt,
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
+    from_controller: bool = FromControllerOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Run the model as a pipeline across the hosts and stream the answer.
@@ -340,7 +361,9 @@ def generate(
         prompt = sys.stdin.read()
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template)
-    pipe = _start_pipeline(target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, json_out)
+    pipe = _start_pipeline(
+        target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, json_out, from_controller
+    )
     try:
         on_text = None if json_out else _stream_text
         answer = pipe.generate(request_for(prompt, None, sampling), on_text)
@@ -383,6 +406,7 @@ def chat(
     port: Optional[int] = PortOpt,
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
+    from_controller: bool = FromControllerOpt,
 ) -> None:
     """Multi-turn chat with a pipelined model; each turn reuses the prompt cache.
 
@@ -395,7 +419,9 @@ def chat(
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False)
-    pipe = _start_pipeline(target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, False)
+    pipe = _start_pipeline(
+        target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, False, from_controller
+    )
     messages: list[dict[str, str]] = []
     try:
         while True:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mlxpipe import storage
-from mlxpipe.errors import LaunchError, ModelError
+from mlxpipe.errors import LaunchError
 from mlxpipe.launch import LaunchSpec, Ranks
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
@@ -107,18 +107,6 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
         return Path(hf_hub_download(meta.source, "config.json", revision=meta.commit)).parent
 
 
-def check_files_reachable(meta: ModelMetadata, target: Target) -> None:
-    """A local model directory reaches only ranks on this machine."""
-    if not meta.local:
-        return
-    remote_hosts = [h for h in target.hostfile.hosts if not h.is_local and not h.model_dir]
-    if remote_hosts:
-        raise ModelError(
-            f"{meta.source} is a local directory, but {remote_hosts[0].label} is another machine",
-            "copy it there with `mlxpipe download --from-controller`, or use a hub repo id",
-        )
-
-
 class Pipeline:
     """A loaded pipeline on the cluster, ready for requests."""
 
@@ -145,7 +133,8 @@ class Pipeline:
         self.ranks.start()
         for event in self.ranks.events(self.options.load_timeout):
             if event.get("event") == "loaded":
-                stats = _rank_stats(event)
+                rank = int(event["rank"])
+                stats = _rank_stats(event, self.target.hostfile.hosts[rank].ssh)
                 self.loaded[stats.rank] = stats
                 if on_loaded:
                     on_loaded(stats)
@@ -166,8 +155,6 @@ class Pipeline:
             kind = event.get("event")
             if kind == "token":
                 answer.text += event.get("text", "")
-                if "token" in event:
-                    answer.tokens.append(int(event["token"]))
                 if on_text and event.get("text"):
                     on_text(event["text"])
             elif kind == "done":
@@ -175,6 +162,7 @@ class Pipeline:
                 done.add(rank)
                 peaks[rank] = float(event.get("peak_memory", 0.0))
                 if rank == 0:
+                    answer.tokens = [int(t) for t in event.get("tokens", [])]
                     for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason"):
                         if key in event:
                             setattr(answer, key, event[key])
@@ -195,12 +183,13 @@ class Pipeline:
         self.ranks.stop()
 
 
-def _rank_stats(event: dict[str, Any]) -> RankStats:
+def _rank_stats(event: dict[str, Any], host: str) -> RankStats:
+    start, end = event.get("layers", (0, 0))
     return RankStats(
         rank=int(event["rank"]),
-        host=str(event.get("host", "")),
-        start=int(event.get("start", 0)),
-        end=int(event.get("end", 0)),
+        host=host,
+        start=int(start),
+        end=int(end),
         peak_memory_gb=float(event.get("peak_memory", 0.0)),
         load_seconds=event.get("load_seconds"),
     )

@@ -79,13 +79,13 @@ def hub_errors(repo: str, host: str | None = None) -> Iterator[None]:
         ) from None
     except hf.RevisionNotFoundError:
         raise HubError(f"{repo}: no such revision{where}", "check --revision") from None
-    except hf.EntryNotFoundError as e:
-        raise HubError(f"{repo}: file missing from the repo{where} ({_short(e)})") from None
     except hf.LocalEntryNotFoundError:
         raise HubError(
             f"{repo}: not in the local cache and the hub at {_endpoint()} cannot be reached{where}",
             "check the network (or HF_ENDPOINT), or download the model first",
         ) from None
+    except hf.EntryNotFoundError as e:
+        raise HubError(f"{repo}: file missing from the repo{where} ({_short(e)})") from None
     except hf.HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):

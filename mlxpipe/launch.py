@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from mlxpipe import protocol, remote
 from mlxpipe.errors import LaunchError
@@ -76,8 +76,7 @@ def launch_argv(spec: LaunchSpec) -> list[str]:
     argv = [mlx_launch_executable(), "--verbose", "--hostfile", str(hostfile_path), "--backend", spec.backend]
     for key, value in spec.env:
         argv += ["--env", f"{key}={value}"]
-    port = spec.port or (free_port_base(spec.hostfile.size) if all(h.is_local for h in spec.hostfile.hosts) else DEFAULT_PORT)
-    argv += ["--starting-port", str(port)]
+    argv += ["--starting-port", str(spec.port or default_port(spec.hostfile))]
     return argv + ["--", *rank_command(spec)]
 
 
@@ -88,6 +87,13 @@ def rank_command(spec: LaunchSpec) -> list[str]:
         return [pythons[0], *spec.worker_args]
     cases = " ".join(f'{r}) exec {shlex.quote(p)} "$@";;' for r, p in enumerate(pythons))
     return ["/bin/sh", "-c", f'case "$MLX_RANK" in {cases} esac; exit 127', "mlxpipe-rank", *spec.worker_args]
+
+
+def default_port(hostfile: Hostfile) -> int:
+    """mlx.launch's port on real clusters; a free one when every rank is on this machine."""
+    if all(h.is_local for h in hostfile.hosts):
+        return free_port_base(sum(max(1, len(h.ips)) for h in hostfile.hosts))
+    return DEFAULT_PORT
 
 
 def free_port_base(count: int) -> int:
@@ -194,7 +200,7 @@ class Ranks:
             last = time.monotonic()
             if kind == "error":
                 rank = event.get("rank")
-                self._fail(RankFailure(rank, event.get("host") or self._host(rank),
+                self._fail(RankFailure(rank, self._host(rank) or event.get("host"),
                                        f"{event.get('type', 'error')}: {event.get('message')}", event.get("traceback")))
                 self.stop()
                 raise self._error()
@@ -203,7 +209,9 @@ class Ranks:
             yield event
 
     def _host(self, rank: int | None) -> str | None:
-        return None if rank is None else self.spec.hostfile.hosts[rank].ssh
+        if rank is None or not 0 <= rank < self.size:
+            return None
+        return self.spec.hostfile.hosts[rank].ssh
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask every rank to exit cleanly; stop them if they do not."""

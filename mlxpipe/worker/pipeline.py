@@ -120,7 +120,7 @@ def advance_cache(cache: Any, batch: int, num_tokens: int) -> None:
     Zero-width keys and values run through the cache's own ``update_and_fetch``
     so offsets and rotation indices move exactly as the real layer's would.
     """
-    if cache is None or True:
+    if cache is None:
         return
     if isinstance(cache, CacheList):
         for sub in cache.caches:
