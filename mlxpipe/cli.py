@@ -215,7 +215,11 @@ BackendOpt = typer.Option(None, "--backend", help="mlx.launch backend: ring (TCP
 PipelineOpt = typer.Option("generic", "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline()).")
 PrefillOpt = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill step.")
 PortOpt = typer.Option(None, "--port", help="First ring port. [default: 32323; a free one when every rank is local]")
-TimeoutOpt = typer.Option(120.0, "--timeout", help="Watchdog: seconds without progress before the run is ended.")
+TimeoutOpt = typer.Option(
+    120.0, "--timeout",
+    help="Watchdog: seconds without progress before the run is ended. Ranks cut off from this machine "
+    "stop themselves after as long (5 to 30 s).",
+)
 TrustOpt = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code to run (off by default).")
 FromControllerOpt = typer.Option(
     False, "--from-controller", help="Hosts without internet: fetch on this machine once and send each host its own files."
@@ -317,8 +321,26 @@ class _nullcontext:
         return None
 
 
+def _stop_on_signals(fn: F) -> F:
+    """SIGINT, SIGTERM and SIGHUP stop every rank on the way out; exit 128 + the signal (130, 143, 129)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from mlxpipe.launch import Interrupted, interrupt_on_signals
+
+        try:
+            with interrupt_on_signals():
+                return fn(*args, **kwargs)
+        except Interrupted as e:
+            console.error(f"interrupted by {e.name}")
+            raise typer.Exit(e.exit_status) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 @app.command()
 @_boundary
+@_stop_on_signals
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; '-' reads it from standard input."),
     model: Optional[str] = ModelOpt,
@@ -387,6 +409,7 @@ def _stream_text(text: str) -> None:
 
 @app.command()
 @_boundary
+@_stop_on_signals
 def chat(
     model: Optional[str] = ModelOpt,
     hostfile: Optional[Path] = HostfileOpt,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from mlxpipe import storage
 from mlxpipe.errors import LaunchError
-from mlxpipe.launch import LaunchSpec, Ranks
+from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
 from mlxpipe.target import Target
@@ -22,6 +22,7 @@ from mlxpipe.target import Target
 DEFAULT_LOAD_TIMEOUT = 600.0
 DEFAULT_STEP_TIMEOUT = 120.0
 PIPELINE_MODES = ("generic", "native")
+WORKER = ("-m", "mlxpipe.worker")
 
 OnText = Callable[[str], None]
 
@@ -108,18 +109,25 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
 
 
 class Pipeline:
-    """A loaded pipeline on the cluster, ready for requests."""
+    """A loaded pipeline on the cluster, ready for requests.
 
-    def __init__(self, meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> None:
+    ``worker`` is what each rank runs before ``--job`` (tests substitute a worker
+    that misbehaves on purpose).
+    """
+
+    def __init__(self, meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions,
+                 worker: Sequence[str] = WORKER) -> None:
         self.meta, self.plan, self.target, self.options = meta, plan, target, options
-        job = job_spec(meta, plan, target, options)
+        self.job = job_spec(meta, plan, target, options)
+        # Ranks get these on mlx.launch's (and ssh's) command line: never a secret here.
         env = (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
         self.spec = LaunchSpec(
             hostfile=target.hostfile,
-            worker_args=("-m", "mlxpipe.worker", "--job", job.encode()),
+            worker_args=(*worker, "--job", self.job.encode()),
             backend=options.backend,
             env=env,
             port=options.port,
+            lease=lease_for(options.step_timeout),
         )
         self.ranks = Ranks(self.spec)
         self.loaded: dict[int, RankStats] = {}
@@ -140,7 +148,7 @@ class Pipeline:
                     on_loaded(stats)
                 if len(self.loaded) == self.ranks.size:
                     return
-        raise LaunchError("the ranks ended before loading the model", f"full log: {self.ranks.log_path}")
+        raise LaunchError("the ranks ended before loading the model", f"logs: {self.run_dir}")
 
     def generate(self, request: dict[str, Any], on_text: OnText | None = None) -> Answer:
         """Send one request; stream rank 0's text; return once every rank is done."""
@@ -169,7 +177,7 @@ class Pipeline:
                 if len(done) == self.ranks.size:
                     break
         else:
-            raise LaunchError("the ranks ended in the middle of a request", f"full log: {self.ranks.log_path}")
+            raise LaunchError("the ranks ended in the middle of a request", f"logs: {self.run_dir}")
         answer.ranks = [
             RankStats(s.rank, s.host, s.start, s.end, max(s.peak_memory_gb, peaks.get(s.rank, 0.0)), s.load_seconds)
             for s in sorted(self.loaded.values(), key=lambda s: s.rank)

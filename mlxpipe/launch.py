@@ -1,15 +1,41 @@
 """Starting and supervising the ranks through ``mlx.launch``.
 
 ``mlx.launch`` is run as a subprocess from an argument list (its public
-interface). It exits 0 even when a rank fails and leaves the other ranks
-running when one exits 0 early, so success is judged from the ranks' own
-events: every rank must say ``bye``. The first failure (a rank's ``error``
-event, or mlx.launch reporting a rank's exit) is the root cause; then every
-rank is stopped.
+interface). On its own it exits 0 when a rank fails, leaves the other ranks
+hanging when one exits 0 early, reports a remote rank killed by a signal only
+as ssh's status 255, and merges every rank's output. So each rank runs under a
+small supervisor (``python -m mlxpipe.launch --lease S -- <worker args>``, the
+second half of this module) that:
+
+* tags everything its worker prints as events carrying the rank, so the
+  controller keeps one log per rank (``rank-<r>.log`` in the run directory);
+* reports the worker's exit (``exited``: status, signal, whether it said
+  ``bye``), also for a remote rank killed by a signal;
+* sends ``alive`` every second, so the controller tells a silent host from a
+  stuck rank;
+* stops its worker when it hears no heartbeat from the controller for the
+  lease, so a rank whose controller or network is gone does not run forever.
+
+The controller side (``Ranks``) follows torchrun: one failure stops every
+rank; the root cause is reported first (host, rank, exit status or
+exception). A killed rank is often observed *after* the peers that noticed
+its death ("[ring] connection to a peer was lost"), so failures are collected
+for a short grace window and one that is not such a consequence is preferred.
+``stop()`` sends SIGTERM to mlx.launch's whole process group (local ranks, and
+the ssh clients whose closed connections hang up the remote ranks), then
+SIGKILL after a grace period. ``interrupt_on_signals`` turns SIGINT, SIGTERM
+and SIGHUP to the controller into ``Interrupted``, so the ranks are stopped on
+the way out and the command exits with 128 + the signal's number.
+
+A run directory (``mlxpipe_home()/runs/<id>/``) keeps ``command.txt`` (the
+exact mlx.launch command line), ``hostfile.json``, ``launch.log`` (what
+mlx.launch itself printed) and ``rank-<r>.log`` (each rank's output and events).
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import json
 import os
 import queue
@@ -22,9 +48,10 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator, Sequence
 
 from mlxpipe import protocol, remote
 from mlxpipe.errors import LaunchError
@@ -33,9 +60,33 @@ from mlxpipe.paths import mlxpipe_home
 
 DEFAULT_PORT = 32323
 KILL_GRACE_SECONDS = 3.0
+HEARTBEAT_SECONDS = 1.0
+# The lease follows the watchdog (--timeout), within these bounds.
+MIN_LEASE_SECONDS = 5.0
+MAX_LEASE_SECONDS = 30.0
+# Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
+START_TIMEOUT_SECONDS = 45.0
+# A supervisor's lease before its first heartbeat: longer, so the controller reports a
+# rank that never started before the others give up on it.
+STARTUP_LEASE_SECONDS = 60.0
+# How long to keep collecting failures after the first, looking for the root cause.
+ROOT_CAUSE_GRACE_SECONDS = 2.0
+HEARTBEAT_LINE = "@@mlxpipe-heartbeat@@"
+RUN_LOG = "launch.log"
+
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed|completed)")
-# mlx.launch logs a rank's exit on stderr up to ~0.1 s before it forwards that rank's last output.
+# mlx.launch logs a rank's exit before it forwards that rank's last output.
 _EXIT_GRACE_SECONDS = 1.5
+# What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
+_COMM_ERROR = re.compile(
+    r"connection to a peer was lost|(?:send|sending|recv|receiving) failed|closed by the peer"
+    r"|too many send/recv errors|connection reset by peer|broken pipe",
+    re.IGNORECASE,
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MAX_LINE = 2000  # characters of one log line per event: mlx.launch merges ranks in 8 KiB chunks
+_LAST_LINES = 5
+_POLL_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -47,7 +98,13 @@ class LaunchSpec:
     backend: str = "ring"
     env: tuple[tuple[str, str], ...] = ()
     port: int | None = None
+    lease: float = MAX_LEASE_SECONDS
     run_dir: Path = field(default_factory=lambda: new_run_dir())
+
+
+def lease_for(timeout: float) -> float:
+    """The lease for a run whose watchdog is ``timeout`` seconds."""
+    return min(max(timeout, MIN_LEASE_SECONDS), MAX_LEASE_SECONDS)
 
 
 def new_run_dir() -> Path:
@@ -81,12 +138,16 @@ def launch_argv(spec: LaunchSpec) -> list[str]:
 
 
 def rank_command(spec: LaunchSpec) -> list[str]:
-    """The command every rank runs; per-host interpreters are chosen by ``$MLX_RANK``."""
+    """The command every rank runs: the supervisor, which runs the worker with the same interpreter.
+
+    Per-host interpreters are chosen by ``$MLX_RANK``; mlx.launch quotes every argument.
+    """
+    supervised = ["-m", "mlxpipe.launch", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
     pythons = [remote.python_for(h) for h in spec.hostfile.hosts]
     if len(set(pythons)) == 1:
-        return [pythons[0], *spec.worker_args]
+        return [pythons[0], *supervised]
     cases = " ".join(f'{r}) exec {shlex.quote(p)} "$@";;' for r, p in enumerate(pythons))
-    return ["/bin/sh", "-c", f'case "$MLX_RANK" in {cases} esac; exit 127', "mlxpipe-rank", *spec.worker_args]
+    return ["/bin/sh", "-c", f'case "$MLX_RANK" in {cases} esac; exit 127', "mlxpipe-rank", *supervised]
 
 
 def default_port(hostfile: Hostfile) -> int:
@@ -116,14 +177,23 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# --- The controller side ------------------------------------------------------------------
+
+
 @dataclass
 class RankFailure:
-    """The first thing that went wrong, for the root-cause line."""
+    """One thing that went wrong; the root cause is chosen among these."""
 
     rank: int | None
     host: str | None
     what: str
-    detail: str | None = None
+    hint: str | None = None
+    secondary: bool = False  # a consequence of another failure (a lost peer, a stop)
+    at: float = field(default_factory=time.monotonic)
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} on {self.host}" if self.rank is not None else "the run"
 
 
 class Ranks:
@@ -133,12 +203,28 @@ class Ranks:
         self.spec = spec
         self.size = spec.hostfile.size
         self.argv = launch_argv(spec)
+        self.failures: list[RankFailure] = []
+        self.root_cause: RankFailure | None = None
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._exits: dict[int, str] = {}
         self._finished: set[int] = set()
-        self.failure: RankFailure | None = None
+        self._started: dict[int, dict[str, Any]] = {}
+        self._exited: set[int] = set()
+        self._errored: set[int] = set()
+        self._seen: dict[int, float] = {}
+        self._node_exits: dict[int, tuple[str, bool, float]] = {}  # rank -> (what, secondary, deadline)
+        self._comm_errors: set[int] = set()
+        self._last_lines: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=_LAST_LINES)
+        )
+        self._launcher_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
+        self._last_event: tuple[str, int | None] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self._logs: dict[int | None, IO[bytes]] = {}
+        self._log_lock = threading.Lock()
+        self._stdin_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._group_stopped = False
+        self._started_at = time.monotonic()
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle ---------------------------------------------------------------
@@ -147,173 +233,528 @@ class Ranks:
         run_dir = self.spec.run_dir
         (run_dir / "hostfile.json").write_text(json.dumps(self.spec.hostfile.to_mlx_launch(), indent=2))
         (run_dir / "command.txt").write_text(shlex.join(self.argv) + "\n")
-        self._log = open(run_dir / "launch.log", "ab", buffering=0)
+        self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)
+        self._started_at = time.monotonic()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # stdin must be a pipe: mlx.launch crashes when it is closed, and it broadcasts it to the ranks.
         self._proc = subprocess.Popen(
             self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, start_new_session=True,
         )
-        for target, stream in ((self._read_stdout, self._proc.stdout), (self._read_stderr, self._proc.stderr)):
-            t = threading.Thread(target=target, args=(stream,), daemon=True)
+        readers = [threading.Thread(target=self._read, args=(s,), daemon=True)
+                   for s in (self._proc.stdout, self._proc.stderr)]
+        for t in readers:
             t.start()
-            self._threads.append(t)
+        self._threads = readers
+        threading.Thread(target=self._wait_end, daemon=True).start()
+        threading.Thread(target=self._heartbeat, daemon=True).start()
 
     def send(self, request: dict[str, Any]) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(protocol.encode_request(request))
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the ranks are gone; the event stream reports why
+        self._write(protocol.encode_request(request))
 
     def events(self, timeout: float) -> Iterator[dict[str, Any]]:
-        """Yield events; raise ``LaunchError`` (root cause first) on any failure.
+        """Yield the workers' events; raise ``LaunchError`` (root cause first) on any failure.
 
-        ``timeout`` is the watchdog: the longest silence tolerated between events.
+        ``timeout`` is the watchdog: the longest time without progress (any event but
+        the supervisors' ``alive``) before the run is ended.
         """
-        exited: dict[int, float] = {}  # rank -> when it must have said bye
-        last = time.monotonic()
+        last_progress = time.monotonic()
         while True:
-            now = time.monotonic()
-            for rank, deadline in exited.items():
-                if rank not in self._finished and now > deadline:
-                    self._fail(RankFailure(rank, self._host(rank), self._exits[rank]))
-                    self.stop()
-                    raise self._error()
-            if now - last > timeout:
-                self._fail(RankFailure(None, None, f"no progress from any rank for {timeout:.0f} s",
-                                       "a host may have stopped answering (mlx's ring has no receive timeout)"))
-                self.stop()
-                raise self._error()
+            self._check_liveness(timeout, last_progress)
+            if self.failures:
+                raise self._fail()
             try:
-                event = self._events.get(timeout=0.25)
+                event = self._events.get(timeout=0.2)
             except queue.Empty:
                 continue
             if event is None:  # mlx.launch ended
                 self._on_launch_end()
                 return
-            kind = event.get("event")
-            if kind == "_exit":
-                exited[event["rank"]] = time.monotonic() + _EXIT_GRACE_SECONDS
+            if self._record(event):
+                last_progress = time.monotonic()
+                yield event
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask every rank to exit cleanly; stop them if they do not."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._stopped.set()
+            return
+        self.send({"type": "exit"})
+        deadline = time.monotonic() + timeout
+        try:
+            for _ in self.events(timeout=max(1.0, timeout)):
+                if len(self._finished) == self.size or time.monotonic() > deadline:
+                    break
+            self._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop every rank: SIGTERM to mlx.launch's process group, SIGKILL after a grace period.
+
+        The group holds mlx.launch, the local ranks and the ssh clients of the remote
+        ones; a closed ssh connection hangs up (SIGHUP) the remote rank's terminal.
+        """
+        self._stopped.set()
+        proc = self._proc
+        if proc is None or self._group_stopped:
+            return
+        self._group_stopped = True
+        if proc.poll() is None:
+            _killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=KILL_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever of the group outlived mlx.launch (a rank ignoring SIGTERM) goes now.
+        _killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir
+
+    def rank_log(self, rank: int) -> Path:
+        """Everything rank ``rank`` printed, and its supervisor's events."""
+        return self.spec.run_dir / f"rank-{rank}.log"
+
+    # --- reading mlx.launch's output ----------------------------------------------
+
+    def _read(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = _ANSI.sub("", raw.decode(errors="replace")).rstrip("\r\n")
+            event = protocol.parse_event(line)
+            rank = event.get("rank") if event else None
+            if event is not None and isinstance(rank, int):
+                # When it arrived, not when it is read: a chat may leave events queued for minutes.
+                self._seen[rank] = time.monotonic()
+                self._log_event(rank, event)
+                self._events.put(event)
                 continue
-            last = time.monotonic()
-            if kind == "error":
-                rank = event.get("rank")
-                self._fail(RankFailure(rank, self._host(rank) or event.get("host"),
-                                       f"{event.get('type', 'error')}: {event.get('message')}", event.get("traceback")))
-                self.stop()
-                raise self._error()
-            if kind == "bye":
-                self._finished.add(int(event.get("rank", -1)))
-            yield event
+            if line.strip() == HEARTBEAT_LINE:
+                continue  # a terminal's echo before mlx.launch turned it off
+            self._log_line(None, line)
+            if line.strip():
+                self._launcher_lines.append(line.strip())
+            m = _NODE_EXIT.search(line)
+            if m:
+                self._events.put({"event": "_node_exit", "rank": int(m.group(1)), "line": m.group(0),
+                                  "code": None if m.group(2) is None else int(m.group(2))})
+
+    def _wait_end(self) -> None:
+        for t in self._threads:
+            t.join()
+        if self._proc is not None:
+            self._proc.wait()
+        self._events.put(None)
+
+    def _log_event(self, rank: int, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "log":
+            self._log_line(rank, str(event.get("text", "")))
+        elif kind not in ("alive", "token"):
+            self._log_line(rank, protocol.EVENT_PREFIX + json.dumps(event))
+
+    def _log_line(self, rank: int | None, line: str) -> None:
+        with self._log_lock:
+            log = self._logs.get(rank)
+            if log is None:
+                log = self._logs[rank] = open(self.rank_log(rank), "ab", buffering=0)  # type: ignore[arg-type]
+            log.write(line.encode(errors="replace") + b"\n")
+
+    def _write(self, data: bytes) -> None:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        with self._stdin_lock:
+            try:
+                proc.stdin.write(data)
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass  # the ranks are gone; the event stream reports why
+
+    def _heartbeat(self) -> None:
+        # Only once every supervisor runs: a remote terminal echoes what arrives before
+        # mlx.launch's script turns echo off, and mlx.launch reads its first line as a pid file.
+        while not self._stopped.wait(HEARTBEAT_SECONDS):
+            if len(self._started) == self.size:
+                self._write(f"{HEARTBEAT_LINE}\n".encode())
+
+    # --- events -> state and failures ----------------------------------------------
+
+    def _record(self, event: dict[str, Any]) -> bool:
+        """Update the state from one event; True for the workers' own events (progress)."""
+        kind = event.get("event")
+        rank = event.get("rank")
+        if kind == "_node_exit":
+            self._on_node_exit(event)
+            return False
+        assert isinstance(rank, int)
+        if kind == "alive":
+            return False
+        if kind == "started":
+            self._started[rank] = event
+            return False
+        if kind == "log":
+            text = str(event.get("text", ""))
+            if text.strip():
+                self._last_lines[rank].append(text.strip())
+            if _COMM_ERROR.search(text):
+                self._comm_errors.add(rank)
+            return False
+        self._last_event = (str(kind), rank)
+        if kind == "exited":
+            self._on_exited(event)
+            return False
+        if kind == "error":
+            message = str(event.get("message"))
+            comm = bool(_COMM_ERROR.search(message))
+            self._errored.add(rank)
+            if comm:
+                self._comm_errors.add(rank)
+            self._add(rank, f"{event.get('type', 'Error')}: {message}", event.get("hint"), secondary=comm)
+            return False
+        if kind == "bye":
+            self._finished.add(rank)
+        return True
+
+    def _on_exited(self, event: dict[str, Any]) -> None:
+        rank = int(event["rank"])
+        self._exited.add(rank)
+        code = event.get("returncode")
+        stopped = event.get("stopped")
+        if event.get("finished") and code == 0:
+            return
+        if rank in self._errored:
+            return  # its error event already says what went wrong
+        if stopped == "lease":
+            self._add(rank, f"stopped its worker: no heartbeat from this controller for {self.spec.lease:g} s",
+                      "the network between this machine and that host failed for a while")
+            return
+        if stopped:
+            self._add(rank, f"stopped by {stopped}", secondary=True)
+            return
+        status = _describe_status(code)
+        if code == 0:
+            self._add(rank, f"{status} before finishing (mlx.launch would leave the other ranks waiting)")
+            return
+        last = self._last_lines.get(rank)
+        detail = f" (last output: {last[-1]})" if last and code and code > 0 else ""
+        self._add(rank, f"{status}{detail}", secondary=rank in self._comm_errors)
+
+    def _on_node_exit(self, event: dict[str, Any]) -> None:
+        """mlx.launch saw a rank's process end; its supervisor's ``exited`` normally says more."""
+        rank, code = int(event["rank"]), event.get("code")
+        if "completed" in event["line"] and rank in self._finished:
+            return
+        if "was killed" in event["line"]:
+            what, secondary = "was stopped by mlx.launch after another rank failed", True
+        elif code == 255 and not self.spec.hostfile.hosts[rank].is_local:
+            what, secondary = "its ssh connection failed (exit status 255)", False
+        else:
+            what, secondary = _describe_status(code if code is not None else 0), False
+            if code in (0, None):
+                what += " before finishing"
+        self._node_exits.setdefault(rank, (what, secondary, time.monotonic() + _EXIT_GRACE_SECONDS))
+
+    def _check_liveness(self, timeout: float, last_progress: float) -> None:
+        """The watchdogs: a silent host (no ``alive`` for the lease), no progress, lost exits."""
+        now = time.monotonic()
+        for rank, (what, secondary, deadline) in list(self._node_exits.items()):
+            if now > deadline and rank not in self._exited:
+                del self._node_exits[rank]
+                self._add(rank, what, secondary=secondary)
+        running = [r for r in self._started if r not in self._exited]
+        silent = {r: now - self._seen.get(r, now) for r in running}
+        lost = [r for r, quiet in silent.items() if quiet > self.spec.lease]
+        stalled = now - last_progress > timeout
+        if stalled and not lost:
+            lost = [r for r, quiet in silent.items() if quiet > 3 * HEARTBEAT_SECONDS]
+        unstarted = [r for r in range(self.size) if r not in self._started and r not in self._exited]
+        if lost:
+            rank = max(lost, key=lambda r: silent[r])
+            self._add(rank, f"stopped answering: nothing heard from its host for {silent[rank]:.0f} s",
+                      f"that host or the network to it may be down (its rank stops itself after "
+                      f"{self.spec.lease:g} s without word from here); check it with `mlxpipe doctor`")
+        elif unstarted and (stalled or now - self._started_at > START_TIMEOUT_SECONDS):
+            self._add(unstarted[0], f"never started: no word from it in {now - self._started_at:.0f} s",
+                      "check that host with `mlxpipe doctor`, and its log in the run directory")
+        elif stalled:
+            last = f"; the last event was {self._last_event[0]} from rank {self._last_event[1]}" if self._last_event else ""
+            self._add(None, f"no progress from any rank for {timeout:g} s, though every host still answers{last}",
+                      "a rank may be stuck in a collective (mlx's ring has no receive timeout); "
+                      "raise --timeout if the model is just slow")
+
+    def _add(self, rank: int | None, what: str, hint: str | None = None, *, secondary: bool = False) -> None:
+        if self._stopped.is_set():
+            return  # what the ranks report while being stopped is no failure of theirs
+        self.failures.append(RankFailure(rank, self._host(rank), what, hint, secondary))
+
+    def _on_launch_end(self) -> None:
+        """mlx.launch exited: fine if every rank said bye, else the ranks that did not failed."""
+        for rank, (what, secondary, _) in self._node_exits.items():
+            if rank not in self._exited:
+                self._add(rank, what, secondary=secondary)
+        self._node_exits.clear()
+        missing = sorted(set(range(self.size)) - self._finished)
+        if missing and not self.failures:
+            said = next((x for x in reversed(self._launcher_lines) if not _NODE_EXIT.search(x)), None)
+            self._add(missing[0], "ended before finishing: mlx.launch exited" + (f" ({said})" if said else ""))
+        if self.failures:
+            raise self._fail()
+
+    # --- the root cause -------------------------------------------------------------
+
+    def _fail(self) -> LaunchError:
+        """Settle on the root cause, stop every rank, and build the error to raise."""
+        if self.root_cause is None:
+            self._settle()
+            primary = [f for f in self.failures if not f.secondary]
+            self.root_cause = min(primary or self.failures, key=lambda f: f.at)
+        self.stop()
+        return self._error()
+
+    def _settle(self) -> None:
+        """Collect what else fails within the grace window, unless the root cause is plain already."""
+        deadline = min(f.at for f in self.failures) + ROOT_CAUSE_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            plain = any(not f.secondary for f in self.failures)
+            try:
+                if plain:  # only what has already arrived, for the hint
+                    event = self._events.get_nowait()
+                else:
+                    event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if event is None:
+                self._events.put(None)
+                for rank, (what, secondary, _) in self._node_exits.items():
+                    if rank not in self._exited:
+                        self._add(rank, what, secondary=secondary)
+                self._node_exits.clear()
+                return
+            self._record(event)
+
+    def _error(self) -> LaunchError:
+        root = self.root_cause
+        assert root is not None
+        others = [f for f in self.failures if f is not root and f.rank != root.rank]
+        parts = [root.hint] if root.hint else []
+        if others:
+            first = min(others, key=lambda f: f.at)
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            parts.append(f"the root cause; after it {first.where} failed ({first.what}){more}")
+        log = f" ({self.rank_log(root.rank).name})" if root.rank is not None else ""
+        parts.append(f"every rank was stopped; logs: {self.spec.run_dir}{log}")
+        message = f"{root.where}: {root.what}" if root.rank is not None else root.what
+        return LaunchError(message, "; ".join(parts))
 
     def _host(self, rank: int | None) -> str | None:
         if rank is None or not 0 <= rank < self.size:
             return None
         return self.spec.hostfile.hosts[rank].ssh
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Ask every rank to exit cleanly; stop them if they do not."""
-        if self._proc is None or self._proc.poll() is not None:
-            return
-        self.send({"type": "exit"})
-        deadline = time.monotonic() + timeout
-        for _ in self.events(timeout=max(1.0, timeout)):
-            if len(self._finished) == self.size or time.monotonic() > deadline:
-                break
-        try:
-            self._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.stop()
 
-    def stop(self) -> None:
-        """Stop every rank: SIGTERM to the whole process group, SIGKILL after a grace period."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=KILL_GRACE_SECONDS)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    @property
-    def log_path(self) -> Path:
-        return self.spec.run_dir / "launch.log"
-
-    # --- internals ---------------------------------------------------------------
-
-    def _read_stdout(self, stream: Any) -> None:
-        for raw in stream:
-            if self._log:
-                self._log.write(raw)
-            event = protocol.parse_event(raw.decode(errors="replace"))
-            if event is not None:
-                self._events.put(event)
-        if self._proc is not None:
-            self._proc.wait()
-        for t in self._threads[1:]:
-            t.join(timeout=2)
-        self._events.put(None)
-
-    def _read_stderr(self, stream: Any) -> None:
-        for raw in stream:
-            if self._log:
-                self._log.write(raw)
-            line = raw.decode(errors="replace")
-            m = _NODE_EXIT.search(line)
-            if m:
-                rank = int(m.group(1))
-                if "killed" in m.group(0):
-                    how = "was killed"
-                elif m.group(2) is not None and m.group(2) != "0":
-                    how = f"exited with status {m.group(2)}" + _signal_name(int(m.group(2)))
-                else:
-                    how = "exited with status 0 before finishing (mlx.launch would leave the others running)"
-                self._exits.setdefault(rank, how)
-                self._events.put({"event": "_exit", "rank": rank})
-
-    def _on_launch_end(self) -> None:
-        missing = sorted(set(range(self.size)) - self._finished)
-        if not missing or self.failure is not None and self.failure.rank is not None:
-            if self.failure is not None:
-                raise self._error()
-            return
-        failed = [r for r in missing if r in self._exits]
-        rank = failed[0] if failed else missing[0]
-        self._fail(RankFailure(rank, self._host(rank), self._exits.get(rank, "exited before finishing")))
-        raise self._error()
-
-    def _fail(self, failure: RankFailure) -> None:
-        if self.failure is None:
-            self.failure = failure
-
-    def _error(self) -> LaunchError:
-        f = self.failure
-        assert f is not None
-        where = f"rank {f.rank} on {f.host}" if f.rank is not None else "the pipeline"
-        hint = f"full log: {self.log_path}"
-        if f.detail and not f.detail.startswith("Traceback"):
-            hint = f"{f.detail}; {hint}"
-        return LaunchError(f"{where}: {f.what}", hint)
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
-def _signal_name(code: int) -> str:
-    """`` (SIGKILL)`` for a negative status, as Popen reports deaths by signal."""
+def _describe_status(code: int | None) -> str:
+    """``killed by SIGKILL (exit status -9)``, ``exited with status 3``."""
+    if code is None:
+        return "exited"
     if code < 0:
         try:
-            return f" ({signal.Signals(-code).name})"
+            return f"killed by {signal.Signals(-code).name} (exit status {code})"
         except ValueError:
-            return ""
-    if code > 128:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+# --- Signals to the controller -----------------------------------------------------------
+
+
+class Interrupted(KeyboardInterrupt):
+    """The controller received SIGINT, SIGTERM or SIGHUP; exit with ``128 + signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+@contextmanager
+def interrupt_on_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Turn the first of these signals into ``Interrupted``, so the ranks are stopped on the way out.
+
+    Later ones are ignored while the ranks are being stopped. Only the main thread can
+    set handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# --- The rank side: ``python -m mlxpipe.launch --lease S -- <worker args>`` ------------------
+
+
+class _Supervisor:
+    """Runs one rank's worker with this interpreter; see the module docstring."""
+
+    child: subprocess.Popen[bytes]
+
+    def __init__(self, worker_args: Sequence[str], lease: float) -> None:
+        self.worker_args = list(worker_args)
+        self.rank = int(os.environ.get("MLX_RANK", "-1"))
+        self.lease = lease
+        self.started = time.monotonic()
+        self.last_heartbeat: float | None = None
+        self.finished = False
+        self.stop_reason: str | None = None
+        self._wake = threading.Event()
+        self._out = threading.Lock()
+
+    def run(self) -> int:
+        """Run the worker to its end (or stop it); return its exit status, 128 + N for signal N."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.child = subprocess.Popen(
+            [sys.executable, *self.worker_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.emit("started", pid=self.child.pid, supervisor=os.getpid())
+        pumps = [threading.Thread(target=self._pump, args=(s, n), daemon=True)
+                 for s, n in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr"))]
+        for t in pumps:
+            t.start()
+        threading.Thread(target=self._read_stdin, daemon=True).start()
+        last_alive = 0.0
+        while self.child.poll() is None and self.stop_reason is None:
+            if self._lease_expired():
+                self.stop_reason = "lease"
+                break
+            if time.monotonic() - last_alive >= HEARTBEAT_SECONDS:
+                self.emit("alive")
+                last_alive = time.monotonic()
+            self._wake.wait(_POLL_SECONDS)
+        if self.child.poll() is None:
+            _terminate(self.child)
+        code = self.child.wait()
+        for t in pumps:
+            t.join(timeout=2)
+        self.emit("exited", returncode=code, signal=_signal_name(code), stopped=self.stop_reason,
+                  finished=self.finished)
+        return 128 - code if code < 0 else code
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = protocol.EVENT_PREFIX + json.dumps({"event": event, "rank": self.rank, **fields}) + "\n"
+        data = line.encode()
+        with self._out:
+            try:
+                while data:
+                    data = data[os.write(1, data):]
+            except OSError:
+                pass  # the controller is gone (a hung-up terminal): nobody to tell
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop_reason = self.stop_reason or signal.Signals(signum).name
+        self._wake.set()
+
+    def _lease_expired(self) -> bool:
+        now = time.monotonic()
+        if self.last_heartbeat is None:
+            return now - self.started > max(self.lease, STARTUP_LEASE_SECONDS)
+        return now - self.last_heartbeat > self.lease
+
+    def _read_stdin(self) -> None:
+        """Requests go on to the worker; heartbeats renew the lease."""
+        assert self.child.stdin is not None
+        for line in sys.stdin.buffer:
+            if line.strip() == HEARTBEAT_LINE.encode():
+                self.last_heartbeat = time.monotonic()
+                continue
+            try:
+                self.child.stdin.write(line)
+                self.child.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                return
         try:
-            return f" ({signal.Signals(code - 128).name})"
-        except ValueError:
-            return ""
-    return ""
+            self.child.stdin.close()
+        except OSError:
+            pass
+
+    def _pump(self, stream: IO[bytes], name: str) -> None:
+        """Forward the worker's events with its rank, and every other line as a ``log`` event."""
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            event = protocol.parse_event(line)
+            if event is None:
+                for i in range(0, max(len(line), 1), _MAX_LINE):
+                    self.emit("log", stream=name, text=line[i : i + _MAX_LINE])
+                continue
+            kind = event.pop("event", None)
+            if kind == "bye":
+                self.finished = True
+            trace = event.pop("traceback", None) if kind == "error" else None
+            for text in (trace or "").splitlines():
+                self.emit("log", stream=name, text=text[:_MAX_LINE])
+            event["rank"] = self.rank
+            self.emit(str(kind), **event)
+
+
+def _terminate(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after the grace period."""
+    child.terminate()
+    try:
+        child.wait(timeout=KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
+def _signal_name(code: int) -> str | None:
+    try:
+        return signal.Signals(-code).name if code < 0 else None
+    except ValueError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the supervisor that ``mlx.launch`` starts on every rank."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxpipe.launch",
+        description="Run one rank's worker under mlxpipe's supervisor (mlx.launch starts this on every rank).",
+    )
+    parser.add_argument("--lease", type=float, default=MAX_LEASE_SECONDS,
+                        help="stop the worker after this many seconds without a heartbeat")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
+    args = parser.parse_args(argv)
+    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    if not worker_args:
+        parser.error("no worker command after --")
+    return _Supervisor(worker_args, args.lease).run()
+
+
+if __name__ == "__main__":
+    # os._exit: the thread blocked reading stdin would make a normal exit abort (SIGABRT).
+    os._exit(main())

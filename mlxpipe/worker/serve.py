@@ -129,6 +129,9 @@ class Server:
             generated.append(response.token)
             self._emit_token(request, response)
         assert response is not None  # stream_generate always yields once
+        # generate_step computes one step ahead; let it finish before any other
+        # collective (CPU-stream barriers, seeds) can interleave with its ops.
+        mx.synchronize()
 
         # Every token stream_generate yields has been fed to the cache.
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
@@ -169,7 +172,9 @@ class Server:
             raise UsageError("a generate request needs exactly one of prompt and messages")
         use_template = not request.get("ignore_chat_template") and tokenizer.has_chat_template
         if messages is None and not use_template:
-            return list(tokenizer.encode(prompt))
+            # As stream_generate: no second BOS when the prompt brings one.
+            bos = tokenizer.bos_token
+            return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         if not use_template:
             raise UsageError("chat messages need a tokenizer with a chat template")
         messages = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
