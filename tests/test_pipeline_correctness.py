@@ -295,6 +295,22 @@ def test_worker_events(worker_run, tiny_models) -> None:
     assert "failed" not in result.stderr.lower(), result.stderr[-2000:]
 
 
+def test_worker_on_a_single_rank(tiny_models, tmp_path: Path) -> None:
+    """One host needs no pipeline (mlx.launch then passes an empty hostfile)."""
+    job = JobSpec([str(tiny_models["qwen2"])], [6], prefill_step_size=PREFILL_STEP)
+    result = launch(
+        local_hostfile(1, tmp_path),
+        [PYTHON, "-m", "mlxpipe.worker", "--job", job.encode()],
+        requests=[_request({"prompt": QUESTION}), {"type": "exit"}],
+        timeout=60,
+    )
+    assert not result.of("error") and not result.timed_out, result.describe()
+    assert [e["layers"] for e in result.of("loaded")] == [[0, 6]]
+    expected = reference_tokens(tiny_models["qwen2"], [{"prompt": QUESTION}])[0]
+    assert [e["tokens"] for e in result.of("done")] == [expected]
+    assert len(result.of("bye")) == 1
+
+
 def test_worker_reports_missing_weights(tiny_models, tmp_path: Path) -> None:
     split = [3, 3]
     dirs = rank_dirs(tiny_models["qwen2"], split, tmp_path)
@@ -422,10 +438,10 @@ def test_stand_in_caches_keep_the_real_bookkeeping(kind: str) -> None:
         advance_cache(stand_in, 1, step)
         for r, s in _kv_parts(real, stand_in, CacheList):
             assert (r.offset, getattr(r, "_idx", None)) == (s.offset, getattr(s, "_idx", None))
-            for n, window, as_array in [(1, None, False), (4, None, True), (4, 4, False), (1, 4, False)]:
+            for n, window, as_array in [(1, None, 0), (4, None, 1), (4, 4, 0), (1, 4, 0)]:
                 h = mx.zeros((1, n, 8))
-                m_real = create_attention_mask(h, r, window_size=window, return_array=as_array)
-                m_stand = create_attention_mask(h, s, window_size=window, return_array=as_array)
+                m_real = create_attention_mask(h, r, window_size=window, return_array=bool(as_array))
+                m_stand = create_attention_mask(h, s, window_size=window, return_array=bool(as_array))
                 if isinstance(m_real, mx.array):
                     assert mx.array_equal(m_real, m_stand)
                 else:

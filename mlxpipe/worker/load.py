@@ -73,7 +73,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
     """Load, pipeline and evaluate this rank's part of the model."""
     tic = time.perf_counter()
     rank = group.rank()
-    path = Path(job.model_paths[rank])
+    path = Path(job.model_paths[rank]).expanduser()  # remote paths may start with ~
     if not (path / "config.json").is_file():
         raise ModelError(f"rank {rank}: no config.json in {path}")
     recorder = _LoadRecorder()
@@ -140,7 +140,9 @@ def barrier(group: Any) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
 
-def check_pipelinable(model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False) -> None:
+def check_pipelinable(
+    model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False
+) -> None:
     """Raise ModelError unless mlxpipe can pipeline the model at ``model_path``.
 
     Cheap: builds the model from its config without reading any weights, so

@@ -7,6 +7,7 @@ streams ``token`` events; every rank ends a request with ``done``.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -57,6 +58,10 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit
 
 def init_group(world_size: int) -> Any:
     """The distributed group of the job; a single rank needs no backend."""
+    if world_size == 1:
+        # mlx.launch gives a lone rank an empty hostfile, which the ring
+        # backend fails to parse even when not strict.
+        os.environ.pop("MLX_HOSTFILE", None)
     group = mx.distributed.init(strict=world_size > 1)
     if group.size() != world_size:
         raise LaunchError(
@@ -174,10 +179,13 @@ class Server:
         if messages is None and not use_template:
             # As stream_generate: no second BOS when the prompt brings one.
             bos = tokenizer.bos_token
-            return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+            add_bos = bos is None or not prompt.startswith(bos)
+            return list(tokenizer.encode(prompt, add_special_tokens=add_bos))
         if not use_template:
             raise UsageError("chat messages need a tokenizer with a chat template")
-        messages = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
+        if messages is None:
+            messages = [{"role": "user", "content": prompt}]
+        messages = list(messages)
         system = request.get("system_prompt")
         if system is not None and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": system})
