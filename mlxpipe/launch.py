@@ -395,6 +395,8 @@ class Ranks:
             return False
         if kind == "started":
             self._started[rank] = event
+            if len(self._started) == self.size and self._proc is not None:
+                lower_priority(self._proc.pid)
             return False
         if kind == "log":
             text = str(event.get("text", ""))
@@ -554,6 +556,23 @@ class Ranks:
         if rank is None or not 0 <= rank < self.size:
             return None
         return self.spec.hostfile.hosts[rank].ssh
+
+
+def lower_priority(pid: int) -> None:
+    """Make mlx.launch (not its ranks) yield the CPU to the ranks.
+
+    Its per-rank I/O threads select() on the rank's stdin, which is always
+    writable, so they never block and take ~1.6 cores from the ranks on the
+    controller's host. The ranks already run, so renicing mlx.launch now leaves
+    them be. Linux sets niceness per thread, hence every task.
+    """
+    tasks = Path(f"/proc/{pid}/task")
+    ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [pid]
+    for tid in ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except OSError:
+            pass  # gone already, or not ours: only speed is at stake
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
