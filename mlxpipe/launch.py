@@ -4,8 +4,8 @@
 interface). On its own it exits 0 when a rank fails, leaves the other ranks
 hanging when one exits 0 early, reports a remote rank killed by a signal only
 as ssh's status 255, and merges every rank's output. So each rank runs under a
-small supervisor (``python -m mlxpipe.launch --lease S -- <worker args>``, the
-second half of this module) that:
+small supervisor (``python -m mlxpipe.supervisor --lease S -- <worker args>``,
+``mlxpipe/supervisor.py``) that:
 
 * tags everything its worker prints as events carrying the rank, so the
   controller keeps one log per rank (``rank-<r>.log`` in the run directory);
@@ -34,7 +34,6 @@ mlx.launch itself printed) and ``rank-<r>.log`` (each rank's output and events).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -57,21 +56,20 @@ from mlxpipe import protocol, remote
 from mlxpipe.errors import LaunchError
 from mlxpipe.hostfile import Hostfile
 from mlxpipe.paths import mlxpipe_home
+from mlxpipe.supervisor import (
+    HEARTBEAT_LINE,
+    HEARTBEAT_SECONDS,
+    KILL_GRACE_SECONDS,
+    MAX_LEASE_SECONDS,
+)
 
 DEFAULT_PORT = 32323
-KILL_GRACE_SECONDS = 3.0
-HEARTBEAT_SECONDS = 1.0
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
-MAX_LEASE_SECONDS = 30.0
 # Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
 START_TIMEOUT_SECONDS = 45.0
-# A supervisor's lease before its first heartbeat: longer, so the controller reports a
-# rank that never started before the others give up on it.
-STARTUP_LEASE_SECONDS = 60.0
 # How long to keep collecting failures after the first, looking for the root cause.
 ROOT_CAUSE_GRACE_SECONDS = 2.0
-HEARTBEAT_LINE = "@@mlxpipe-heartbeat@@"
 RUN_LOG = "launch.log"
 
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed|completed)")
@@ -84,9 +82,7 @@ _COMM_ERROR = re.compile(
     re.IGNORECASE,
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_MAX_LINE = 2000  # characters of one log line per event: mlx.launch merges ranks in 8 KiB chunks
 _LAST_LINES = 5
-_POLL_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -142,7 +138,7 @@ def rank_command(spec: LaunchSpec) -> list[str]:
 
     Per-host interpreters are chosen by ``$MLX_RANK``; mlx.launch quotes every argument.
     """
-    supervised = ["-m", "mlxpipe.launch", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
+    supervised = ["-m", "mlxpipe.supervisor", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
     pythons = [remote.python_for(h) for h in spec.hostfile.hosts]
     if len(set(pythons)) == 1:
         return [pythons[0], *supervised]
@@ -633,147 +629,3 @@ def interrupt_on_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-# --- The rank side: ``python -m mlxpipe.launch --lease S -- <worker args>`` ------------------
-
-
-class _Supervisor:
-    """Runs one rank's worker with this interpreter; see the module docstring."""
-
-    child: subprocess.Popen[bytes]
-
-    def __init__(self, worker_args: Sequence[str], lease: float) -> None:
-        self.worker_args = list(worker_args)
-        self.rank = int(os.environ.get("MLX_RANK", "-1"))
-        self.lease = lease
-        self.started = time.monotonic()
-        self.last_heartbeat: float | None = None
-        self.finished = False
-        self.stop_reason: str | None = None
-        self._wake = threading.Event()
-        self._out = threading.Lock()
-
-    def run(self) -> int:
-        """Run the worker to its end (or stop it); return its exit status, 128 + N for signal N."""
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._on_signal)
-        self.child = subprocess.Popen(
-            [sys.executable, *self.worker_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.emit("started", pid=self.child.pid, supervisor=os.getpid())
-        pumps = [threading.Thread(target=self._pump, args=(s, n), daemon=True)
-                 for s, n in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr"))]
-        for t in pumps:
-            t.start()
-        threading.Thread(target=self._read_stdin, daemon=True).start()
-        last_alive = 0.0
-        while self.child.poll() is None and self.stop_reason is None:
-            if self._lease_expired():
-                self.stop_reason = "lease"
-                break
-            if time.monotonic() - last_alive >= HEARTBEAT_SECONDS:
-                self.emit("alive")
-                last_alive = time.monotonic()
-            self._wake.wait(_POLL_SECONDS)
-        if self.child.poll() is None:
-            _terminate(self.child)
-        code = self.child.wait()
-        for t in pumps:
-            t.join(timeout=2)
-        self.emit("exited", returncode=code, signal=_signal_name(code), stopped=self.stop_reason,
-                  finished=self.finished)
-        return 128 - code if code < 0 else code
-
-    def emit(self, event: str, **fields: Any) -> None:
-        line = protocol.EVENT_PREFIX + json.dumps({"event": event, "rank": self.rank, **fields}) + "\n"
-        data = line.encode()
-        with self._out:
-            try:
-                while data:
-                    data = data[os.write(1, data):]
-            except OSError:
-                pass  # the controller is gone (a hung-up terminal): nobody to tell
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.stop_reason = self.stop_reason or signal.Signals(signum).name
-        self._wake.set()
-
-    def _lease_expired(self) -> bool:
-        now = time.monotonic()
-        if self.last_heartbeat is None:
-            return now - self.started > max(self.lease, STARTUP_LEASE_SECONDS)
-        return now - self.last_heartbeat > self.lease
-
-    def _read_stdin(self) -> None:
-        """Requests go on to the worker; heartbeats renew the lease."""
-        assert self.child.stdin is not None
-        for line in sys.stdin.buffer:
-            if line.strip() == HEARTBEAT_LINE.encode():
-                self.last_heartbeat = time.monotonic()
-                continue
-            try:
-                self.child.stdin.write(line)
-                self.child.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                return
-        try:
-            self.child.stdin.close()
-        except OSError:
-            pass
-
-    def _pump(self, stream: IO[bytes], name: str) -> None:
-        """Forward the worker's events with its rank, and every other line as a ``log`` event."""
-        for raw in stream:
-            line = raw.decode(errors="replace").rstrip("\r\n")
-            event = protocol.parse_event(line)
-            if event is None:
-                for i in range(0, max(len(line), 1), _MAX_LINE):
-                    self.emit("log", stream=name, text=line[i : i + _MAX_LINE])
-                continue
-            kind = event.pop("event", None)
-            if kind == "bye":
-                self.finished = True
-            trace = event.pop("traceback", None) if kind == "error" else None
-            for text in (trace or "").splitlines():
-                self.emit("log", stream=name, text=text[:_MAX_LINE])
-            event["rank"] = self.rank
-            self.emit(str(kind), **event)
-
-
-def _terminate(child: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after the grace period."""
-    child.terminate()
-    try:
-        child.wait(timeout=KILL_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        child.kill()
-
-
-def _signal_name(code: int) -> str | None:
-    try:
-        return signal.Signals(-code).name if code < 0 else None
-    except ValueError:
-        return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the supervisor that ``mlx.launch`` starts on every rank."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mlxpipe.launch",
-        description="Run one rank's worker under mlxpipe's supervisor (mlx.launch starts this on every rank).",
-    )
-    parser.add_argument("--lease", type=float, default=MAX_LEASE_SECONDS,
-                        help="stop the worker after this many seconds without a heartbeat")
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
-    args = parser.parse_args(argv)
-    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
-    if not worker_args:
-        parser.error("no worker command after --")
-    return _Supervisor(worker_args, args.lease).run()
-
-
-if __name__ == "__main__":
-    # os._exit: the thread blocked reading stdin would make a normal exit abort (SIGABRT).
-    os._exit(main())

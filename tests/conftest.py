@@ -6,7 +6,6 @@ live in ``tests/fixtures/`` and are session-scoped; they are imported here.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

@@ -76,11 +76,11 @@ def _is_rank_process(cmdline: str) -> bool:
     """A rank's supervisor or worker (mlx.launch names them too, after ``--``)."""
     if "mlx.launch " in cmdline:
         return False
-    return "mlxpipe.launch" in cmdline or "mlxpipe.worker" in cmdline or "faulty_worker" in cmdline
+    return "mlxpipe.supervisor" in cmdline or "mlxpipe.worker" in cmdline or "faulty_worker" in cmdline
 
 
 def _is_worker(cmdline: str) -> bool:
-    return "mlxpipe.launch" not in cmdline and ("-m mlxpipe.worker" in cmdline or "faulty_worker" in cmdline)
+    return "mlxpipe.supervisor" not in cmdline and ("-m mlxpipe.worker" in cmdline or "faulty_worker" in cmdline)
 
 
 def local_rank_processes(root: int) -> dict[int, tuple[int | None, str]]:

@@ -1,0 +1,178 @@
+"""The per-rank supervisor: ``python -m mlxpipe.supervisor --lease S -- <worker args>``.
+
+``mlx.launch`` starts this on every rank; it runs the rank's worker as a child
+and speaks for it (see ``mlxpipe.launch`` for why):
+
+* every line the worker prints becomes an event carrying the rank (plain lines
+  as ``log`` events), so the controller keeps one log per rank;
+* ``started`` (pids), ``alive`` every second, and ``exited`` (status, signal,
+  whether the worker said ``bye``) — also for a remote rank killed by a signal,
+  which mlx.launch would see only as ssh's status 255;
+* the worker is stopped when no heartbeat comes from the controller for the
+  lease, so a rank whose controller or network is gone does not run forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Sequence
+
+from mlxpipe import protocol
+
+KILL_GRACE_SECONDS = 3.0
+HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_LINE = "@@mlxpipe-heartbeat@@"
+MAX_LEASE_SECONDS = 30.0
+# The lease before the first heartbeat: longer, so the controller reports a rank
+# that never started before the others give up on it.
+STARTUP_LEASE_SECONDS = 60.0
+_MAX_LINE = 2000  # characters of one log line per event: mlx.launch merges ranks in 8 KiB chunks
+_POLL_SECONDS = 0.1
+
+
+class _Supervisor:
+    """Runs one rank's worker with this interpreter; see the module docstring."""
+
+    child: subprocess.Popen[bytes]
+
+    def __init__(self, worker_args: Sequence[str], lease: float) -> None:
+        self.worker_args = list(worker_args)
+        self.rank = int(os.environ.get("MLX_RANK", "-1"))
+        self.lease = lease
+        self.started = time.monotonic()
+        self.last_heartbeat: float | None = None
+        self.finished = False
+        self.stop_reason: str | None = None
+        self._wake = threading.Event()
+        self._out = threading.Lock()
+
+    def run(self) -> int:
+        """Run the worker to its end (or stop it); return its exit status, 128 + N for signal N."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.child = subprocess.Popen(
+            [sys.executable, *self.worker_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.emit("started", pid=self.child.pid, supervisor=os.getpid())
+        pumps = [threading.Thread(target=self._pump, args=(s, n), daemon=True)
+                 for s, n in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr"))]
+        for t in pumps:
+            t.start()
+        threading.Thread(target=self._read_stdin, daemon=True).start()
+        last_alive = 0.0
+        while self.child.poll() is None and self.stop_reason is None:
+            if self._lease_expired():
+                self.stop_reason = "lease"
+                break
+            if time.monotonic() - last_alive >= HEARTBEAT_SECONDS:
+                self.emit("alive")
+                last_alive = time.monotonic()
+            self._wake.wait(_POLL_SECONDS)
+        if self.child.poll() is None:
+            _terminate(self.child)
+        code = self.child.wait()
+        for t in pumps:
+            t.join(timeout=2)
+        self.emit("exited", returncode=code, signal=_signal_name(code), stopped=self.stop_reason,
+                  finished=self.finished)
+        return 128 - code if code < 0 else code
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = protocol.EVENT_PREFIX + json.dumps({"event": event, "rank": self.rank, **fields}) + "\n"
+        data = line.encode()
+        with self._out:
+            try:
+                while data:
+                    data = data[os.write(1, data):]
+            except OSError:
+                pass  # the controller is gone (a hung-up terminal): nobody to tell
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop_reason = self.stop_reason or signal.Signals(signum).name
+        self._wake.set()
+
+    def _lease_expired(self) -> bool:
+        now = time.monotonic()
+        if self.last_heartbeat is None:
+            return now - self.started > max(self.lease, STARTUP_LEASE_SECONDS)
+        return now - self.last_heartbeat > self.lease
+
+    def _read_stdin(self) -> None:
+        """Requests go on to the worker; heartbeats renew the lease."""
+        assert self.child.stdin is not None
+        for line in sys.stdin.buffer:
+            if line.strip() == HEARTBEAT_LINE.encode():
+                self.last_heartbeat = time.monotonic()
+                continue
+            try:
+                self.child.stdin.write(line)
+                self.child.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                return
+        try:
+            self.child.stdin.close()
+        except OSError:
+            pass
+
+    def _pump(self, stream: IO[bytes], name: str) -> None:
+        """Forward the worker's events with its rank, and every other line as a ``log`` event."""
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            event = protocol.parse_event(line)
+            if event is None:
+                for i in range(0, max(len(line), 1), _MAX_LINE):
+                    self.emit("log", stream=name, text=line[i : i + _MAX_LINE])
+                continue
+            kind = event.pop("event", None)
+            if kind == "bye":
+                self.finished = True
+            trace = event.pop("traceback", None) if kind == "error" else None
+            for text in (trace or "").splitlines():
+                self.emit("log", stream=name, text=text[:_MAX_LINE])
+            event["rank"] = self.rank
+            self.emit(str(kind), **event)
+
+
+def _terminate(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after the grace period."""
+    child.terminate()
+    try:
+        child.wait(timeout=KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
+def _signal_name(code: int) -> str | None:
+    try:
+        return signal.Signals(-code).name if code < 0 else None
+    except ValueError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the supervisor that ``mlx.launch`` starts on every rank."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxpipe.supervisor",
+        description="Run one rank's worker under mlxpipe's supervisor (mlx.launch starts this on every rank).",
+    )
+    parser.add_argument("--lease", type=float, default=MAX_LEASE_SECONDS,
+                        help="stop the worker after this many seconds without a heartbeat")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
+    args = parser.parse_args(argv)
+    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    if not worker_args:
+        parser.error("no worker command after --")
+    return _Supervisor(worker_args, args.lease).run()
+
+
+if __name__ == "__main__":
+    # os._exit: the thread blocked reading stdin would make a normal exit abort (SIGABRT).
+    os._exit(main())
