@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Session fixtures from tests/fixtures/ are imported below this line.
 from fixtures.tiny_models import tiny_models  # noqa: E402,F401
 from fixtures.fake_hub import fake_hub, hub_env  # noqa: E402,F401
-from fixtures.demo_model import demo_model  # noqa: E402,F401
+from fixtures.demo_model import demo_model, demo_reference  # noqa: E402,F401
 from fixtures.cluster import cluster, cluster_session  # noqa: E402,F401
 
 

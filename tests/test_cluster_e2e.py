@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterator
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.cluster import Cluster
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from mlxpipe.cli import app
 
 REPO_ID = "e2e/demo"
-PROMPT = "What is the capital of France?"
-MAX_TOKENS = 8
+PROMPT, MAX_TOKENS = DEMO_PROMPT, DEMO_MAX_TOKENS
 SECRET = "hf_e2e_secret_token_do_not_leak"
 
 
@@ -62,18 +62,6 @@ def python_with_hub(hub: FakeHub, tmp_path: Path) -> str:
     )
     path.chmod(0o755)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def reference_tokens(demo_model: Path) -> list[int]:
-    """Single-process mlx-lm, greedy, on the same chat-templated prompt."""
-    from mlx_lm import load, stream_generate
-
-    model, tokenizer = load(str(demo_model))
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                         add_generation_prompt=True)
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)]
 
 
 def cli(*args: str) -> Any:
@@ -139,7 +127,7 @@ def host_files(hf_home: str, commit: str) -> set[str]:
 @pytest.mark.cluster
 @pytest.mark.parametrize("hosts, from_controller", [(2, False), (3, True)], ids=["2-hosts-direct", "3-hosts-from-controller"])
 def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub: str, hosts: int,
-                                from_controller: bool, reference_tokens: list[int], tmp_path: Path,
+                                from_controller: bool, demo_reference: list[int], tmp_path: Path,
                                 command_lines: CommandLines, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", SECRET)  # the controller's own login: it must reach no command line
     marker = tmp_path / "injected"
@@ -180,7 +168,7 @@ def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub:
                  "--max-tokens", str(MAX_TOKENS), "--json", *(["--from-controller"] if from_controller else []))
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
-    assert answer["tokens"] == reference_tokens
+    assert answer["tokens"] == demo_reference
     assert [(r["rank"], r["host"]) for r in answer["ranks"]] == list(enumerate(cluster.hosts[:hosts]))
     assert cluster.wait_clean(5) == {}
 
