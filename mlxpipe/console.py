@@ -37,30 +37,25 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {_escape(message)}", soft_wrap=True)
 
 
-def human_bytes(n: int | float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
+def human_bytes(n: int | float | None, *, compact: bool = False) -> str:
+    """Binary sizes: ``1536`` -> ``"1.5 KiB"``; compact for tables: ``"2K"``, ``"47.6G"``; None -> ``"-"``."""
     if n is None:
         return "-"
+    units = ("B", "K", "M", "G", "T") if compact else ("B", "KiB", "MiB", "GiB", "TiB")
+    whole = units[:2] if compact else units[:1]  # shown without decimals
+    sep = "" if compact else " "
     sign = "-" if n < 0 else ""
     n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+    for unit in units:
+        if n < 1024 or unit == units[-1]:
+            break
         n /= 1024
-    return f"{sign}{n:.1f} TiB"
+    return f"{sign}{n:.0f}{sep}{unit}" if unit in whole else f"{sign}{n:.1f}{sep}{unit}"
 
 
 def short_bytes(n: int | float | None) -> str:
-    """Compact binary sizes for tables: ``"160K"``, ``"47.6G"``."""
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{sign}{n:.0f}{unit}" if unit in ("B", "K") else f"{sign}{n:.1f}{unit}"
-        n /= 1024
-    return f"{sign}{n:.1f}T"
+    """``human_bytes`` for table cells."""
+    return human_bytes(n, compact=True)
 
 
 def _escape(text: str) -> str:

@@ -243,7 +243,9 @@ def test_cluster_host_with_other_mlx_fails_naming_it(cluster: Cluster, other_mlx
 @pytest.mark.cluster
 def test_cluster_busy_ring_port_fails(cluster: Cluster) -> None:
     address = cluster.hosts[0]
-    hold = ("import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], 32323)); s.listen(); "
+    # SO_REUSEADDR: an earlier test's ring may have left the port in TIME_WAIT.
+    hold = ("import socket, sys, time; s = socket.socket(); "
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 32323)); s.listen(); "
             "print('bound', flush=True); time.sleep(60)")
     holder = cluster.popen_on(0, [sys.executable, "-c", hold, address], stdout=subprocess.PIPE, text=True)
     try:
