@@ -5,16 +5,18 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from mlxpipe.console import err, short_bytes
 from mlxpipe.plan import Plan
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan) -> RenderableType:
     """One row per rank, with totals; sizes in binary units (K = KiB, G = GiB)."""
     title = f"{plan.model}  ·  {plan.num_layers} layers  ·  strategy {plan.strategy}"
-    t = Table(title=title, title_justify="left", show_footer=True, padding=(0, 1))
+    t = Table(show_footer=True, padding=(0, 1))
     has_memory = any(r.budget_bytes is not None for r in plan.ranks)
     total_download = sum(r.download_bytes for r in plan.ranks)
     t.add_column("rank", justify="right", footer="total", min_width=5)
@@ -38,26 +40,28 @@ def plan_table(plan: Plan) -> Table:
             ctx = "-" if r.max_context is None else f"{r.max_context:,}"
             row += [short_bytes(r.budget_bytes), short_bytes(r.headroom_bytes), fits, ctx]
         t.add_row(*row)
-    return t
+    return titled(title, t)
 
 
-def tasks_table(tasks: Sequence[Any], meta: Any) -> Table:
+def tasks_table(tasks: Sequence[Any], meta: Any) -> RenderableType:
     """``download --dry-run``: each host's files and bytes."""
     whole = sum(meta.file_sizes.values())
-    t = Table(title=f"{_model_title(meta)}: files per host", title_justify="left")
+    title = f"{_model_title(meta)}: files per host"
+    t = Table()
     for name, justify in (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right")):
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for task in tasks:
         files = "\n".join(task.job.files)
         share = f"{100 * task.total_bytes / whole:.0f}%" if whole else "-"
         t.add_row(task.host.ssh, _ranks(task.ranks), files, short_bytes(task.total_bytes), share)
-    return t
+    return titled(title, t)
 
 
-def download_table(reports: Sequence[Any], meta: Any) -> Table:
+def download_table(reports: Sequence[Any], meta: Any) -> RenderableType:
     """After ``download``: what each host holds, what this run moved to it, and how."""
     whole = sum(meta.file_sizes.values())
-    t = Table(title=_model_title(meta), title_justify="left")
+    title = _model_title(meta)
+    t = Table()
     via = any(r.via != "hub" for r in reports)
     columns = ["host", "ranks", "files", "fetched", "already present", "whole model", *(["via"] if via else []), "path"]
     for name in columns:
@@ -70,7 +74,7 @@ def download_table(reports: Sequence[Any], meta: Any) -> Table:
             *([r.via] if via else []), res.path,
         ]
         t.add_row(*row)
-    return t
+    return titled(title, t)
 
 
 def controller_line(result: Any) -> str:
@@ -79,6 +83,11 @@ def controller_line(result: Any) -> str:
         f"controller: fetched {short_bytes(result.fetched_bytes)} from the hub "
         f"({short_bytes(result.present_bytes)} already cached) into {result.path}"
     )
+
+
+def titled(title: str, table: Table) -> RenderableType:
+    """A table under a title line (a Table's own title wraps to the table's width)."""
+    return Group(Text(title, style="bold"), table)
 
 
 def _model_title(meta: Any) -> str:
@@ -120,23 +129,21 @@ def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[An
         yield update
 
 
-def answer_table(answer: Any) -> Table:
+def answer_table(answer: Any) -> RenderableType:
     """The summary after a generation: speed overall and memory per rank."""
     ttft = "-" if answer.ttft is None else f"{answer.ttft:.2f} s"
-    t = Table(
-        title=(
-            f"prompt {answer.prompt_tokens} tok @ {answer.prompt_tps:.1f} tok/s  ·  "
-            f"generation {answer.generation_tokens} tok @ {answer.generation_tps:.1f} tok/s  ·  "
-            f"first token {ttft}"
-        ),
-        title_justify="left",
+    title = (
+        f"prompt {answer.prompt_tokens} tok @ {answer.prompt_tps:.1f} tok/s  ·  "
+        f"generation {answer.generation_tokens} tok @ {answer.generation_tps:.1f} tok/s  ·  "
+        f"first token {ttft}"
     )
+    t = Table()
     for name in ("rank", "host", "layers", "peak memory", "load"):
         t.add_column(name, justify="right" if name in ("rank", "peak memory", "load") else "left")
     for r in answer.ranks:
         load = "-" if r.load_seconds is None else f"{r.load_seconds:.1f} s"
         t.add_row(str(r.rank), r.host, f"{r.start}-{r.end - 1}", f"{r.peak_memory_gb:.2f} GB", load)
-    return t
+    return titled(title, t)
 
 
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
