@@ -23,10 +23,10 @@ app = typer.Typer(
     name="mlxpipe",
     help=(
         "Run LLMs too large for one Mac as a pipeline across several.\n\n"
-        "  mlxpipe plan      which layers each host runs, and whether it fits\n\n"
-        "  mlxpipe download  each host fetches only its own weight files\n\n"
-        "  mlxpipe generate  run the pipeline and stream the answer\n\n"
-        "Exit codes: 0 success, 1 failure (any failed rank included), 2 usage error."
+        "Start with `mlxpipe plan`, then `mlxpipe download`, then `mlxpipe generate` or `mlxpipe chat`; "
+        "`mlxpipe doctor` checks every host first.\n\n"
+        "Rank 0 runs the LAST layers. Exit codes: 0 success, 1 failure (any failed rank included), "
+        "2 usage error, 130/143 interrupted."
     ),
     no_args_is_help=True,
     add_completion=False,
