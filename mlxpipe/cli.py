@@ -224,6 +224,15 @@ TrustOpt = typer.Option(False, "--trust-remote-code", help="Allow the model's ow
 FromControllerOpt = typer.Option(
     False, "--from-controller", help="Hosts without internet: fetch on this machine once and send each host its own files."
 )
+PromptsFileOpt = typer.Option(
+    None, "--prompts-file",
+    help="Many prompts: one per line, or JSON Lines with per-prompt options (prompt or messages, max_tokens, "
+    "temp, top_p, min_p, seed, id). Overlapped across the ranks so every stage is busy.",
+)
+ConcurrencyOpt = typer.Option(None, "--concurrency", help="With --prompts-file: requests in flight at once. [default: the number of ranks]")
+OutputOpt = typer.Option(
+    None, "--output", "-o", help="With --prompts-file: write one JSON object per request here instead of printing the texts."
+)
 
 
 def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template) -> Any:
@@ -363,13 +372,19 @@ def generate(
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
     from_controller: bool = FromControllerOpt,
+    prompts_file: Optional[Path] = PromptsFileOpt,
+    concurrency: Optional[int] = ConcurrencyOpt,
+    output: Optional[Path] = OutputOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Run the model as a pipeline across the hosts and stream the answer.
 
     With no --model and no --hostfile: the demo model on two local ranks (hostfiles/local-2.json).
+    With --prompts-file: many requests, overlapped so that every rank computes at once.
 
     Example: mlxpipe generate --prompt "What is the capital of France?"
+
+    Example: mlxpipe generate --prompts-file prompts.txt --concurrency 2 --output results.jsonl
     """
     import sys
 
@@ -377,15 +392,25 @@ def generate(
     from mlxpipe.render import answer_table
     from mlxpipe.target import resolve_target
 
-    if prompt is None:
+    if prompts_file is not None and prompt is not None:
+        raise UsageError("give --prompt or --prompts-file, not both")
+    if prompts_file is None and (concurrency is not None or output is not None):
+        raise UsageError("--concurrency and --output go with --prompts-file")
+    if prompts_file is None and prompt is None:
         raise UsageError("--prompt is required ('-' reads standard input)", 'mlxpipe generate --prompt "Hello"')
     if prompt == "-":
         prompt = sys.stdin.read()
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template)
-    pipe = _start_pipeline(
-        target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, json_out, from_controller
+    start = functools.partial(
+        _start_pipeline, target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code,
+        json_out, from_controller,
     )
+    if prompts_file is not None:
+        _generate_batch(start, request_for(None, None, sampling), prompts_file, concurrency, output,
+                        pipeline_mode, json_out)
+        return
+    pipe = start()
     try:
         on_text = None if json_out else _stream_text
         answer = pipe.generate(request_for(prompt, None, sampling), on_text)
@@ -398,6 +423,41 @@ def generate(
     else:
         console.out.print()
         console.err.print(answer_table(answer))
+
+
+def _generate_batch(start: Callable[[], Any], defaults: dict[str, Any], prompts_file: Path,
+                    concurrency: int | None, output: Path | None, pipeline_mode: str, json_out: bool) -> None:
+    """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
+    from mlxpipe.batch import read_prompts, write_jsonl
+    from mlxpipe.render import batch_table
+
+    if pipeline_mode != "generic":
+        raise UsageError("--prompts-file overlaps requests with the generic pipeline", "drop --pipeline native")
+    if concurrency is not None and concurrency < 1:
+        raise UsageError(f"--concurrency must be at least 1, got {concurrency}")
+    if output is not None and not output.parent.is_dir():
+        raise UsageError(f"--output {output}: no directory {output.parent}")
+    requests = read_prompts(prompts_file, defaults)
+    pipe = start()
+    try:
+        on_result = None if json_out or output else _print_result
+        result = pipe.generate_batch(requests, concurrency, on_result)
+        pipe.close()
+    except BaseException:
+        pipe.stop()
+        raise
+    if output is not None:
+        write_jsonl(output, result.results)
+    if json_out:
+        results = {} if output else {"results": [r.to_json() for r in result.results]}
+        console.print_json({**results, "summary": result.summary(), "run_dir": str(pipe.run_dir)})
+    else:
+        console.err.print(batch_table(result))
+
+
+def _print_result(result: Any) -> None:
+    console.out.rule(f"{result.id}", align="left")
+    console.out.print(result.text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _stream_text(text: str) -> None:

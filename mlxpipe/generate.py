@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mlxpipe import storage
 from mlxpipe.errors import LaunchError
@@ -18,6 +18,9 @@ from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
 from mlxpipe.target import Target
+
+if TYPE_CHECKING:
+    from mlxpipe.batch import BatchResult, RequestResult
 
 DEFAULT_LOAD_TIMEOUT = 600.0
 DEFAULT_STEP_TIMEOUT = 120.0
@@ -178,11 +181,53 @@ class Pipeline:
                     break
         else:
             raise LaunchError("the ranks ended in the middle of a request", f"logs: {self.run_dir}")
-        answer.ranks = [
+        answer.ranks = self._rank_stats(peaks)
+        return answer
+
+    def generate_batch(
+        self,
+        requests: Sequence[dict[str, Any]],
+        concurrency: int | None = None,
+        on_result: Callable[[RequestResult], None] | None = None,
+    ) -> BatchResult:
+        """Overlap ``requests`` across the stages, ``concurrency`` at a time (default: one per stage).
+
+        ``on_result`` gets each request's result in input order, as soon as it
+        and every request before it have finished.
+        """
+        from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
+
+        concurrency = concurrency or self.ranks.size
+        self.ranks.send({"type": "batch", "requests": with_seeds(list(requests)), "concurrency": concurrency})
+        ordered = InOrder(on_result)
+        done: dict[int, dict[str, Any]] = {}
+        for event in self.ranks.events(self.options.step_timeout):
+            kind = event.get("event")
+            if kind == "result":
+                ordered.add(int(event["index"]), result_from_event(event))
+            elif kind == "batch_done":
+                done[int(event["rank"])] = event
+                if len(done) == self.ranks.size:
+                    break
+        else:
+            raise LaunchError("the ranks ended in the middle of a batch", f"logs: {self.run_dir}")
+        if len(ordered.results) != len(requests):
+            raise LaunchError(
+                f"rank 0 reported {len(ordered.results)} of {len(requests)} results", f"logs: {self.run_dir}"
+            )
+        return BatchResult(
+            results=[ordered.results[i] for i in range(len(requests))],
+            seconds=float(done[0].get("seconds", 0.0)),
+            concurrency=concurrency,
+            ranks=self._rank_stats({r: float(e.get("peak_memory", 0.0)) for r, e in done.items()}),
+        )
+
+    def _rank_stats(self, peaks: dict[int, float]) -> list[RankStats]:
+        """The ranks' stats, peak memory raised to what the last request reported."""
+        return [
             RankStats(s.rank, s.host, s.start, s.end, max(s.peak_memory_gb, peaks.get(s.rank, 0.0)), s.load_seconds)
             for s in sorted(self.loaded.values(), key=lambda s: s.rank)
         ]
-        return answer
 
     def close(self) -> None:
         self.ranks.close()

@@ -146,6 +146,24 @@ def answer_table(answer: Any) -> RenderableType:
     return titled(title, t)
 
 
+def batch_table(result: Any) -> RenderableType:
+    """The summary after ``generate --prompts-file``: the batch's throughput, then each request."""
+    title = (
+        f"{len(result.results)} requests, {result.concurrency} at a time  ·  "
+        f"generated {result.generation_tokens} tok in {result.seconds:.1f} s  ·  "
+        f"aggregate {result.aggregate_tps:.1f} tok/s"
+    )
+    t = Table()
+    for name in ("id", "prompt", "generated", "finish", "first token", "latency", "tok/s"):
+        t.add_column(name, justify="left" if name in ("id", "finish") else "right")
+    for r in result.results:
+        t.add_row(
+            str(r.id), str(r.prompt_tokens), str(r.generation_tokens), r.finish_reason or "-",
+            f"{r.ttft:.2f} s", f"{r.latency:.2f} s", f"{r.tps:.1f}",
+        )
+    return titled(title, t)
+
+
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 
 

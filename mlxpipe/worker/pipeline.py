@@ -18,6 +18,11 @@ mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
 * After the model's last layer every rank all-gathers the hidden state and
   keeps rank 0's part, so every rank computes the same logits and samples the
   same token.
+
+Overlapped requests (``mlxpipe.worker.overlap``) move hidden states
+themselves, between micro-batches of different requests: with the rank's
+``Exchange`` made explicit, the first local layer takes ``hidden_in``, the last
+one leaves its output in ``hidden_out``, and nothing is sent or gathered.
 """
 
 from __future__ import annotations
@@ -51,6 +56,23 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
 _HIDDEN_KWARGS = ("x", "h", "hidden_states", "hidden")
 
 
+class Exchange:
+    """How this rank's boundary layers move the hidden state; one per pipelined model.
+
+    By default they receive, send and gather themselves, as one request's
+    generation needs. ``explicit`` is for a loop that moves the states itself:
+    the first local layer then takes ``hidden_in`` (or the incoming state as is
+    when None, remembering its shape and dtype in ``incoming``), and the last
+    local layer leaves its output in ``hidden_out``.
+    """
+
+    def __init__(self) -> None:
+        self.explicit = False
+        self.hidden_in: mx.array | None = None
+        self.hidden_out: mx.array | None = None
+        self.incoming: tuple[tuple[int, ...], Any] | None = None
+
+
 @dataclass(frozen=True)
 class _Stage:
     """What one entry of the layers list does around (or instead of) its layer."""
@@ -60,6 +82,7 @@ class _Stage:
     recv_from: int | None
     send_to: int | None
     gather: bool
+    exchange: Exchange
 
 
 class _PipelineStage:
@@ -71,8 +94,14 @@ class _PipelineStage:
         stage = self._mlxpipe_stage
         args, kwargs, x = _take_hidden(args, kwargs)
         cache = _find_cache(args, kwargs)
+        exchange = stage.exchange
         if stage.recv_from is not None:
-            x = mx.distributed.recv_like(x, stage.recv_from, group=stage.group)
+            if not exchange.explicit:
+                x = mx.distributed.recv_like(x, stage.recv_from, group=stage.group)
+            else:
+                exchange.incoming = (tuple(x.shape), x.dtype)
+                if exchange.hidden_in is not None:
+                    x = exchange.hidden_in
         if stage.local:
             out = super().__call__(x, *args, **kwargs)  # type: ignore[misc]
             if not isinstance(out, mx.array):
@@ -84,10 +113,13 @@ class _PipelineStage:
             advance_cache(cache, x.shape[0], x.shape[1])
             out = x
         if stage.send_to is not None:
-            out = mx.distributed.send(out, stage.send_to, group=stage.group)
-            if cache is not None:
-                tie_into_cache(cache, out)
-        if stage.gather:
+            if exchange.explicit:
+                exchange.hidden_out = out
+            else:
+                out = mx.distributed.send(out, stage.send_to, group=stage.group)
+                if cache is not None:
+                    tie_into_cache(cache, out)
+        if stage.gather and not exchange.explicit:
             out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
         return out
 
@@ -275,6 +307,7 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
     start, end = layer_range(split, rank)
     if size == 1:
         return start, end
+    exchange = Exchange()
     for i, layer in enumerate(layers):
         stage = _Stage(
             group=group,
@@ -282,6 +315,7 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
             recv_from=rank + 1 if i == start and rank < size - 1 else None,
             send_to=rank - 1 if i == end - 1 and rank > 0 else None,
             gather=i == len(layers) - 1,
+            exchange=exchange,
         )
         if not stage.local:
             strip_weights(layer)
@@ -290,6 +324,16 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
         layer.__class__ = _stage_class(type(layer))
         layer._mlxpipe_stage = stage
     return start, end
+
+
+def find_exchange(model: nn.Module) -> Exchange | None:
+    """The ``Exchange`` of a model ``pipeline_generic`` wrapped; None for one rank or native mode."""
+    owner, key = find_layers(model)
+    for layer in owner[key]:
+        stage = getattr(layer, "_mlxpipe_stage", None)
+        if stage is not None:
+            return stage.exchange
+    return None
 
 
 _STAGE_CLASSES: dict[type, type] = {}

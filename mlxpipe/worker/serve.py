@@ -2,7 +2,9 @@
 
 Every rank reads the same requests (``mlx.launch`` broadcasts standard input)
 and runs the same generation, so every collective lines up. Rank 0 alone
-streams ``token`` events; every rank ends a request with ``done``.
+streams ``token`` events; every rank ends a request with ``done``. A ``batch``
+request overlaps many requests across the stages (``overlap``): rank 0 emits
+a ``result`` per request, every rank ends with ``batch_done``.
 """
 
 from __future__ import annotations
@@ -93,9 +95,12 @@ class Server:
             if kind == "exit":
                 self.exit()
                 return
-            if kind != "generate":
+            if kind == "batch":
+                self.generate_batch(request)
+            elif kind == "generate":
+                self.generate(request)
+            else:
                 raise UsageError(f"unknown request type {kind!r}")
-            self.generate(request)
 
     def exit(self) -> None:
         """Wait for every rank, so no rank sees its peer vanish, then say bye."""
@@ -155,6 +160,25 @@ class Server:
         if "id" in request:
             done["id"] = request["id"]
         self._emit("done", **done)
+        return done
+
+    def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Overlap a batch of requests across the stages (see ``overlap``); emit ``batch_done``.
+
+        Rank 0 emits a ``result`` for each request as it ends; every rank ends
+        with ``batch_done``.
+        """
+        from mlxpipe.worker.overlap import BatchRun
+
+        requests = list(request.get("requests") or [])
+        if not requests:
+            raise UsageError("a batch request needs at least one request")
+        concurrency = int(request.get("concurrency") or self.group.size())
+        if concurrency < 1:
+            raise UsageError(f"concurrency must be at least 1, got {concurrency}")
+        self._prompt_cache = None  # a batch does not continue a chat
+        done = BatchRun(self, requests, concurrency, self._emit).run()
+        self._emit("batch_done", **done)
         return done
 
     def _emit_token(self, request: dict[str, Any], response: Any) -> None:

@@ -1,0 +1,303 @@
+"""Generation speed: single-process mlx-lm against pipelines on 2 and 3 ranks (issue 4).
+
+    python bench/bench_generate.py            # what `make bench` runs (about 3 minutes)
+    python bench/bench_generate.py --quick    # smoke run: one short generation per setup
+
+Two checkpoints, each measured the same ways in one run:
+
+* the demo model (SmolLM2-135M-Instruct, 30 layers, 4-bit with float32 scales);
+* a random float32 qwen2 of 20 layers, hidden 768 (built here; qwen2 has mlx-lm's
+  own ``pipeline()``, so the native pipeline runs on it too).
+
+Single-process mlx-lm runs ``stream_generate`` pinned to one core. The pipelines
+run through ``mlxpipe.generate.Pipeline`` (what ``mlxpipe generate`` runs, the
+mlx.launch renice included) with each worker pinned to a core of its own where
+the machine has enough; the figure is mlx-lm's generation tok/s as rank 0
+reports it, the median of --runs generations after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the tiny-checkpoint builder lives with the test fixtures
+
+PROMPT = "Tell me a story."
+QWEN2_BENCH = {
+    "hidden_size": 768, "intermediate_size": 1024, "num_attention_heads": 12,
+    "num_key_value_heads": 2, "head_dim": 64,
+}
+QWEN2_LAYERS = 20
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One line of the table: how a model is run."""
+
+    label: str
+    ranks: int  # 0: single-process mlx-lm
+    mode: str = "generic"
+
+
+SETUPS = [
+    Setup("mlx-lm, single process", 0),
+    Setup("mlxpipe generic", 2),
+    Setup("mlx-lm native pipeline()", 2, "native"),
+    Setup("mlxpipe generic", 3),
+    Setup("mlx-lm native pipeline()", 3, "native"),
+]
+
+
+@dataclass
+class Row:
+    model: str
+    setup: Setup
+    placement: str
+    tps: list[float]
+    tokens: int
+
+
+# --- placement ------------------------------------------------------------------------
+
+
+def cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def rank_cores(ranks: int) -> list[int]:
+    """Core of each rank: one each where the machine has enough, else round robin."""
+    available = cores()
+    return [available[r % len(available)] for r in range(ranks)]
+
+
+def placement(ranks: int) -> str:
+    """How ``ranks`` workers were placed, for the table."""
+    if ranks == 0:
+        return f"core {cores()[0]}"
+    chosen = rank_cores(ranks)
+    text = ", ".join(f"r{r}->c{c}" for r, c in enumerate(chosen))
+    return text + (" (shared)" if len(set(chosen)) < ranks else "")
+
+
+def worker_pids(job_text: str) -> dict[int, int]:
+    """rank -> pid of the worker processes running ``job_text`` (found in /proc)."""
+    found: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if argv[1:3] != ["-m", "mlxpipe.worker"] or job_text not in argv:
+                continue
+            env = dict(
+                item.split("=", 1)
+                for item in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue  # gone, or not ours
+        found[int(env.get("MLX_RANK", -1))] = int(proc.name)
+    return found
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of ``pid`` (the ring's I/O threads included) to ``core``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), {core})
+        except OSError:
+            pass
+
+
+# --- measurements ---------------------------------------------------------------------
+
+
+def single_process(model: Path, runs: int, max_tokens: int) -> list[float]:
+    """Generation tok/s of single-process mlx-lm, pinned to the first core, in a subprocess."""
+    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
+            "--runs", str(runs), "--max-tokens", str(max_tokens)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _single_process_main(model: str, runs: int, max_tokens: int) -> None:
+    from mlx_lm import load, stream_generate
+
+    loaded, tokenizer = load(model)
+    prompt = _prompt_tokens(tokenizer)
+    speeds = []
+    for i in range(runs + 1):
+        response = None
+        for response in stream_generate(loaded, tokenizer, prompt, max_tokens=WARMUP_TOKENS if i == 0 else max_tokens):
+            pass
+        if i > 0:
+            speeds.append(response.generation_tps)
+    print(json.dumps(speeds))
+
+
+def _prompt_tokens(tokenizer: Any) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int) -> tuple[list[float], int]:
+    """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run."""
+    from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
+    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+
+    hostfile = REPO / "hostfiles" / f"local-{setup.ranks}.json"
+    target = resolve_target(str(model), None, hostfile, None, None, None)
+    meta = load_model_metadata(target)
+    pipe = Pipeline(meta, plan_target(target, meta), target, RunOptions(mode=setup.mode))
+    try:
+        pipe.start()
+        pids = worker_pids(pipe.job.encode())
+        for rank, core in enumerate(rank_cores(setup.ranks)):
+            pin(pids[rank], core)
+        speeds, tokens = [], 0
+        for i in range(runs + 1):
+            sampling = Sampling(max_tokens=WARMUP_TOKENS if i == 0 else max_tokens)
+            answer = pipe.generate(request_for(PROMPT, None, sampling))
+            if i > 0:
+                speeds.append(answer.generation_tps)
+                tokens = answer.generation_tokens
+        pipe.close()
+        return speeds, tokens
+    except BaseException:
+        pipe.stop()
+        raise
+
+
+def build_qwen2(dest: Path) -> Path:
+    from fixtures.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen2", dest, num_layers=QWEN2_LAYERS, num_shards=10, overrides=QWEN2_BENCH)
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| model | setup | ranks | placement (rank->core) | gen tok/s (median) | runs | vs single process |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    single: dict[str, float] = {}
+    for row in rows:
+        med = statistics.median(row.tps)
+        if row.setup.ranks == 0:
+            single[row.model] = med
+        ratio = f"{med / single[row.model]:.2f}x" if row.model in single else "-"
+        runs = ", ".join(f"{t:.1f}" for t in row.tps)
+        lines.append(
+            f"| {row.model} | {row.setup.label} | {row.setup.ranks or 1} | {row.placement} | "
+            f"{med:.2f} | {runs} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def notes(runs: int, max_tokens: int, prompt_tokens: dict[str, int]) -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    shared = any(len(set(rank_cores(s.ranks))) < s.ranks for s in SETUPS if s.ranks)
+    prompts = ", ".join(f"{m}: {n}" for m, n in prompt_tokens.items())
+    lines = [
+        f"- Machine: {_cpu_name()}, {len(cores())} usable cores, {platform.system()} {platform.machine()}; "
+        f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; ring backend over 127.0.0.1.",
+        f"- Greedy generation of {max_tokens} tokens after a chat-templated prompt (prompt tokens {prompts}); "
+        f"median of {runs} generations after a {WARMUP_TOKENS}-token warm-up; tok/s as mlx-lm reports it "
+        "(tokens after the first / time after the first).",
+        "- Single process: `taskset -c` to one core. Pipelines: every worker thread pinned with "
+        "sched_setaffinity once the ranks have loaded; mlx.launch (whose I/O threads spin) reniced to 19 "
+        "by the controller, as `mlxpipe generate` does.",
+        "- MLX's ring backend busy-waits: a rank waiting for its peer burns its core, so ranks sharing a "
+        "core slow each other down.",
+    ]
+    if shared:
+        lines.append(
+            f"- This machine has {len(cores())} cores: 3 ranks cannot have one each, so rank 2 shares a core "
+            "with rank 0 (marked shared); those rows measure contention as much as the pipeline."
+        )
+    return "\n".join(lines)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one 12-token generation per setup (smoke run)")
+    parser.add_argument("--runs", type=int, default=3, help="timed generations per setup")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per timed generation")
+    parser.add_argument("--single-process", metavar="MODEL", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.max_tokens = 1, 12
+    if args.single_process:
+        _single_process_main(args.single_process, args.runs, args.max_tokens)
+        return
+
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxpipe.demo_model import ensure_demo_model
+
+    with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
+        os.environ.setdefault("MLXPIPE_HOME", str(Path(tmp) / "home"))  # run logs go away with the run
+        models = {
+            "demo (SmolLM2-135M 4-bit)": ensure_demo_model(),
+            f"qwen2 {QWEN2_LAYERS}L/768 f32": build_qwen2(Path(tmp) / "qwen2-bench"),
+        }
+        rows: list[Row] = []
+        prompt_tokens = {}
+        for name, path in models.items():
+            prompt_tokens[name.split()[0]] = len(_prompt_tokens(load_tokenizer(path)))
+            native = _has_native_pipeline(path)
+            for setup in SETUPS:
+                if setup.mode == "native" and not native:
+                    continue
+                print(f"measuring {name}: {setup.label} on {setup.ranks or 1} rank(s)...", file=sys.stderr, flush=True)
+                if setup.ranks == 0:
+                    speeds, tokens = single_process(path, args.runs, args.max_tokens), args.max_tokens
+                else:
+                    speeds, tokens = pipeline(path, setup, args.runs, args.max_tokens)
+                rows.append(Row(name, setup, placement(setup.ranks), speeds, tokens))
+    print(table(rows))
+    print()
+    print(notes(args.runs, args.max_tokens, prompt_tokens))
+
+
+def _has_native_pipeline(path: Path) -> bool:
+    """Whether mlx-lm has its own ``pipeline()`` for the model (qwen2 does; llama, the demo, does not)."""
+    from mlxpipe.errors import ModelError
+    from mlxpipe.worker.load import check_pipelinable
+
+    try:
+        check_pipelinable(path, mode="native")
+    except ModelError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

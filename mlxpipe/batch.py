@@ -1,0 +1,192 @@
+"""Many prompts at once (``mlxpipe generate --prompts-file``): the file, the results, the figures.
+
+The prompts file holds one prompt per line, or JSON Lines (a ``.jsonl`` file,
+or one whose first non-blank line starts with ``{``) with per-prompt options::
+
+    {"prompt": "What is MLX?", "max_tokens": 64}
+    {"messages": [{"role": "user", "content": "Hi"}], "temp": 0.7, "seed": 1}
+
+The ranks overlap the requests across the pipeline's stages
+(``mlxpipe.worker.overlap``); this module turns the file into requests and the
+ranks' ``result`` events into per-request results and a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from mlxpipe.errors import UsageError
+
+# Per-prompt options a JSONL line may set, with the JSON types they take.
+_OPTIONS: dict[str, tuple[type, ...]] = {
+    "id": (str, int),
+    "prompt": (str,),
+    "messages": (list,),
+    "max_tokens": (int,),
+    "temp": (int, float),
+    "top_p": (int, float),
+    "min_p": (int, float),
+    "seed": (int,),
+    "system_prompt": (str,),
+    "ignore_chat_template": (bool,),
+}
+
+
+@dataclass
+class RequestResult:
+    """One request of a batch: its text and figures (times in seconds, from its admission)."""
+
+    id: Any
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    generation_tokens: int
+    latency: float
+    ttft: float
+    tps: float  # generation tok/s as mlx-lm computes it: tokens / time after the first
+    finish_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BatchResult:
+    """Every request's result in input order, and the batch's aggregate figures."""
+
+    results: list[RequestResult]
+    seconds: float  # rank 0's wall time for the whole batch
+    concurrency: int
+    ranks: list[Any] = field(default_factory=list)  # generate.RankStats
+
+    @property
+    def generation_tokens(self) -> int:
+        return sum(r.generation_tokens for r in self.results)
+
+    @property
+    def aggregate_tps(self) -> float:
+        """Generated tokens of all requests over the batch's wall time."""
+        return self.generation_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.results),
+            "concurrency": self.concurrency,
+            "generation_tokens": self.generation_tokens,
+            "seconds": self.seconds,
+            "aggregate_tps": self.aggregate_tps,
+            "ranks": [asdict(r) for r in self.ranks],
+        }
+
+
+def read_prompts(path: Path, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests in ``path``, each ``defaults`` (the command's flags) overridden by its own options.
+
+    A request's id is its JSONL ``id``, else its line number. Errors name the
+    file and the line.
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the prompts file {path}: {e}") from e
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"{path}: no prompts (the file is empty)")
+    jsonl = path.suffix == ".jsonl" or numbered[0][1].lstrip().startswith("{")
+    requests = []
+    for n, line in numbered:
+        options = _parse_line(path, n, line) if jsonl else {"prompt": line}
+        requests.append({**defaults, "id": n, **options})
+        if "messages" in options:
+            requests[-1]["prompt"] = None
+    return requests
+
+
+def _parse_line(path: Path, n: int, line: str) -> dict[str, Any]:
+    """One JSONL line's options, checked."""
+    where = f"{path}:{n}"
+    try:
+        options = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"{where}: expected a JSON object with a prompt or messages")
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise UsageError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(_OPTIONS)}")
+    for key, value in options.items():
+        types = _OPTIONS[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join(t.__name__ for t in types)
+            raise UsageError(f"{where}: {key!r} must be {names}, got {json.dumps(value)}")
+    if ("prompt" in options) == ("messages" in options):
+        raise UsageError(f"{where}: give exactly one of 'prompt' and 'messages'")
+    messages = options.get("messages")
+    if messages is not None and not (messages and all(_is_message(m) for m in messages)):
+        raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+    _check_ranges(where, options)
+    return options
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _check_ranges(where: str, options: dict[str, Any]) -> None:
+    if options.get("max_tokens", 1) < 1:
+        raise UsageError(f"{where}: 'max_tokens' must be at least 1")
+    if options.get("temp", 0) < 0 or not 0 < options.get("top_p", 1) <= 1 or not 0 <= options.get("min_p", 0) < 1:
+        raise UsageError(f"{where}: 'temp' must be >= 0, 'top_p' in (0, 1], 'min_p' in [0, 1)")
+
+
+def with_seeds(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every sampled request without a seed a random one, so a run can be repeated from its output."""
+    return [
+        {**r, "seed": random.randrange(2**31)} if r.get("temp", 0) > 0 and r.get("seed") is None else r
+        for r in requests
+    ]
+
+
+def result_from_event(event: dict[str, Any]) -> RequestResult:
+    """A ``result`` event of rank 0 as a ``RequestResult``."""
+    return RequestResult(
+        id=event.get("id"),
+        text=str(event.get("text", "")),
+        tokens=[int(t) for t in event.get("tokens", [])],
+        prompt_tokens=int(event.get("prompt_tokens", 0)),
+        generation_tokens=int(event.get("generation_tokens", 0)),
+        latency=float(event.get("latency", 0.0)),
+        ttft=float(event.get("ttft", 0.0)),
+        tps=float(event.get("generation_tps", 0.0)),
+        finish_reason=event.get("finish_reason"),
+    )
+
+
+class InOrder:
+    """Hands results to ``callback`` in input order, holding back those that finish early."""
+
+    def __init__(self, callback: Callable[[RequestResult], None] | None) -> None:
+        self.callback = callback
+        self.results: dict[int, RequestResult] = {}
+        self._next = 0
+
+    def add(self, index: int, result: RequestResult) -> None:
+        self.results[index] = result
+        while self._next in self.results:
+            if self.callback:
+                self.callback(self.results[self._next])
+            self._next += 1
+
+
+def write_jsonl(path: Path, results: list[RequestResult]) -> None:
+    """One JSON object per request, in input order."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r.to_json()) + "\n")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e}") from e

@@ -1,0 +1,164 @@
+"""The lockstep schedule of overlapped requests: what each pipeline stage runs at each tick.
+
+Pure Python and deterministic: every rank builds the same ``Schedule`` from the
+same broadcast requests and the same shared tokens, so each rank knows without
+asking what its neighbours send and receive, and when a request ends.
+
+Stages count from the first (the highest rank, which embeds) to the last
+(rank 0, which samples). A micro-batch that enters stage 0 at tick t is at
+stage s at tick t + s. Each request runs as mlx-lm's ``generate_step`` would:
+prefill chunks of ``prefill_step`` tokens (all but the prompt's last token),
+then single tokens, each sampling the next one. A request's prefill chunks may
+follow each other on consecutive ticks (nothing waits for them), but a token
+can only enter once the one before it has been sampled at the last stage, so
+with ``slots`` (the concurrency) at least the number of stages, every stage is
+busy with a different request at every tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+_NEVER = 1 << 62  # ready_at of a request waiting for its token
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The tokens of one request that one tick feeds to the first stage."""
+
+    request: int  # index in the batch
+    tokens: tuple[int, ...]
+    samples: bool  # the last stage samples the request's next token from it
+
+
+@dataclass
+class RequestState:
+    """Where one request of the batch stands."""
+
+    index: int
+    prompt: Sequence[int]
+    max_tokens: int
+    slot: int | None = None
+    fed: int = 0  # prompt tokens already fed to the first stage
+    ready_at: int = _NEVER  # first tick it may enter again
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of sequence) or "length"
+    admitted_tick: int | None = None
+    finished_tick: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.slot is not None and self.finish_reason is None
+
+
+class Schedule:
+    """Which micro-batch each stage runs at each tick, for one batch of requests."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        *,
+        stages: int,
+        slots: int,
+        prefill_step: int,
+        eos_ids: Collection[int],
+    ) -> None:
+        if len(prompts) != len(max_tokens):
+            raise ValueError("one max_tokens per prompt")
+        if stages < 1 or slots < 1 or prefill_step < 1:
+            raise ValueError("stages, slots and prefill_step must be positive")
+        if any(len(p) == 0 for p in prompts) or any(m < 1 for m in max_tokens):
+            raise ValueError("every request needs a prompt token and max_tokens >= 1")
+        self.requests = [RequestState(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        self.stages = stages
+        self.slots: list[int | None] = [None] * slots  # slot -> request index
+        self.prefill_step = prefill_step
+        self.eos_ids = frozenset(eos_ids)
+        self.tick = -1
+        self._pending = 0  # the next request to admit
+        self._entries: dict[int, MicroBatch] = {}  # tick -> what entered stage 0 then
+
+    @property
+    def done(self) -> bool:
+        """Every request has finished."""
+        return all(r.finish_reason is not None for r in self.requests)
+
+    def begin_tick(self) -> list[int]:
+        """Start the next tick: admit requests into free slots, pick what enters stage 0.
+
+        Returns the requests admitted at this tick.
+        """
+        self.tick += 1
+        self._entries.pop(self.tick - self.stages, None)
+        admitted = []
+        for slot, holder in enumerate(self.slots):
+            if holder is None and self._pending < len(self.requests):
+                request = self.requests[self._pending]
+                request.slot, request.ready_at, request.admitted_tick = slot, self.tick, self.tick
+                self.slots[slot] = request.index
+                admitted.append(request.index)
+                self._pending += 1
+        ready = [r for r in self._running() if r.ready_at <= self.tick]
+        if ready:
+            chosen = min(ready, key=lambda r: (r.ready_at, r.slot))
+            self._entries[self.tick] = self._next_micro_batch(chosen)
+        return admitted
+
+    def at(self, stage: int) -> MicroBatch | None:
+        """What ``stage`` runs at this tick."""
+        return self._entries.get(self.tick - stage)
+
+    def next_at(self, stage: int) -> MicroBatch | None:
+        """What ``stage`` (not the first) runs at the next tick: already decided now."""
+        if stage < 1:
+            raise ValueError("the first stage's next micro-batch is not decided yet")
+        return self._entries.get(self.tick + 1 - stage)
+
+    @property
+    def sampling(self) -> MicroBatch | None:
+        """The micro-batch from which the last stage samples a token at this tick, if any."""
+        last = self.at(self.stages - 1)
+        return last if last is not None and last.samples else None
+
+    def end_tick(self, token: int | None) -> int | None:
+        """End the tick with the token sampled at it (if any); the request that finished, if one did."""
+        sampled = self.sampling
+        if (sampled is None) != (token is None):
+            raise ValueError(f"tick {self.tick}: a token {'was' if sampled else 'was not'} expected")
+        if sampled is None or token is None:
+            return None
+        request = self.requests[sampled.request]
+        request.generated.append(token)
+        if token in self.eos_ids:
+            request.finish_reason = "stop"
+        elif len(request.generated) >= request.max_tokens:
+            request.finish_reason = "length"
+        else:
+            request.ready_at = self.tick + 1
+            return None
+        assert request.slot is not None
+        self.slots[request.slot] = None
+        request.finished_tick = self.tick
+        return request.index
+
+    def _running(self) -> list[RequestState]:
+        return [self.requests[i] for i in self.slots if i is not None]
+
+    def _next_micro_batch(self, request: RequestState) -> MicroBatch:
+        """Feed ``request``'s next tokens as ``generate_step`` does, and say when it may enter again."""
+        remaining = len(request.prompt) - request.fed
+        if remaining > 1:
+            n = min(self.prefill_step, remaining - 1)
+            tokens = tuple(request.prompt[request.fed : request.fed + n])
+            request.fed += n
+            request.ready_at = self.tick + 1
+            return MicroBatch(request.index, tokens, samples=False)
+        if remaining == 1:
+            tokens = (request.prompt[-1],)
+            request.fed += 1
+        else:
+            tokens = (request.generated[-1],)
+        request.ready_at = _NEVER  # until its token is sampled
+        return MicroBatch(request.index, tokens, samples=True)

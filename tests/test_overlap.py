@@ -1,0 +1,413 @@
+"""Overlapped requests (``generate --prompts-file``): the schedule, the file, and exact tokens on real ranks.
+
+Every request of an overlapped batch must generate exactly the tokens
+single-process ``mlx_lm.stream_generate`` gives it alone. One ``mlx.launch``
+run per rank count serves every case (``fixtures/batch_ranks.py``): each case
+loads a model and runs the same batch with K = 1, 2 and 3 requests in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures.ranks import LaunchResult, PYTHON, launch, local_hostfile, rank_dirs
+from fixtures.tiny_models import TinyModels
+from typer.testing import CliRunner
+
+from mlxpipe.batch import InOrder, RequestResult, read_prompts
+from mlxpipe.cli import app
+from mlxpipe.errors import UsageError
+from mlxpipe.worker.job import JobSpec
+from mlxpipe.worker.schedule import Schedule
+
+PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
+QUESTION = "Tell me about pipelines across several machines, please."
+CONCURRENCY = [1, 2, 3]
+
+# Different lengths: a long chat (9 prefill chunks), a 2-token prompt, templated
+# and raw prompts, one that ends early (its slot goes to the next), one sampled.
+TINY_REQUESTS: list[dict[str, Any]] = [
+    {"id": "chat", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6},
+    {"id": "short", "prompt": "Hi", "ignore_chat_template": True, "max_tokens": 2},
+    {"id": "templated", "prompt": "Pipelines?", "max_tokens": 5},
+    {"id": "raw", "prompt": "Stage after stage, token by token.", "ignore_chat_template": True, "max_tokens": 7},
+    {"id": "sampled", "prompt": QUESTION, "temp": 0.9, "top_p": 0.95, "seed": 11, "max_tokens": 4},
+]
+DEMO_REQUESTS: list[dict[str, Any]] = [
+    {"id": "france", "prompt": "What is the capital of France?", "max_tokens": 8},
+    {"id": "count", "prompt": "1, 2, 3, 4,", "ignore_chat_template": True, "max_tokens": 2},
+    {"id": "story", "prompt": "Once upon a time, in a land far away, there lived a",
+     "ignore_chat_template": True, "max_tokens": 5},
+    {"id": "hello", "prompt": "Hello", "ignore_chat_template": True, "max_tokens": 3},
+]
+# arch -> split on 2 ranks, on 3 ranks ([5, 1] leaves rank 0 without the layers masks are built from).
+TINY_SPLITS = {
+    "llama": ([2, 4], [1, 1, 4]),
+    "qwen2": ([3, 3], [2, 2, 2]),
+    "gemma3_text": ([5, 1], [1, 1, 4]),
+    "deepseek_v3": ([5, 1], [2, 2, 2]),
+}
+DEMO_SPLITS = ([12, 18], [8, 12, 10])
+CASES = {
+    n: {**{arch: splits[n - 2] for arch, splits in TINY_SPLITS.items()}, "demo": DEMO_SPLITS[n - 2]}
+    for n in (2, 3)
+}
+_TIMEOUT = 180.0
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+def _simulate(prompts: list[list[int]], max_tokens: list[int], stages: int, slots: int,
+              eos: int | None = None) -> tuple[Schedule, list[list[tuple[int, ...]]], list[int]]:
+    """Run a schedule with a fake model whose next token is 100 * request + position.
+
+    Returns the schedule, what each request fed to the first stage in order,
+    and how many stages were busy at each tick.
+    """
+    sched = Schedule(prompts, max_tokens, stages=stages, slots=slots, prefill_step=3,
+                     eos_ids={eos} if eos is not None else set())
+    fed: list[list[tuple[int, ...]]] = [[] for _ in prompts]
+    busy = []
+    while not sched.done:
+        sched.begin_tick()
+        entered = sched.at(0)
+        if entered is not None:
+            fed[entered.request].append(entered.tokens)
+        busy.append(sum(sched.at(s) is not None for s in range(stages)))
+        sampling = sched.sampling
+        token = None
+        if sampling is not None:
+            token = 100 * sampling.request + len(sched.requests[sampling.request].generated)
+        sched.end_tick(token)
+        assert sched.tick < 10_000
+    return sched, fed, busy
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("slots", [1, 2, 3, 4])
+def test_each_request_is_fed_as_generate_step_feeds_it(stages: int, slots: int) -> None:
+    prompts = [list(range(1, 9)), [7], list(range(20, 25)), [3, 4]]
+    max_tokens = [4, 3, 1, 5]
+    sched, fed, _ = _simulate(prompts, max_tokens, stages, slots)
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        generated = [100 * i + k for k in range(n)]
+        assert sched.requests[i].generated == generated
+        # Chunks of 3 for all but the last prompt token, then one token at a time.
+        chunks = [tuple(prompt[j : min(j + 3, len(prompt) - 1)]) for j in range(0, len(prompt) - 1, 3)]
+        singles = [(prompt[-1],)] + [(t,) for t in generated[:-1]]
+        assert fed[i] == chunks + singles
+        assert sched.requests[i].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_concurrency_equal_to_stages_keeps_every_stage_busy(stages: int) -> None:
+    prompts = [[1, 2]] * 6
+    _, _, busy = _simulate(prompts, [20] * 6, stages, slots=stages)
+    steady = busy[stages : len(busy) // 2]
+    assert steady and all(b == stages for b in steady)
+    # One request at a time: one stage busy, once its prefill chunks (which stream) are through.
+    _, _, alone = _simulate([[1]] * 6, [20] * 6, stages, slots=1)
+    assert max(alone) == 1
+
+
+def test_a_finished_request_frees_its_slot_for_the_next() -> None:
+    sched, _, _ = _simulate([[1, 2], [3, 4], [5, 6]], [6, 1, 2], stages=2, slots=2)
+    first, short, waiting = sched.requests
+    assert short.finished_tick is not None and waiting.admitted_tick == short.finished_tick + 1
+    assert waiting.slot == short.slot != first.slot
+
+
+def test_end_of_sequence_ends_a_request() -> None:
+    sched, _, _ = _simulate([[1, 2], [3]], [10, 10], stages=2, slots=2, eos=101)
+    assert sched.requests[1].generated == [100, 101]
+    assert sched.requests[1].finish_reason == "stop"
+    assert sched.requests[0].finish_reason == "length"
+
+
+def test_schedule_refuses_a_missing_or_unexpected_token() -> None:
+    sched = Schedule([[1]], [2], stages=1, slots=1, prefill_step=4, eos_ids=set())
+    sched.begin_tick()
+    with pytest.raises(ValueError, match="expected"):
+        sched.end_tick(None)
+    with pytest.raises(ValueError, match="prompt token"):
+        Schedule([[]], [2], stages=1, slots=1, prefill_step=4, eos_ids=set())
+
+
+def test_results_are_handed_on_in_input_order() -> None:
+    seen: list[Any] = []
+    ordered = InOrder(lambda r: seen.append(r.id))
+    for index in (2, 0, 3, 1):
+        ordered.add(index, RequestResult(index, "", [], 0, 0, 0.0, 0.0, 0.0))
+        if index == 0:
+            assert seen == [0]
+    assert seen == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- the prompts file
+
+DEFAULTS = {"prompt": None, "messages": None, "max_tokens": 16, "temp": 0.0}
+
+
+def test_a_plain_file_holds_one_prompt_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("First prompt\n\n  Second, indented\n")
+    assert read_prompts(path, DEFAULTS) == [
+        {**DEFAULTS, "id": 1, "prompt": "First prompt"},
+        {**DEFAULTS, "id": 3, "prompt": "  Second, indented"},
+    ]
+
+
+def test_json_lines_carry_per_prompt_options(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        '{"prompt": "a", "max_tokens": 4, "temp": 0.7, "seed": 3}\n'
+        '{"id": "x", "messages": [{"role": "user", "content": "b"}]}\n'
+    )
+    first, second = read_prompts(path, DEFAULTS)
+    assert first == {**DEFAULTS, "id": 1, "prompt": "a", "max_tokens": 4, "temp": 0.7, "seed": 3}
+    assert second == {**DEFAULTS, "id": "x", "messages": [{"role": "user", "content": "b"}]}
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "a",}', "not valid JSON"),
+        ('["a"]', "expected a JSON object"),
+        ('{"prompt": "a", "max_tokenz": 3}', "unknown key 'max_tokenz'"),
+        ('{"prompt": "a", "messages": []}', "exactly one of 'prompt' and 'messages'"),
+        ('{"max_tokens": 3}', "exactly one of 'prompt' and 'messages'"),
+        ('{"prompt": 3}', "'prompt' must be str, got 3"),
+        ('{"prompt": "a", "max_tokens": true}', "'max_tokens' must be int, got true"),
+        ('{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be at least 1"),
+        ('{"prompt": "a", "top_p": 1.5}', "'top_p' in (0, 1]"),
+        ('{"messages": [{"role": "user"}]}', "'messages' must be a non-empty list"),
+    ],
+)
+def test_a_bad_line_is_named_by_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(UsageError) as info:
+        read_prompts(path, DEFAULTS)
+    assert str(info.value).startswith(f"{path}:3: ")
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_an_empty_or_missing_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(UsageError, match="no prompts"):
+        read_prompts(empty, DEFAULTS)
+    with pytest.raises(UsageError, match="cannot read the prompts file"):
+        read_prompts(tmp_path / "missing.txt", DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "x"], "give --prompt or --prompts-file, not both"),
+        (["--pipeline", "native"], "--prompts-file overlaps requests with the generic pipeline"),
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--output", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),
+    ],
+)
+def test_generate_refuses_bad_batch_flags(tiny_models: TinyModels, tmp_path: Path, args: list[str], message: str) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hi\n")
+    argv = ["generate", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), *args]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_batch_flags_need_a_prompts_file(tiny_models: TinyModels) -> None:
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "x", "--concurrency", "2"])
+    assert result.exit_code == 2
+    assert "--concurrency and --output go with --prompts-file" in result.output
+
+
+def test_generate_names_the_bad_line_before_launching(tiny_models: TinyModels, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": 1}\n')
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts)])
+    assert result.exit_code == 2
+    assert f"{prompts}:2: unknown key 'temperature'" in result.output
+
+
+# ---------------------------------------------------------------- real ranks
+
+
+@pytest.fixture(scope="session")
+def batch_runs(tiny_models: TinyModels, demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """rank count -> (the driver run over every case, {(case, rank): batch_case event})."""
+    runs: dict[int, tuple[LaunchResult, dict[tuple[str, int], dict[str, Any]]]] = {}
+
+    def get(num_ranks: int):
+        if num_ranks not in runs:
+            runs[num_ranks] = _run_batches(num_ranks, tiny_models, demo_model, tmp_path_factory.mktemp("batches"))
+        return runs[num_ranks]
+
+    return get
+
+
+def _checkpoint(case: str, tiny_models: TinyModels, demo_model: Path) -> Path:
+    return demo_model if case == "demo" else tiny_models[case]
+
+
+def _requests(case: str) -> list[dict[str, Any]]:
+    return DEMO_REQUESTS if case == "demo" else TINY_REQUESTS
+
+
+def _run_batches(num_ranks: int, tiny_models: TinyModels, demo_model: Path, tmp: Path):
+    cases = []
+    for case, split in CASES[num_ranks].items():
+        dirs = rank_dirs(_checkpoint(case, tiny_models, demo_model), split, tmp / case)
+        job = JobSpec([str(d) for d in dirs], split, prefill_step_size=PREFILL_STEP)
+        cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": CONCURRENCY})
+    cases_file = tmp / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    driver = str(Path(__file__).parent / "fixtures" / "batch_ranks.py")
+    result = launch(local_hostfile(num_ranks, tmp), [PYTHON, driver, "--cases", str(cases_file)], timeout=_TIMEOUT)
+    return result, {(e["id"], e["rank"]): e for e in result.of("batch_case")}
+
+
+def _runs(batch_runs, num_ranks: int, case: str) -> list[dict[str, Any]]:
+    """Every rank's ``batch_case`` event for ``case``; fails with the run's logs."""
+    result, by_case = batch_runs(num_ranks)
+    events = [by_case.get((case, r)) for r in range(num_ranks)]
+    if any(e is None for e in events):
+        pytest.fail(f"no result for {case} from every rank\n{result.describe()}")
+    return events  # type: ignore[return-value]
+
+
+def _results(event: dict[str, Any], k: int) -> dict[Any, dict[str, Any]]:
+    """Rank 0's ``result`` events of the run with concurrency ``k``, by request id."""
+    run = next(r for r in event["runs"] if r["concurrency"] == k)
+    return {e["id"]: e for e in run["events"] if e["event"] == "result"}
+
+
+def _done(event: dict[str, Any], k: int) -> dict[str, Any]:
+    run = next(r for r in event["runs"] if r["concurrency"] == k)
+    return next(e for e in run["events"] if e["event"] == "batch_done")
+
+
+@lru_cache(maxsize=None)
+def _reference_model(path: str) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(path)
+
+
+@lru_cache(maxsize=None)
+def _reference(path: str, request_json: str) -> tuple[list[int], str]:
+    """Single-process mlx-lm's tokens and text for one request, alone."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    request = json.loads(request_json)
+    model, tokenizer = _reference_model(path)
+    if request.get("ignore_chat_template"):
+        prompt: Any = request["prompt"]  # stream_generate adds the BOS as the worker does
+    else:
+        messages = request.get("messages") or [{"role": "user", "content": request["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    if "seed" in request:
+        mx.random.seed(request["seed"])
+    sampler = make_sampler(request.get("temp", 0.0), top_p=request.get("top_p", 0.0))
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=request["max_tokens"],
+                                     sampler=sampler, prefill_step_size=PREFILL_STEP))
+    return [r.token for r in responses], "".join(r.text for r in responses)
+
+
+PARAMS = [(n, case, k) for n in (2, 3) for case in CASES[n] for k in CONCURRENCY]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("num_ranks, case, k", PARAMS, ids=[f"{n}ranks-{c}-K{k}" for n, c, k in PARAMS])
+def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, demo_model, num_ranks: int, case: str, k: int) -> None:
+    events = _runs(batch_runs, num_ranks, case)
+    results = _results(events[0], k)
+    path = str(_checkpoint(case, tiny_models, demo_model))
+    for request in _requests(case):
+        tokens, text = _reference(path, json.dumps(request, sort_keys=True))
+        got = results[request["id"]]
+        assert got["tokens"] == tokens, request["id"]
+        assert got["text"] == text
+        assert got["finish_reason"] == ("stop" if tokens[-1] in _eos(path) else "length")
+    dones = [_done(e, k) for e in events]
+    assert len({(d["ticks"], d["generation_tokens"]) for d in dones}) == 1, "ranks disagree on the schedule"
+    assert all(_results(e, k) == {} for e in events[1:]), "only rank 0 reports results"
+
+
+def _eos(path: str) -> set[int]:
+    return set(_reference_model(path)[1].eos_token_ids)
+
+
+@pytest.mark.ranks
+def test_a_finished_request_gives_its_slot_to_the_next_on_ranks(batch_runs) -> None:
+    results = _results(_runs(batch_runs, 2, "llama")[0], 2)
+    short, waiting = results["short"], results["templated"]
+    assert waiting["slot"] == short["slot"]
+    assert waiting["ticks"][0] == short["ticks"][1] + 1
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_more_requests_in_flight_take_fewer_ticks(batch_runs, num_ranks: int) -> None:
+    event = _runs(batch_runs, num_ranks, "qwen2")[0]
+    ticks = [_done(event, k)["ticks"] for k in CONCURRENCY]
+    assert ticks[0] > max(ticks[1:])  # K above the stage count adds no throughput, only waiting
+
+
+# ---------------------------------------------------------------- the command end to end
+
+MLXPIPE = str(Path(PYTHON).parent / "mlxpipe")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _mlxpipe(*args: str) -> Any:
+    import subprocess
+
+    return subprocess.run([MLXPIPE, *args], capture_output=True, text=True, timeout=_TIMEOUT, cwd=REPO)
+
+
+@pytest.mark.ranks
+def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    requests = [{"prompt": "What is the capital of France?", "max_tokens": 6},
+                {"id": "count", "prompt": "1, 2, 3,", "ignore_chat_template": True, "max_tokens": 3}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    out = tmp_path / "results.jsonl"
+    result = _mlxpipe("generate", "--model", str(demo_model), "--prompts-file", str(prompts),
+                      "--output", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)["summary"]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in lines] == [1, "count"]
+    for request, got in zip(requests, lines):
+        tokens, text = _reference(str(demo_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
+        assert (got["tokens"], got["text"]) == (tokens, text)
+        assert got["generation_tokens"] == len(tokens) and got["latency"] >= got["ttft"] > 0
+    assert summary["requests"] == 2 and summary["concurrency"] == 2
+    assert summary["generation_tokens"] == sum(r["generation_tokens"] for r in lines)
+    assert summary["aggregate_tps"] > 0
+
+
+@pytest.mark.ranks
+def test_prompts_file_prints_texts_in_order_then_the_summary(tiny_models: TinyModels, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("A long first prompt, so that it ends last.\nHi\n")
+    result = _mlxpipe("generate", "--model", str(tiny_models["qwen2"]), "--prompts-file", str(prompts),
+                      "--max-tokens", "3", "--concurrency", "2")
+    assert result.returncode == 0, result.stderr
+    headers = [line.split()[0] for line in result.stdout.splitlines() if line.endswith("─" * 10)]
+    assert headers == ["1", "2"]
+    assert "2 requests, 2 at a time" in result.stderr and "aggregate" in result.stderr
