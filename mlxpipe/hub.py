@@ -25,6 +25,7 @@ from mlxpipe.metadata import (
     check_repo_filename,
     is_support_file,
     load_local,
+    read_json,
     weight_map,
 )
 from mlxpipe.paths import mlxpipe_home
@@ -116,9 +117,9 @@ def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata
         commit = info.sha
         sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
         hashes = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs and s.lfs.sha256}
-        config = _json(hf_hub_download(repo, "config.json", revision=commit), repo, "config.json")
+        config = read_json(Path(hf_hub_download(repo, "config.json", revision=commit)), repo)
         if WEIGHT_INDEX in sizes:
-            index = _json(hf_hub_download(repo, WEIGHT_INDEX, revision=commit), repo, WEIGHT_INDEX)
+            index = read_json(Path(hf_hub_download(repo, WEIGHT_INDEX, revision=commit)), repo)
             files = sorted(set(weight_map(index, repo).values()))
         elif SINGLE_WEIGHTS in sizes:
             files = [SINGLE_WEIGHTS]
@@ -155,16 +156,6 @@ def _fetch_headers(api: Any, repo: str, commit: str, files: list[str], progress:
             if progress:
                 progress(done, len(files))
     return tensors
-
-
-def _json(path: str, repo: str, name: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelError(f"{repo}: cannot read {name} ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{repo}: {name} is not a JSON object")
-    return data
 
 
 # --- The metadata cache: metadata/<repo>/refs/<revision> -> commit, <commit>.json ----

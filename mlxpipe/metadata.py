@@ -177,9 +177,9 @@ def check_repo_filename(name: Any, source: str) -> None:
 def load_local(directory: Path) -> ModelMetadata:
     """Describe a local checkpoint directory."""
     source = str(directory)
-    config = _read_json(directory / "config.json", source)
+    config = read_json(directory / "config.json", source)
     if (directory / WEIGHT_INDEX).exists():
-        wm = weight_map(_read_json(directory / WEIGHT_INDEX, source), source)
+        wm = weight_map(read_json(directory / WEIGHT_INDEX, source), source)
         files = sorted(set(wm.values()))
     elif (directory / SINGLE_WEIGHTS).exists():
         files = [SINGLE_WEIGHTS]
@@ -209,7 +209,8 @@ def is_support_file(name: str) -> bool:
     return any(fnmatch(name, p) for p in SUPPORT_PATTERNS)
 
 
-def _read_json(path: Path, source: str) -> dict[str, Any]:
+def read_json(path: Path, source: str) -> dict[str, Any]:
+    """A JSON object from ``path``; errors name ``source`` and the file."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
