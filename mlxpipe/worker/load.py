@@ -16,6 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from mlxpipe.errors import ModelError
@@ -130,12 +131,25 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:_MAX_NAMED]) + more
 
 
+def settle() -> None:
+    """Wait for all work in flight on this rank, including mlx-lm's generation stream.
+
+    ``generate_step`` evaluates one token ahead on ``generation_stream``; that
+    step sends and receives on the group's sockets, so a collective on another
+    stream must not start before it ends (their messages would interleave, and
+    a rank leaving would cut the step's pending receive).
+    """
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 def barrier(group: Any) -> None:
-    """Wait for every rank, on the CPU stream.
+    """Finish this rank's work in flight, then wait for every rank, on the CPU stream.
 
     On Metal a GPU-stream collective that waits more than a few seconds (a
     rank still loading) is killed by the GPU watchdog.
     """
+    settle()
     if group.size() > 1:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 

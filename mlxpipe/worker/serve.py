@@ -26,7 +26,7 @@ from mlx_lm.utils import common_prefix_len
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.load import LoadedModel, barrier, load_rank
+from mlxpipe.worker.load import LoadedModel, barrier, load_rank, settle
 
 DEFAULT_MAX_TOKENS = 256
 Emit = Callable[..., None]
@@ -141,7 +141,7 @@ class Server:
         assert response is not None  # stream_generate always yields once
         # generate_step computes one step ahead; let it finish before any other
         # collective (CPU-stream barriers, seeds) can interleave with its ops.
-        mx.synchronize()
+        settle()
 
         # Every token stream_generate yields has been fed to the cache.
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
