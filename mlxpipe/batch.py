@@ -14,6 +14,7 @@ ranks' ``result`` events into per-request results and a summary.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -182,11 +183,52 @@ class InOrder:
             self._next += 1
 
 
-def write_jsonl(path: Path, results: list[RequestResult]) -> None:
-    """One JSON object per request, in input order."""
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps(r.to_json()) + "\n")
-    except OSError as e:
-        raise UsageError(f"cannot write {path}: {e}") from e
+class ResultsFile:
+    """``--output``: every result kept the moment it finishes; the file itself written whole.
+
+    While the batch runs, results go to ``<output>.partial`` in the order they
+    finish, one flushed JSON line each, so a run that fails keeps everything it
+    finished. At the end the results are written in input order to a temporary
+    file that is renamed over ``output``: an existing ``output`` is replaced
+    whole or not at all.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.saved = 0
+        try:
+            self._file = open(self.partial, "w", encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--output {path}: cannot write {self.partial}: {e.strerror or e}") from e
+
+    def add(self, result: RequestResult) -> None:
+        """Keep one finished result (any order)."""
+        self._file.write(json.dumps(result.to_json()) + "\n")
+        self._file.flush()
+        self.saved += 1
+
+    def finish(self, results: list[RequestResult]) -> None:
+        """Write every result in input order to ``path``; drop the partial file."""
+        self._file.close()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in results:
+                    f.write(json.dumps(r.to_json()) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise UsageError(
+                f"cannot write {self.path}: {e.strerror or e}",
+                f"all {self.saved} results are in {self.partial}",
+            ) from e
+        self.partial.unlink(missing_ok=True)
+
+    def abandon(self) -> str | None:
+        """After a failure: keep what finished; say where, or None when nothing did."""
+        self._file.close()
+        if self.saved == 0:
+            self.partial.unlink(missing_ok=True)
+            return None
+        return f"the {self.saved} results that finished are in {self.partial}"

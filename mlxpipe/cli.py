@@ -231,7 +231,9 @@ PromptsFileOpt = typer.Option(
 )
 ConcurrencyOpt = typer.Option(None, "--concurrency", help="With --prompts-file: requests in flight at once. [default: the number of ranks]")
 OutputOpt = typer.Option(
-    None, "--output", "-o", help="With --prompts-file: write one JSON object per request here instead of printing the texts."
+    None, "--output", "-o",
+    help="With --prompts-file: write one JSON object per request here, in input order, instead of printing the "
+    "texts. Until the batch is done, finished results are kept in FILE.partial as they come.",
 )
 
 
@@ -428,7 +430,7 @@ def generate(
 def _generate_batch(start: Callable[[], Any], defaults: dict[str, Any], prompts_file: Path,
                     concurrency: int | None, output: Path | None, pipeline_mode: str, json_out: bool) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
-    from mlxpipe.batch import read_prompts, write_jsonl
+    from mlxpipe.batch import ResultsFile, read_prompts
     from mlxpipe.render import batch_table
 
     if pipeline_mode != "generic":
@@ -438,16 +440,25 @@ def _generate_batch(start: Callable[[], Any], defaults: dict[str, Any], prompts_
     if output is not None and not output.parent.is_dir():
         raise UsageError(f"--output {output}: no directory {output.parent}")
     requests = read_prompts(prompts_file, defaults)
-    pipe = start()
+    saved = ResultsFile(output) if output is not None else None
     try:
-        on_result = None if json_out or output else _print_result
-        result = pipe.generate_batch(requests, concurrency, on_result)
-        pipe.close()
-    except BaseException:
-        pipe.stop()
+        pipe = start()
+        try:
+            on_result = None if json_out or output else _print_result
+            result = pipe.generate_batch(requests, concurrency, on_result, saved.add if saved else None)
+            pipe.close()
+        except BaseException:
+            pipe.stop()
+            raise
+    except BaseException as e:
+        kept = saved.abandon() if saved else None
+        if kept and isinstance(e, MlxpipeError):
+            e.hint = f"{e.hint}; {kept}" if e.hint else kept
+        elif kept:
+            console.warn(kept)
         raise
-    if output is not None:
-        write_jsonl(output, result.results)
+    if saved is not None:
+        saved.finish(result.results)
     if json_out:
         results = {} if output else {"results": [r.to_json() for r in result.results]}
         console.print_json({**results, "summary": result.summary(), "run_dir": str(pipe.run_dir)})

@@ -189,11 +189,13 @@ class Pipeline:
         requests: Sequence[dict[str, Any]],
         concurrency: int | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
+        on_finished: Callable[[RequestResult], None] | None = None,
     ) -> BatchResult:
         """Overlap ``requests`` across the stages, ``concurrency`` at a time (default: one per stage).
 
         ``on_result`` gets each request's result in input order, as soon as it
-        and every request before it have finished.
+        and every request before it have finished; ``on_finished`` gets each
+        the moment it finishes.
         """
         from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
 
@@ -204,7 +206,10 @@ class Pipeline:
         for event in self.ranks.events(self.options.step_timeout):
             kind = event.get("event")
             if kind == "result":
-                ordered.add(int(event["index"]), result_from_event(event))
+                finished = result_from_event(event)
+                if on_finished is not None:
+                    on_finished(finished)
+                ordered.add(int(event["index"]), finished)
             elif kind == "batch_done":
                 done[int(event["rank"])] = event
                 if len(done) == self.ranks.size:

@@ -280,6 +280,34 @@ def test_killed_rank_is_the_root_cause(site: Site, rank: int, demo_model: Path, 
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize("site", ["local"], indirect=True)
+def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, demo_model: Path, tmp_path: Path,
+                                                          controller: Any) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    quick = {"prompt": "What is the capital of France?", "max_tokens": 4}
+    long = {"prompt": STORY, "ignore_chat_template": True, "max_tokens": 400}
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in (quick, quick, long, long)))
+    out = tmp_path / "results.jsonl"
+    out.write_text("an earlier run's results\n")
+    partial = tmp_path / "results.jsonl.partial"
+    run = controller("--model", str(demo_model), "--hostfile", str(site.hostfile), "--prompts-file", str(prompts),
+                     "--concurrency", "2", "--output", str(out))
+    deadline = time.monotonic() + START_SECONDS
+    while not (partial.exists() and partial.read_text().count("\n") == 2):
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.err
+        time.sleep(0.05)
+    os.kill(site.worker_pid(1, run.proc.pid), signal.SIGKILL)
+    code, _ = run.wait(timeout=30)
+
+    assert code == 1, run.err
+    assert run.error_line == f"error: rank 1 on {site.hosts[1]}: killed by SIGKILL (exit status -9)"
+    assert f"the 2 results that finished are in {partial}" in run.err.replace("\n", "")
+    kept = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert sorted(r["id"] for r in kept) == [1, 2] and all(r["generation_tokens"] == 4 for r in kept)
+    assert out.read_text() == "an earlier run's results\n"
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize("site", LOCAL_AND_SSH, indirect=True)
 def test_rank_exiting_0_early_stops_the_run(site: Site, demo_model: Path) -> None:
     pipe = start_pipeline(site, demo_model, faulty_worker.worker("exit0", on_rank=1, after_tokens=2))

@@ -19,7 +19,7 @@ from fixtures.ranks import LaunchResult, PYTHON, launch, local_hostfile, rank_di
 from fixtures.tiny_models import TinyModels
 from typer.testing import CliRunner
 
-from mlxpipe.batch import InOrder, RequestResult, read_prompts
+from mlxpipe.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
 from mlxpipe.worker.job import JobSpec
@@ -152,6 +152,45 @@ def test_results_are_handed_on_in_input_order() -> None:
 # ---------------------------------------------------------------- the prompts file
 
 DEFAULTS = {"prompt": None, "messages": None, "max_tokens": 16, "temp": 0.0}
+
+
+def _result(id: Any) -> RequestResult:
+    return RequestResult(id=id, text=f"text {id}", tokens=[1, 2], prompt_tokens=3, generation_tokens=2,
+                         latency=1.0, ttft=0.5, tps=2.0, finish_reason="length")
+
+
+def test_results_file_keeps_each_result_as_it_finishes_and_replaces_output_whole(tmp_path: Path) -> None:
+    tmp_path = tmp_path / "out"
+    tmp_path.mkdir()
+    out = tmp_path / "results.jsonl"
+    out.write_text("old\n")
+    saved = ResultsFile(out)
+    saved.add(_result("b"))
+    saved.add(_result("a"))
+    partial = [json.loads(line)["id"] for line in (tmp_path / "results.jsonl.partial").read_text().splitlines()]
+    assert partial == ["b", "a"]  # on disk at once, in the order they finished
+    assert out.read_text() == "old\n"  # untouched until the batch is whole
+    saved.finish([_result("a"), _result("b")])
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]
+
+
+def test_results_file_after_a_failure_keeps_what_finished(tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    saved = ResultsFile(out)
+    saved.add(_result(7))
+    assert saved.abandon() == f"the 1 results that finished are in {out}.partial"
+    assert json.loads((tmp_path / "results.jsonl.partial").read_text())["text"] == "text 7"
+    assert not out.exists()
+    nothing = ResultsFile(out)
+    assert nothing.abandon() is None
+    assert not (tmp_path / "results.jsonl.partial").exists()
+
+
+def test_results_file_refuses_a_path_it_cannot_write(tmp_path: Path) -> None:
+    (tmp_path / "results.jsonl.partial").mkdir()
+    with pytest.raises(UsageError, match=r"--output .*results.jsonl: cannot write .*results.jsonl.partial"):
+        ResultsFile(tmp_path / "results.jsonl")
 
 
 def test_a_plain_file_holds_one_prompt_per_line(tmp_path: Path) -> None:
@@ -385,10 +424,13 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
     requests = [{"prompt": "What is the capital of France?", "max_tokens": 6},
                 {"id": "count", "prompt": "1, 2, 3,", "ignore_chat_template": True, "max_tokens": 3}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in requests))
-    out = tmp_path / "results.jsonl"
+    out = tmp_path / "out" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text("an earlier run's results\n")
     result = _mlxpipe("generate", "--model", str(demo_model), "--prompts-file", str(prompts),
                       "--output", str(out), "--json")
     assert result.returncode == 0, result.stderr
+    assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no partial left
     summary = json.loads(result.stdout)["summary"]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == [1, "count"]
