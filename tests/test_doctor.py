@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -96,12 +95,9 @@ def test_table_names_every_check_and_exits_0() -> None:
         assert word in result.stdout
 
 
-def test_preflight_of_local_ranks_is_fast() -> None:
-    hostfile = load_hostfile(LOCAL_2)
-    preflight(hostfile)  # warm the page cache
-    start = time.perf_counter()
-    results = preflight(hostfile, port=free_port_base(2))  # with ports to bind, the most work there is
-    assert time.perf_counter() - start < 1.5
+def test_preflight_of_local_ranks_binds_the_ports_it_will_use() -> None:
+    results = preflight(load_hostfile(LOCAL_2), port=free_port_base(2))  # with ports to bind, the most work there is
+    assert [r.check for r in results] == ["ssh", "python", "versions", "ports"]
     assert not [r for r in results if r.failed]
 
 
