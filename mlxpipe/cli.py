@@ -69,7 +69,12 @@ def _root(
 ModelOpt = typer.Option(None, "--model", "-m", help="Hub repo id or local directory. [default: the demo model]")
 RevisionOpt = typer.Option(None, "--revision", help="Hub branch, tag or commit.")
 HostfileOpt = typer.Option(None, "--hostfile", help="mlx.launch hostfile (JSON or YAML). [default: hostfiles/local-2.json]")
-StrategyOpt = typer.Option(None, "--strategy", help="even | memory. [default: memory when every host has memory_gb, else even]")
+StrategyOpt = typer.Option(
+    None, "--strategy",
+    help="even (mlx-lm's split) | memory (by each host's memory) | balanced (the same weight bytes read per token on "
+    "every stage, rank 0's vocabulary head included: best for --prompts-file). "
+    "[default: memory when every host has memory_gb, else even]",
+)
 SplitOpt = typer.Option(None, "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).")
 ConfigOpt = typer.Option(None, "--config", help="A preset from configs/*.yaml; flags override it.")
 JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts instead of tables.")

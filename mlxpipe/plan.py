@@ -10,6 +10,7 @@ a split lists layers per rank in rank order.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -17,7 +18,7 @@ from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.hostfile import GB, Host
 from mlxpipe.metadata import ModelMetadata, kv_bytes_per_token
 
-STRATEGIES = ("even", "memory", "split")
+STRATEGIES = ("even", "memory", "balanced", "split")
 DEFAULT_CONTEXT = 4096
 # Activations, the runtime and the tokenizer: held back from every host's budget.
 RUNTIME_OVERHEAD = GB // 2
@@ -119,10 +120,53 @@ def check_split(split: Sequence[int], num_layers: int, size: int) -> None:
         )
 
 
+def balanced_split(layer_work: Sequence[int], head_work: int, size: int) -> list[int]:
+    """The split whose busiest stage has the least work per token (exact).
+
+    A stage's work is the sum of its layers' ``layer_work``, plus ``head_work``
+    on rank 0, which runs the last layers and the vocabulary head. Of the
+    splits with the least maximum, the earlier stages (higher ranks) take as
+    many layers as they can, so uniform layers without a head split evenly.
+    """
+    n = len(layer_work)
+    prefix = [0]
+    for w in layer_work:
+        prefix.append(prefix[-1] + w)
+
+    def work(start: int, end: int, stages_left: int) -> int:
+        """Layers [start, end) as the stage with ``stages_left`` stages after it (0: rank 0)."""
+        return prefix[end] - prefix[start] + (head_work if stages_left == 0 else 0)
+
+    # least[k][s]: the least maximum work for layers [s, n) over the last k stages.
+    inf = float("inf")
+    least: list[list[float]] = [[inf] * (n + 1) for _ in range(size + 1)]
+    least[0][n] = 0
+    for k in range(1, size + 1):
+        for s in range(n - k, -1, -1):
+            least[k][s] = min(
+                max(work(s, e, k - 1), least[k - 1][e]) for e in range(s + 1, n - (k - 1) + 1)
+            )
+    best = least[size][0]
+    split_in_pipeline_order, s = [], 0
+    for k in range(size, 0, -1):
+        e = max(e for e in range(s + 1, n - (k - 1) + 1)
+                if work(s, e, k - 1) <= best and least[k - 1][e] <= best)
+        split_in_pipeline_order.append(e - s)
+        s = e
+    return split_in_pipeline_order[::-1]  # rank order: rank 0 runs the last stage
+
+
 def choose_split(
-    strategy: str | None, split: Sequence[int] | None, num_layers: int, hosts: Sequence[Host]
+    strategy: str | None,
+    split: Sequence[int] | None,
+    num_layers: int,
+    hosts: Sequence[Host],
+    work: tuple[list[int], int] | None = None,
 ) -> tuple[str, list[int]]:
-    """Resolve the strategy (default: memory when every host declares it, else even)."""
+    """Resolve the strategy (default: memory when every host declares it, else even).
+
+    ``work`` (each layer's work per token, the head's) is what ``balanced`` weighs.
+    """
     size = len(hosts)
     if size > num_layers:
         raise PlanError(
@@ -146,7 +190,11 @@ def choose_split(
                 "add memory_gb to each host in the hostfile, or use --strategy even",
             )
         return strategy, proportional_split(num_layers, [budget_bytes(h) or 0 for h in hosts])
-    raise UsageError(f"unknown strategy {strategy!r}", f"use one of: {', '.join(STRATEGIES[:2])} or --split")
+    if strategy == "balanced":
+        if work is None:
+            raise UsageError("--strategy balanced needs the model's tensors")
+        return strategy, balanced_split(work[0], work[1], size)
+    raise UsageError(f"unknown strategy {strategy!r}", f"use one of: {', '.join(STRATEGIES[:3])} or --split")
 
 
 # --- Costs ---------------------------------------------------------------------------
@@ -159,22 +207,50 @@ class _Costs:
     layer_files: list[set[str]]
     shared_files: set[str]
     kv: list[tuple[int, int | None]]
+    layer_work: list[int]  # bytes each layer reads per generated token
+    head_work: int  # bytes the vocabulary head reads per token (rank 0's extra)
+
+
+# The routed experts' weights (mlx-lm's stacked ``switch_mlp``, or per-expert tensors).
+_EXPERT_RE = re.compile(r"\.(switch_mlp|experts)\.")
+_HEAD_RE = re.compile(r"(^|\.)lm_head\.")
+_EMBED_RE = re.compile(r"(^|\.)embed_tokens\.")
+_EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+_EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
 def _costs(meta: ModelMetadata) -> _Costs:
     n = meta.num_layers
-    layer_bytes = [0] * n
+    layer_bytes, layer_work = [0] * n, [0] * n
     layer_files: list[set[str]] = [set() for _ in range(n)]
     shared_bytes, shared_files = 0, set()
+    head_bytes = embed_bytes = 0
+    active, experts = _active_experts(meta.text_config)
     for t in meta.tensors:
         layer = t.layer
         if layer is None:
             shared_bytes += t.nbytes
             shared_files.add(t.file)
+            if _HEAD_RE.search(t.name):
+                head_bytes += t.nbytes
+            elif _EMBED_RE.search(t.name):
+                embed_bytes += t.nbytes
         elif layer < n:  # layers past num_hidden_layers (MTP) are dropped by sanitize
             layer_bytes[layer] += t.nbytes
             layer_files[layer].add(t.file)
-    return _Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta))
+            routed = experts and _EXPERT_RE.search(t.name)
+            layer_work[layer] += t.nbytes * active // experts if routed else t.nbytes
+    # Tied embeddings: the head is the embedding matrix itself.
+    head_work = head_bytes or embed_bytes
+    return _Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta),
+                  layer_work, head_work)
+
+
+def _active_experts(config: dict[str, Any]) -> tuple[int, int]:
+    """(experts each token uses, routed experts per layer); (0, 0) for a dense model."""
+    active = next((config[k] for k in _EXPERTS_PER_TOKEN_KEYS if isinstance(config.get(k), int)), 0)
+    experts = next((config[k] for k in _EXPERTS_KEYS if isinstance(config.get(k), int)), 0)
+    return (active, experts) if 0 < active <= experts else (0, 0)
 
 
 def kv_bytes(kv: Sequence[tuple[int, int | None]], tokens: int) -> int:
@@ -225,8 +301,8 @@ def make_plan(
     if context <= 0:
         raise UsageError(f"--context must be positive, got {context}")
     n = meta.num_layers
-    strategy, chosen = choose_split(strategy, split, n, hosts)
     costs = _costs(meta)
+    strategy, chosen = choose_split(strategy, split, n, hosts, (costs.layer_work, costs.head_work))
     max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
     support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
     ranks = []
@@ -268,7 +344,7 @@ def make_plan(
         model_bytes=sum(t.nbytes for t in meta.tensors if t.layer is None or t.layer < n),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
-        notes=_notes(hosts),
+        notes=_notes(hosts) + _strategy_notes(strategy, costs, meta),
     )
     if not plan.fits:
         suggestion = suggest_split(costs, hosts, context)
@@ -337,6 +413,18 @@ def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:
             "If you raised it with `sudo sysctl iogpu.wired_limit_mb=N`, add wired_limit_gb to that host.",
         )
     return ()
+
+
+def _strategy_notes(strategy: str, costs: _Costs, meta: ModelMetadata) -> tuple[str, ...]:
+    if strategy != "balanced":
+        return ()
+    layer = sum(costs.layer_work) / len(costs.layer_work)
+    experts = " (routed experts: the share each token uses)" if _active_experts(meta.text_config)[1] else ""
+    head = f"{costs.head_work / layer:.1f} layers" if layer else "nothing"
+    return (
+        f"balanced: each stage reads about the same weight bytes per token{experts}; rank 0 also runs the "
+        f"vocabulary head, worth {head}.",
+    )
 
 
 def _replace(plan: Plan, **changes: Any) -> Plan:

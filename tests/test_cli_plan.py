@@ -180,7 +180,7 @@ def test_no_split_fits(model: Path, tmp_path: Path) -> None:
                            "hint: give one layer count per host, in rank order\n"),
         (["--split", "0,6"], "error: --split 0,6: every rank needs at least one layer\n"),
         (["--split", "3,3", "--strategy", "even"], "error: --split and --strategy conflict\nhint: give one of them\n"),
-        (["--strategy", "fast"], "error: unknown strategy 'fast'\nhint: use one of: even, memory or --split\n"),
+        (["--strategy", "fast"], "error: unknown strategy 'fast'\nhint: use one of: even, memory, balanced or --split\n"),
         (["--context", "0"], "error: --context must be positive, got 0\n"),
     ],
     ids=["not-numbers", "wrong-sum", "wrong-length", "zero", "with-strategy", "unknown-strategy", "context"],

@@ -115,7 +115,7 @@ SPLITS = {  # (repo, ranks) -> explicit split, in rank order (rank 0 runs the la
 
 @pytest.mark.parametrize("repo", [DEMO, TINY])
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("strategy", ["even", "memory", "split"])
+@pytest.mark.parametrize("strategy", ["even", "memory", "balanced", "split"])
 def test_each_rank_fetches_exactly_its_plan(
     hub_env: FakeHub, repos: dict, tmp_path: Path, repo: str, ranks: int, strategy: str
 ) -> None:

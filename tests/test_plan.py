@@ -18,6 +18,7 @@ from mlxpipe.hostfile import GB, Host
 from mlxpipe.metadata import ModelMetadata, Tensor, kv_bytes_per_token
 from mlxpipe.plan import (
     RUNTIME_OVERHEAD,
+    balanced_split,
     choose_split,
     even_split,
     kv_bytes,
@@ -152,6 +153,61 @@ def test_even_split_rank_zero_runs_the_last_layers(
     assert layer_ranges(split) == ranges
 
 
+# --- The balanced split: the same work per token on every stage ------------------------
+
+
+def _stage_work(split: Sequence[int], layer_work: Sequence[int], head: int) -> list[int]:
+    return [sum(layer_work[s:e]) + (head if r == 0 else 0) for r, (s, e) in enumerate(layer_ranges(split))]
+
+
+def test_balanced_split_is_the_least_busiest_stage_of_all_splits() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        size = rng.randint(1, min(n, 4))
+        layer_work = [rng.choice([1, 2, 3, 10, 50]) for _ in range(n)]
+        head = rng.choice([0, 1, 5, 40])
+        split = balanced_split(layer_work, head, size)
+        assert sum(split) == n and len(split) == size and min(split) >= 1
+        least = min(max(_stage_work(c, layer_work, head)) for c in _compositions(n, size))
+        assert max(_stage_work(split, layer_work, head)) == least, (layer_work, head, size, split)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_balanced_split_of_uniform_layers_without_a_head_is_even(size: int) -> None:
+    for n in range(size, 65, size):
+        assert balanced_split([5] * n, 0, size) == even_split(n, size)
+
+
+@pytest.mark.parametrize("head", ["lm_head", "model.embed_tokens"], ids=["own-head", "tied-embedding"])
+def test_balanced_plan_gives_rank_0_fewer_layers_for_the_vocabulary_head(head: str) -> None:
+    tensors = [T(f"model.layers.{i}.mlp.down_proj.weight", MB, "w.safetensors") for i in range(30)]
+    tensors.append(T(f"{head}.weight", 3 * MB, "w.safetensors"))
+    if head == "lm_head":  # an untied model also has its embedding, which costs no work per token
+        tensors.append(T("model.embed_tokens.weight", 3 * MB, "w.safetensors"))
+    plan = make_plan(meta(tensors, 30), hosts(2), strategy="balanced")
+    # Rank 0: 13 layers + the head (3 layers' worth) = 16, rank 1: 17; 14 + 3 and 16 tie at 17,
+    # and of equal splits the first stage (rank 1) takes all it can.
+    assert (plan.strategy, plan.split) == ("balanced", (13, 17))
+    assert plan.notes[-1] == (
+        "balanced: each stage reads about the same weight bytes per token; rank 0 also runs the vocabulary head, "
+        "worth 3.0 layers."
+    )
+    assert make_plan(meta(tensors, 30), hosts(2), strategy="even").split == (15, 15)
+
+
+def test_balanced_plan_counts_routed_experts_at_the_share_each_token_uses() -> None:
+    # Layers 0-1 dense (8 MiB), 2-7 MoE: 64 MiB of 16 routed experts of which each token uses 2 (8 MiB).
+    tensors = [T(f"model.layers.{i}.mlp.down_proj.weight", 8 * MB, "w.safetensors") for i in range(2)]
+    tensors += [T(f"model.layers.{i}.mlp.switch_mlp.down_proj.weight", 64 * MB, "w.safetensors") for i in range(2, 8)]
+    moe = meta(tensors, 8, num_experts_per_tok=2, n_routed_experts=16)
+    plan = make_plan(moe, hosts(2), strategy="balanced")
+    assert plan.split == (4, 4)  # by bytes held it would be (3, 5): the dense layers look cheap
+    assert "(routed experts: the share each token uses)" in plan.notes[-1]
+    dense = meta(tensors, 8)  # without the expert counts every byte counts
+    assert make_plan(dense, hosts(2), strategy="balanced").split == (3, 5)
+
+
 # --- The memory strategy -------------------------------------------------------------------
 
 
@@ -233,7 +289,7 @@ SPLIT_ERRORS = [
      "--strategy memory needs 'memory_gb' for every host; rank 0 (h0) has none",
      "add memory_gb to each host in the hostfile, or use --strategy even"),
     ("unknown-strategy", dict(strategy="fastest"), UsageError,
-     "unknown strategy 'fastest'", "use one of: even, memory or --split"),
+     "unknown strategy 'fastest'", "use one of: even, memory, balanced or --split"),
     ("context-zero", dict(context=0), UsageError, "--context must be positive, got 0", None),
 ]
 
