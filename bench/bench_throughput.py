@@ -21,6 +21,7 @@ rank 0's vocabulary head gives.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from bench_generate import (  # the same placement and checkpoints as the latency benchmark
     QWEN2_LAYERS, REPO, build_qwen2, cores, pin, placement, rank_cores, worker_pids,
@@ -81,23 +83,40 @@ def _single_process_main(model: str, texts: list[str], max_tokens: int) -> None:
     print(json.dumps([tokens, time.perf_counter() - tic]))
 
 
-def pipeline_rows(model: Path, ranks: int, texts: list[str], max_tokens: int) -> list[Row]:
-    """Single-stream, then K = 1, 2, 4 overlapped, on one launch of ``ranks`` pinned ranks."""
-    from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
+@contextlib.contextmanager
+def pinned_pipeline(model: Path, ranks: int, strategy: str | None = None) -> Iterator[Any]:
+    """A started pipeline of ``ranks`` local ranks, each worker pinned to its own core; closed after."""
+    from mlxpipe.generate import Pipeline, RunOptions
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
-    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", None, None, None)
+    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
     meta = load_model_metadata(target)
     pipe = Pipeline(meta, plan_target(target, meta), target, RunOptions())
-    sampling = Sampling(max_tokens=max_tokens, ignore_chat_template=True)
-    requests = [request_for(t, None, sampling) for t in texts]
-    rows = []
     try:
         pipe.start()
         pids = worker_pids(pipe.job.encode())
         for rank, core in enumerate(rank_cores(ranks)):
             pin(pids[rank], core)
-        pipe.generate(request_for(texts[0], None, Sampling(max_tokens=4, ignore_chat_template=True)))  # warm-up
+        yield pipe
+        pipe.close()
+    except BaseException:
+        pipe.stop()
+        raise
+
+
+def _requests(texts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+    from mlxpipe.generate import Sampling, request_for
+
+    sampling = Sampling(max_tokens=max_tokens, ignore_chat_template=True)
+    return [request_for(t, None, sampling) for t in texts]
+
+
+def pipeline_rows(model: Path, ranks: int, texts: list[str], max_tokens: int) -> list[Row]:
+    """Single-stream, then K = 1, 2, 4 overlapped, on one launch of ``ranks`` pinned ranks."""
+    requests = _requests(texts, max_tokens)
+    rows = []
+    with pinned_pipeline(model, ranks) as pipe:
+        pipe.generate(_requests(texts[:1], 4)[0])  # warm-up
         tic = time.perf_counter()
         tokens = sum(pipe.generate(r).generation_tokens for r in requests)
         rows.append(Row(ranks, "single-stream pipeline, one request at a time", tokens, time.perf_counter() - tic))
@@ -105,42 +124,22 @@ def pipeline_rows(model: Path, ranks: int, texts: list[str], max_tokens: int) ->
             tic = time.perf_counter()
             result = pipe.generate_batch(requests, concurrency=k)
             rows.append(Row(ranks, f"overlapped, K = {k}", result.generation_tokens, time.perf_counter() - tic))
-        pipe.close()
-    except BaseException:
-        pipe.stop()
-        raise
     return rows
 
 
 def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs: int = 3) -> list[tuple[str, list[int], list[float]]]:
     """Overlapped K = 2 on 2 pinned ranks under the even and the balanced split: (strategy, split, tok/s per run)."""
-    from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
-
-    sampling = Sampling(max_tokens=max_tokens, ignore_chat_template=True)
-    requests = [request_for(t, None, sampling) for t in texts]
+    requests = _requests(texts, max_tokens)
     rows = []
     for strategy in ("even", "balanced"):
-        target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", strategy, None, None)
-        meta = load_model_metadata(target)
-        plan = plan_target(target, meta)
-        pipe = Pipeline(meta, plan, target, RunOptions())
-        try:
-            pipe.start()
-            pids = worker_pids(pipe.job.encode())
-            for rank, core in enumerate(rank_cores(2)):
-                pin(pids[rank], core)
+        with pinned_pipeline(model, 2, strategy) as pipe:
             pipe.generate_batch(requests[:k], concurrency=k)  # warm-up
             tps = []
             for _ in range(runs):
                 tic = time.perf_counter()
                 tokens = pipe.generate_batch(requests, concurrency=k).generation_tokens
                 tps.append(tokens / (time.perf_counter() - tic))
-            pipe.close()
-        except BaseException:
-            pipe.stop()
-            raise
-        rows.append((strategy, list(plan.split), tps))
+        rows.append((strategy, list(pipe.plan.split), tps))
     return rows
 
 
