@@ -74,7 +74,17 @@ class ModelMetadata:
 
     @property
     def model_type(self) -> str:
-        return str(self.text_config.get("model_type") or self.config.get("model_type") or "")
+        """The ``model_type`` mlx-lm loads the checkpoint by: the top-level one, as ``_get_classes`` reads it.
+
+        Multimodal wrappers (``qwen3_5``, ``qwen3_vl``, ``gemma3``) nest a ``text_config``
+        whose own ``model_type`` (``qwen3_5_text``...) often names no mlx-lm module.
+        """
+        return str(self.config.get("model_type") or self.text_config.get("model_type") or "")
+
+    @property
+    def mlx_lm_module(self) -> str:
+        """The ``mlx_lm.models`` module that implements the checkpoint (remappings applied)."""
+        return resolve_model_type(self.model_type, self.config.get("architectures"))
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -230,7 +240,7 @@ def validate(meta: ModelMetadata) -> None:
     model_type = meta.model_type
     if not model_type:
         raise ModelError(f"{meta.source}: config.json has no 'model_type'")
-    if resolve_model_type(model_type) not in mlx_lm_model_types():
+    if meta.mlx_lm_module not in mlx_lm_model_types():
         raise ModelError(
             f"{meta.source}: model_type {model_type!r} is not supported by the installed mlx-lm",
             "upgrade mlx-lm (pip install -U mlx-lm) or pick a supported model",
@@ -250,8 +260,16 @@ def validate(meta: ModelMetadata) -> None:
         )
 
 
-def resolve_model_type(model_type: str) -> str:
-    return _model_remapping().get(model_type, model_type)
+def resolve_model_type(model_type: str, architectures: Any = None) -> str:
+    """The mlx-lm module for ``model_type``, resolved exactly as mlx-lm's ``_get_classes`` does."""
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    by_architecture = _mlx_lm_constant("MODEL_ARCHITECTURE_REMAPPING")
+    for architecture in architectures or ():
+        remapped = by_architecture.get((model_type, architecture))
+        if remapped is not None:
+            return remapped
+    return _mlx_lm_constant("MODEL_REMAPPING").get(model_type, model_type)
 
 
 @lru_cache(maxsize=1)
@@ -261,14 +279,12 @@ def mlx_lm_model_types() -> frozenset[str]:
     return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
 
 
-@lru_cache(maxsize=1)
-def _model_remapping() -> dict[str, str]:
-    # Read MODEL_REMAPPING from mlx_lm/utils.py's source: importing it would import mlx.
+@lru_cache(maxsize=None)
+def _mlx_lm_constant(name: str) -> dict[Any, str]:
+    """A remapping table of mlx_lm/utils.py, read from its source: importing it would import mlx."""
     tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
-        ):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return ast.literal_eval(node.value)
     return {}
 

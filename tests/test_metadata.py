@@ -248,4 +248,32 @@ def test_nested_text_config_validates(tmp_path: Path) -> None:
     directory = write_checkpoint(tmp_path / "m", {"model.safetensors": arrays}, config, False)
     meta = load_local(directory)
     validate(meta)
-    assert (meta.model_type, meta.num_layers) == ("gemma3_text", 2)
+    assert (meta.model_type, meta.num_layers) == ("gemma3", 2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "text_model_type", "module"),
+    [
+        ("qwen3_5", "qwen3_5_text", "qwen3_5"),
+        ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe"),
+        ("qwen3_vl", "qwen3_vl_text", "qwen3_vl"),
+        ("qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_vl_moe"),
+        ("qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl"),  # remapped by mlx-lm
+    ],
+)
+def test_model_type_is_the_top_level_one_as_mlx_lm_loads_it(
+    tmp_path: Path, model_type: str, text_model_type: str, module: str
+) -> None:
+    # Published multimodal checkpoints nest a text_config whose model_type names no mlx-lm module.
+    config = {"model_type": model_type, "text_config": {**LLAMA, "model_type": text_model_type}}
+    arrays = {f"language_model.model.{k}": v for k, v in {**layer(0), **layer(1), **layer(2)}.items()}
+    directory = write_checkpoint(tmp_path / "m", {"model.safetensors": arrays}, config, False)
+    meta = load_local(directory)
+    validate(meta)
+    assert (meta.model_type, meta.mlx_lm_module, meta.num_layers) == (model_type, module, 3)
+
+
+def test_architecture_remapping_is_honoured(tmp_path: Path) -> None:
+    config = {**LLAMA, "model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"]}
+    directory = write_checkpoint(tmp_path / "m", {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}, config, False)
+    assert load_local(directory).mlx_lm_module == "bailing_moe_v3"
