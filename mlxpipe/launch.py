@@ -213,7 +213,7 @@ class Ranks:
             lambda: collections.deque(maxlen=_LAST_LINES)
         )
         self._launcher_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
-        self._last_event: tuple[str, int | None] | None = None
+        self._last_progress: dict[int, tuple[str, int | None, float]] = {}  # rank -> (what, step, when)
         self._proc: subprocess.Popen[bytes] | None = None
         self._logs: dict[int | None, IO[bytes]] = {}
         self._log_lock = threading.Lock()
@@ -401,7 +401,8 @@ class Ranks:
             if _COMM_ERROR.search(text):
                 self._comm_errors.add(rank)
             return False
-        self._last_event = (str(kind), rank)
+        if kind != "token":  # rank 0's tokens come with its progress events, which say more
+            self._last_progress[rank] = (_describe_progress(event), event.get("step"), time.monotonic())
         if kind == "exited":
             self._on_exited(event)
             return False
@@ -479,10 +480,30 @@ class Ranks:
             self._add(unstarted[0], f"never started: no word from it in {now - self._started_at:.0f} s",
                       "check that host with `mlxpipe doctor`, and its log in the run directory")
         elif stalled:
-            last = f"; the last event was {self._last_event[0]} from rank {self._last_event[1]}" if self._last_event else ""
-            self._add(None, f"no progress from any rank for {timeout:g} s, though every host still answers{last}",
-                      "a rank may be stuck in a collective (mlx's ring has no receive timeout); "
-                      "raise --timeout if the model is just slow")
+            self._add(None, f"no progress from any rank for {timeout:g} s, though every host still answers; "
+                      f"last reported: {self._stall_report(now)}",
+                      f"{self._waiting_on()}mlx's ring has no receive timeout; raise --timeout if the model is just slow")
+
+    def _stall_report(self, now: float) -> str:
+        """Each rank's last progress and how long ago: ``rank 0 decode token 4 (5 s ago), ...``."""
+        parts = []
+        for rank in range(self.size):
+            what, _, when = self._last_progress.get(rank, ("nothing since it started", None, self._started_at))
+            parts.append(f"rank {rank} {what} ({now - when:.0f} s ago)")
+        return ", ".join(parts)
+
+    def _waiting_on(self) -> str:
+        """Which rank waits on which, when the ranks' steps say so (every rank does the same steps)."""
+        steps = {r: step for r, (_, step, _) in self._last_progress.items() if isinstance(step, int)}
+        if len(steps) < self.size or len(set(steps.values())) < 2:
+            return "a rank may be stuck in a collective; "
+        behind = min(steps.values())
+        # The earliest stage among the late ones (stages receive from rank + 1) explains the rest.
+        rank = max(r for r, step in steps.items() if step == behind)
+        if rank + 1 < self.size:
+            return (f"rank {rank} is behind (step {behind}, rank {rank + 1} at {steps[rank + 1]}): it waits for "
+                    f"rank {rank + 1}, which went on without delivering to it; ")
+        return f"rank {rank} is behind the others (step {behind}): they wait for it; "
 
     def _add(self, rank: int | None, what: str, hint: str | None = None, *, secondary: bool = False) -> None:
         if self._stopped.is_set():
@@ -576,6 +597,15 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _describe_progress(event: dict[str, Any]) -> str:
+    """What a worker event says the rank was doing, for the stall report."""
+    kind = event.get("event")
+    if kind == "progress" and event.get("what"):
+        return str(event["what"])
+    return {"loaded": "loaded its layers", "done": "finished a request",
+            "result": "finished a request", "batch_done": "finished a batch"}.get(str(kind), str(kind))
 
 
 def _describe_status(code: int | None) -> str:

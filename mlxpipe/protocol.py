@@ -15,11 +15,13 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import threading
 from typing import IO, Any, Iterator
 
 EVENT_PREFIX = "@@mlxpipe@@ "
 _CHUNK = 1000
 _END = "."
+_EMIT_LOCK = threading.Lock()
 
 
 def encode_request(request: dict[str, Any]) -> bytes:
@@ -42,10 +44,12 @@ def read_request(stream: IO[str]) -> dict[str, Any] | None:
 
 
 def emit(event: str, stream: IO[str] | None = None, **fields: Any) -> None:
-    """Write one event line (``{"event": event, **fields}``) and flush."""
+    """Write one event line (``{"event": event, **fields}``) and flush; safe from several threads."""
     out = stream or sys.stdout
-    out.write(EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n")
-    out.flush()
+    line = EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n"
+    with _EMIT_LOCK:
+        out.write(line)
+        out.flush()
 
 
 def parse_event(line: str) -> dict[str, Any] | None:

@@ -336,11 +336,10 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
             pipe.generate(request_for(STORY, None, STORY_SAMPLING))
     finally:
         pipe.stop()
-    # Both hosts still answer: the watchdog says so, and what it saw last.
-    assert e.value.message == (
-        "no progress from any rank for 5 s, though every host still answers; "
-        "the last event was token from rank 0"
-    )
+    # Both hosts still answer: the watchdog says so, and where each rank stood.
+    message = e.value.message
+    assert message.startswith("no progress from any rank for 5 s, though every host still answers; last reported: ")
+    assert "rank 1 decode token 3 (" in message and "rank 0 decode token " in message
     assert "--timeout" in str(e.value.hint)
     assert site.wait_gone(site.rank_pids(os.getpid()), timeout=5) == set()
 
@@ -466,6 +465,48 @@ def test_host_that_stops_answering_ends_the_run(site: Site, demo_model: Path, co
 
 
 # --- Choosing the root cause (the order events arrive in cannot be forced with real ranks) --------------
+
+
+def _progress(rank: int, step: int, what: str) -> dict[str, Any]:
+    return {"event": "progress", "rank": rank, "step": step, "what": what}
+
+
+@pytest.mark.parametrize("progress, report, waits", [
+    # A stage that ends on a block without a cache never sent its prefill: rank 0 waits on rank 1.
+    ([_progress(0, 1, "prefill 0/40 tokens"), _progress(1, 6, "decode token 2")],
+     "rank 0 prefill 0/40 tokens (0 s ago), rank 1 decode token 2 (0 s ago)",
+     "rank 0 is behind (step 1, rank 1 at 6): it waits for rank 1, which went on without delivering to it"),
+    # The first stage itself stopped: the others wait for it.
+    ([_progress(0, 7, "decode token 5"), _progress(1, 6, "decode token 4"), _progress(2, 7, "decode token 5")],
+     "rank 0 decode token 5 (0 s ago), rank 1 decode token 4 (0 s ago), rank 2 decode token 5 (0 s ago)",
+     "rank 1 is behind (step 6, rank 2 at 7): it waits for rank 2, which went on without delivering to it"),
+    ([_progress(0, 5, "decode token 3"), _progress(1, 4, "decode token 2")],
+     "rank 0 decode token 3 (0 s ago), rank 1 decode token 2 (0 s ago)",
+     "rank 1 is behind the others (step 4): they wait for it"),
+    # Ranks at the same step: nothing to say about who waits.
+    ([_progress(0, 3, "prefill 2/3 tokens"), _progress(1, 3, "prefill 2/3 tokens")],
+     "rank 0 prefill 2/3 tokens (0 s ago), rank 1 prefill 2/3 tokens (0 s ago)",
+     "a rank may be stuck in a collective"),
+])
+def test_stall_report_says_where_each_rank_stands(progress: list[dict[str, Any]], report: str, waits: str,
+                                                  tmp_path: Path) -> None:
+    from mlxpipe.hostfile import load_hostfile
+    from mlxpipe.launch import LaunchSpec, Ranks
+
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps([LOCAL] * len(progress)))
+    ranks = Ranks(LaunchSpec(load_hostfile(path), ("-m", "mlxpipe.worker"), run_dir=tmp_path))
+    for rank in range(len(progress)):
+        ranks._events.put({"event": "started", "rank": rank})
+    for event in progress:
+        ranks._events.put(event)
+    with pytest.raises(LaunchError) as e:
+        list(ranks.events(timeout=0.5))
+    # How long ago each report came depends on this machine's speed; the rest is exact.
+    assert re.sub(r"\(\d+ s ago\)", "(0 s ago)", e.value.message) == (
+        f"no progress from any rank for 0.5 s, though every host still answers; last reported: {report}"
+    )
+    assert str(e.value.hint).startswith(waits + "; mlx's ring has no receive timeout; raise --timeout")
 
 
 PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connection to a peer was lost"}

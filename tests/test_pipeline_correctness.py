@@ -90,6 +90,9 @@ CASES_3: dict[str, dict[str, Any]] = {
     "lfm2-1-4-1": {"arch": "lfm2", "split": [1, 4, 1], "turns": CHAT},
     "gpt_oss-2-3-1": {"arch": "gpt_oss", "split": [2, 3, 1], "turns": CHAT[:1]},
     "deepseek_v32-1-2-3": {"arch": "deepseek_v32", "split": [1, 2, 3], "turns": CHAT[:1]},
+    # Rank 1 holds an MLP and a MoE block: no cache at all, on a stage in the middle.
+    "nemotron_h-2-2-2": {"arch": "nemotron_h", "split": [2, 2, 2], "turns": CHAT},
+    "qwen3_5-2-1-3": {"arch": "qwen3_5", "split": [2, 1, 3], "turns": CHAT},
     "qwen2-2-2-2-native": {
         "arch": "qwen2",
         "split": [2, 2, 2],

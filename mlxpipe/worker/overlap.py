@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from mlxpipe.worker.serve import Server
 
 DEFAULT_MAX_TOKENS = 256
-PROGRESS_SECONDS = 1.0  # rank 0 reports progress this often: the controller's watchdog
 _CLEAR_CACHE_TICKS = 256
 
 Sampler = Callable[[mx.array], mx.array]
@@ -130,15 +129,14 @@ class BatchRun:
                 self.exchange.hidden_in = self.exchange.hidden_out = None
 
     def _run(self) -> dict[str, Any]:
-        tic = last_progress = time.perf_counter()
+        tic = time.perf_counter()
         self._probe_incoming()
         hidden_in = None
+        progress = self.server.progress
+        progress.reset()
         while not self.schedule.done:
             hidden_in = self._tick(hidden_in)
-            if self.rank == 0 and time.perf_counter() - last_progress > PROGRESS_SECONDS:
-                last_progress = time.perf_counter()
-                finished = sum(r.finish_reason is not None for r in self.schedule.requests)
-                self.emit("progress", rank=0, finished=finished, generation_tokens=self._generated())
+            progress.tick(self.schedule.tick, sum(r.running for r in self.schedule.requests))
         mx.synchronize()
         return {
             "rank": self.rank,

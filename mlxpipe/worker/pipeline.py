@@ -119,6 +119,11 @@ class _PipelineStage:
                 out = mx.distributed.send(out, stage.send_to, group=stage.group)
                 if cache is not None:
                     tie_into_cache(cache, out)
+                else:
+                    # A block without a cache (an MLP or MoE block): prefill evaluates
+                    # only the caches, so nothing would run the send and the next rank
+                    # would wait forever. Schedule it now, without waiting for it.
+                    mx.async_eval(out)
         if stage.gather and not exchange.explicit:
             out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
         return out
