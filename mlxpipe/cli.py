@@ -7,6 +7,7 @@ hint; exit codes: 0 success, 1 failure (a failed rank included), 2 usage error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -262,79 +263,15 @@ def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, 
     return sampling
 
 
-def _ensure_files(the_plan: Any, meta: Any, target: Any, from_controller: bool, quiet: bool) -> None:
-    """The download step: every host gets the files of its ranks (a no-op when they are there)."""
-    from mlxpipe import download as dl
-    from mlxpipe.render import download_progress
+def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
+                     from_controller: bool = False) -> Any:
+    """The typed config of the pipeline the flags describe (checked on construction)."""
+    from mlxpipe.startup import PipelineConfig
 
-    hosts = target.hostfile.hosts
-    if meta.local and all(h.is_local and not h.model_dir for h in hosts):
-        return  # every rank reads the directory itself
-    tasks = dl.host_tasks(the_plan, meta, hosts)
-    with download_progress(tasks, enabled=not quiet) as on_update:
-        if meta.local or from_controller:
-            dl.distribute(tasks, meta, on_update)
-        else:
-            dl.run_on_hosts(tasks, on_update)
-
-
-def _start_pipeline(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
-                    from_controller: bool = False) -> Any:
-    """Plan, fetch what is missing, check, launch, and wait for every rank to load."""
-    from mlxpipe.config import DEFAULT_BACKEND, pick
-    from mlxpipe.doctor import preflight, require_ok
-    from mlxpipe.generate import PIPELINE_MODES, Pipeline, RunOptions
-    from mlxpipe.launch import default_port
-    from mlxpipe.target import load_model_metadata, plan_target
-
-    if pipeline_mode not in PIPELINE_MODES:
-        raise UsageError(f"--pipeline {pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
-    if prefill <= 0 or timeout <= 0:
-        raise UsageError("--prefill-step-size and --timeout must be positive")
-    with console.ProgressCallback("reading safetensors headers", enabled=not quiet) as progress:
-        meta = load_model_metadata(target, progress=progress)
-    the_plan = plan_target(target, meta)
-    if not the_plan.fits:
-        bad = next(r for r in the_plan.ranks if r.fits is False)
-        hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
-        raise UsageError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
-    chosen_backend = pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND)
-    port = port or default_port(target.hostfile)
-    with console.err.status("preflight: ssh, versions, ports, memory, disk...") if not quiet else _nullcontext():
-        require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=chosen_backend))
-    _ensure_files(the_plan, meta, target, from_controller, quiet)
-    _check_pipelinable(meta, pipeline_mode, trust)
-    options = RunOptions(
-        backend=chosen_backend,
-        mode=pipeline_mode, prefill_step_size=prefill, port=port, step_timeout=timeout,
-        trust_remote_code=trust,
+    return PipelineConfig(
+        target=target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill, port=port, timeout=timeout,
+        trust_remote_code=trust, from_controller=from_controller, quiet=quiet,
     )
-    pipe = Pipeline(meta, the_plan, target, options)
-    if not quiet:
-        console.err.print(f"[dim]starting {target.hostfile.size} ranks: {pipe.run_dir}/command.txt[/]")
-    try:
-        with console.err.status("loading layers on every rank...", spinner="dots") if not quiet else _nullcontext():
-            pipe.start()
-    except BaseException:
-        pipe.stop()
-        raise
-    return pipe
-
-
-def _check_pipelinable(meta: Any, mode: str, trust: bool) -> None:
-    """Refuse a model the pipeline cannot handle before any rank starts."""
-    from mlxpipe.generate import controller_model_dir
-    from mlxpipe.worker.load import check_pipelinable
-
-    check_pipelinable(controller_model_dir(meta), mode=mode, trust_remote_code=trust)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _stop_on_signals(fn: F) -> F:
@@ -397,6 +334,7 @@ def generate(
 
     from mlxpipe.generate import request_for
     from mlxpipe.render import answer_table
+    from mlxpipe.startup import running_pipeline
     from mlxpipe.target import resolve_target
 
     if prompts_file is not None and prompt is not None:
@@ -409,22 +347,14 @@ def generate(
         prompt = sys.stdin.read()
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template)
-    start = functools.partial(
-        _start_pipeline, target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code,
-        json_out, from_controller,
-    )
+    pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
+                                       trust_remote_code, json_out, from_controller)
     if prompts_file is not None:
-        _generate_batch(start, request_for(None, None, sampling), prompts_file, concurrency, output,
-                        pipeline_mode, json_out)
+        _generate_batch(pipeline_config, request_for(None, None, sampling), prompts_file, concurrency, output,
+                        json_out)
         return
-    pipe = start()
-    try:
-        on_text = None if json_out else _stream_text
-        answer = pipe.generate(request_for(prompt, None, sampling), on_text)
-        pipe.close()
-    except BaseException:
-        pipe.stop()
-        raise
+    with running_pipeline(pipeline_config) as pipe:
+        answer = pipe.generate(request_for(prompt, None, sampling), None if json_out else _stream_text)
     if json_out:
         console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
     else:
@@ -432,13 +362,14 @@ def generate(
         console.err.print(answer_table(answer))
 
 
-def _generate_batch(start: Callable[[], Any], defaults: dict[str, Any], prompts_file: Path,
-                    concurrency: int | None, output: Path | None, pipeline_mode: str, json_out: bool) -> None:
+def _generate_batch(pipeline_config: Any, defaults: dict[str, Any], prompts_file: Path,
+                    concurrency: int | None, output: Path | None, json_out: bool) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
     from mlxpipe.batch import ResultsFile, read_prompts
     from mlxpipe.render import batch_table
+    from mlxpipe.startup import running_pipeline
 
-    if pipeline_mode != "generic":
+    if pipeline_config.mode != "generic":
         raise UsageError("--prompts-file overlaps requests with the generic pipeline", "drop --pipeline native")
     if concurrency is not None and concurrency < 1:
         raise UsageError(f"--concurrency must be at least 1, got {concurrency}")
@@ -447,14 +378,9 @@ def _generate_batch(start: Callable[[], Any], defaults: dict[str, Any], prompts_
     requests = read_prompts(prompts_file, defaults)
     saved = ResultsFile(output) if output is not None else None
     try:
-        pipe = start()
-        try:
+        with running_pipeline(pipeline_config) as pipe:
             on_result = None if json_out or output else _print_result
             result = pipe.generate_batch(requests, concurrency, on_result, saved.add if saved else None)
-            pipe.close()
-        except BaseException:
-            pipe.stop()
-            raise
     except BaseException as e:
         kept = saved.abandon() if saved else None
         if kept and isinstance(e, MlxpipeError):
@@ -514,15 +440,15 @@ def chat(
     import sys
 
     from mlxpipe.generate import request_for
+    from mlxpipe.startup import running_pipeline
     from mlxpipe.target import resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False)
-    pipe = _start_pipeline(
-        target, backend, pipeline_mode, prefill_step_size, port, timeout, trust_remote_code, False, from_controller
-    )
+    pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
+                                       trust_remote_code, False, from_controller)
     messages: list[dict[str, str]] = []
-    try:
+    with running_pipeline(pipeline_config) as pipe:
         while True:
             console.err.print("[bold]>[/] ", end="")
             line = sys.stdin.readline()
@@ -535,10 +461,6 @@ def chat(
             console.err.print(
                 f"[dim]{answer.generation_tokens} tokens, {answer.generation_tps:.1f} tok/s[/]"
             )
-        pipe.close()
-    except BaseException:
-        pipe.stop()
-        raise
 
 
 @app.command("demo-model")
@@ -592,7 +514,7 @@ def doctor(
         the_plan = plan_target(target, meta, context=context)
     if backend is not None and backend not in BACKENDS:
         raise UsageError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    with console.err.status(f"checking {hosts.size} ranks...") if not json_out else _nullcontext():
+    with console.err.status(f"checking {hosts.size} ranks...") if not json_out else contextlib.nullcontext():
         results = preflight(hosts, the_plan, meta, port=port, backend=backend)
     failed = [r for r in results if r.failed]
     if json_out:

@@ -345,21 +345,12 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
 
 
 def start_pipeline(site: Site, model: Path, worker: tuple[str, ...], timeout: float = 60.0) -> Pipeline:
-    """A loaded pipeline whose ranks run ``worker``."""
-    from mlxpipe.cli import _ensure_files
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+    """A loaded pipeline whose ranks run ``worker``, started as every command starts one."""
+    from mlxpipe.startup import PipelineConfig, start_pipeline as start
+    from mlxpipe.target import resolve_target
 
     target = resolve_target(str(model), None, site.hostfile, None, None, None)
-    meta = load_model_metadata(target)
-    plan = plan_target(target, meta)
-    _ensure_files(plan, meta, target, from_controller=False, quiet=True)
-    pipe = Pipeline(meta, plan, target, RunOptions(step_timeout=timeout, load_timeout=START_SECONDS), worker=worker)
-    try:
-        pipe.start()
-    except BaseException:
-        pipe.stop()
-        raise
-    return pipe
+    return start(PipelineConfig(target, timeout=timeout, quiet=True, worker=worker))
 
 
 @pytest.mark.ranks
@@ -379,7 +370,7 @@ def test_worker_error_names_rank_host_and_exception(demo_model: Path, tmp_path: 
     (tmp_path / "host1" / demo_model.name / missing).unlink()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps(hosts))
-    monkeypatch.setattr("mlxpipe.cli._ensure_files", lambda *args, **kwargs: None)
+    monkeypatch.setattr("mlxpipe.startup.ensure_files", lambda *args, **kwargs: None)
 
     result = CliRunner().invoke(app, ["generate", "--model", str(demo_model), "--hostfile", str(hostfile),
                                       "--prompt", "Hi", "--max-tokens", "2", "--json"])

@@ -19,7 +19,7 @@ mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
   keeps rank 0's part, so every rank computes the same logits and samples the
   same token.
 
-Overlapped requests (``mlxpipe.worker.overlap``) move hidden states
+Overlapped requests (``mlxpipe.worker.engine``) move hidden states
 themselves, between micro-batches of different requests: with the rank's
 ``Exchange`` made explicit, the first local layer takes ``hidden_in``, the last
 one leaves its output in ``hidden_out``, and nothing is sent or gathered.

@@ -13,6 +13,11 @@ follow each other on consecutive ticks (nothing waits for them), but a token
 can only enter once the one before it has been sampled at the last stage, so
 with ``slots`` (the concurrency) at least the number of stages, every stage is
 busy with a different request at every tick.
+
+Requests may join at any tick (``add``), in the order every rank applies them,
+and leave early (``cancel``): a cancelled request stops entering at once and
+frees its slot once its last micro-batch has left the last stage, so no stage
+ever runs a micro-batch whose caches are gone.
 """
 
 from __future__ import annotations
@@ -43,9 +48,12 @@ class RequestState:
     fed: int = 0  # prompt tokens already fed to the first stage
     ready_at: int = _NEVER  # first tick it may enter again
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (end of sequence) or "length"
+    finish_reason: str | None = None  # "stop" (end of sequence), "length" or "cancelled"
     admitted_tick: int | None = None
     finished_tick: int | None = None
+    cached: int = 0  # prompt tokens already in the request's caches when it arrived
+    fed_tokens: list[int] = field(default_factory=list)  # every token fed to the first stage, cached ones first
+    cancelled: bool = False
 
     @property
     def running(self) -> bool:
@@ -69,14 +77,15 @@ class Schedule:
             raise ValueError("one max_tokens per prompt")
         if stages < 1 or slots < 1 or prefill_step < 1:
             raise ValueError("stages, slots and prefill_step must be positive")
-        if any(len(p) == 0 for p in prompts) or any(m < 1 for m in max_tokens):
-            raise ValueError("every request needs a prompt token and max_tokens >= 1")
-        self.requests = [RequestState(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        self.requests: list[RequestState] = []
+        for prompt, most in zip(prompts, max_tokens):
+            self.add(prompt, most)
         self.stages = stages
         self.slots: list[int | None] = [None] * slots  # slot -> request index
         self.prefill_step = prefill_step
         self.eos_ids = frozenset(eos_ids)
         self.tick = -1
+        self.ended: list[int] = []
         self._pending = 0  # the next request to admit
         self._entries: dict[int, MicroBatch] = {}  # tick -> what entered stage 0 then
 
@@ -85,15 +94,52 @@ class Schedule:
         """Every request has finished."""
         return all(r.finish_reason is not None for r in self.requests)
 
-    def begin_tick(self) -> list[int]:
-        """Start the next tick: admit requests into free slots, pick what enters stage 0.
+    @property
+    def idle(self) -> bool:
+        """Nothing waits or runs (a request ends only once its last micro-batch left): a tick would do nothing."""
+        return self.done
 
-        Returns the requests admitted at this tick.
+    def add(self, prompt: Sequence[int], max_tokens: int, cached: int = 0) -> int:
+        """Queue a request whose first ``cached`` prompt tokens are already in its caches; its index."""
+        if len(prompt) == 0 or max_tokens < 1:
+            raise ValueError("every request needs a prompt token and max_tokens >= 1")
+        if not 0 <= cached < len(prompt):
+            raise ValueError("at least one prompt token must be fed")
+        request = RequestState(len(self.requests), prompt, max_tokens, fed=cached, cached=cached)
+        request.fed_tokens = list(prompt[:cached])
+        self.requests.append(request)
+        return request.index
+
+    def cancel(self, index: int) -> bool:
+        """Stop a request; True when it finished at once (it had not started), else it ends within a few ticks."""
+        request = self.requests[index]
+        if request.finish_reason is not None or request.cancelled:
+            return False
+        request.cancelled = True
+        request.ready_at = _NEVER
+        if request.slot is None:
+            request.finish_reason = "cancelled"
+            request.finished_tick = self.tick
+            return True
+        return False
+
+    def begin_tick(self) -> list[int]:
+        """Start the next tick: free the slots of cancelled requests, admit requests into free slots,
+        pick what enters stage 0.
+
+        Returns the requests admitted at this tick; ``ended`` those that ended
+        at its start (cancelled, their last micro-batch gone).
         """
         self.tick += 1
         self._entries.pop(self.tick - self.stages, None)
+        in_flight = {entry.request for entry in self._entries.values()}
+        self.ended = [r.index for r in self._running() if r.cancelled and r.index not in in_flight]
+        for index in self.ended:
+            self._free(self.requests[index], "cancelled")
         admitted = []
         for slot, holder in enumerate(self.slots):
+            while self._pending < len(self.requests) and self.requests[self._pending].cancelled:
+                self._pending += 1  # cancelled while waiting: it already ended
             if holder is None and self._pending < len(self.requests):
                 request = self.requests[self._pending]
                 request.slot, request.ready_at, request.admitted_tick = slot, self.tick, self.tick
@@ -130,18 +176,24 @@ class Schedule:
         if sampled is None or token is None:
             return None
         request = self.requests[sampled.request]
+        if request.cancelled:
+            self._free(request, "cancelled")  # its token is dropped: nobody waits for it
+            return request.index
         request.generated.append(token)
         if token in self.eos_ids:
-            request.finish_reason = "stop"
+            self._free(request, "stop")
         elif len(request.generated) >= request.max_tokens:
-            request.finish_reason = "length"
+            self._free(request, "length")
         else:
             request.ready_at = self.tick + 1
             return None
+        return request.index
+
+    def _free(self, request: RequestState, reason: str) -> None:
         assert request.slot is not None
         self.slots[request.slot] = None
+        request.finish_reason = reason
         request.finished_tick = self.tick
-        return request.index
 
     def _running(self) -> list[RequestState]:
         return [self.requests[i] for i in self.slots if i is not None]
@@ -154,6 +206,7 @@ class Schedule:
             tokens = tuple(request.prompt[request.fed : request.fed + n])
             request.fed += n
             request.ready_at = self.tick + 1
+            request.fed_tokens.extend(tokens)
             return MicroBatch(request.index, tokens, samples=False)
         if remaining == 1:
             tokens = (request.prompt[-1],)
@@ -161,4 +214,5 @@ class Schedule:
         else:
             tokens = (request.generated[-1],)
         request.ready_at = _NEVER  # until its token is sampled
+        request.fed_tokens.extend(tokens)
         return MicroBatch(request.index, tokens, samples=True)

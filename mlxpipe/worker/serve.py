@@ -3,7 +3,7 @@
 Every rank reads the same requests (``mlx.launch`` broadcasts standard input)
 and runs the same generation, so every collective lines up. Rank 0 alone
 streams ``token`` events; every rank ends a request with ``done``. A ``batch``
-request overlaps many requests across the stages (``overlap``): rank 0 emits
+request overlaps many requests across the stages (``engine``): rank 0 emits
 a ``result`` per request, every rank ends with ``batch_done``.
 """
 
@@ -26,6 +26,8 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter
+from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank, settle
 
@@ -142,8 +144,9 @@ class Server:
 
     def serve(self, stream: IO[str]) -> None:
         """Handle requests from ``stream`` until ``exit`` or end of input."""
+        inbox = Inbox(stream)
         while True:
-            request = protocol.read_request(stream)
+            request = inbox.next()
             kind = "exit" if request is None else request.get("type")
             if kind == "exit":
                 self.exit()
@@ -152,6 +155,10 @@ class Server:
                 self.generate_batch(request)
             elif kind == "generate":
                 self.generate(request)
+            elif kind == "serve":
+                self.serve_requests(request, inbox)
+                self.exit()
+                return
             else:
                 raise UsageError(f"unknown request type {kind!r}")
 
@@ -219,13 +226,11 @@ class Server:
         return done
 
     def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Overlap a batch of requests across the stages (see ``overlap``); emit ``batch_done``.
+        """Overlap a batch of requests across the stages (see ``engine``); emit ``batch_done``.
 
         Rank 0 emits a ``result`` for each request as it ends; every rank ends
         with ``batch_done``.
         """
-        from mlxpipe.worker.overlap import BatchRun
-
         requests = list(request.get("requests") or [])
         if not requests:
             raise UsageError("a batch request needs at least one request")
@@ -233,9 +238,27 @@ class Server:
         if concurrency < 1:
             raise UsageError(f"concurrency must be at least 1, got {concurrency}")
         self._prompt_cache = None  # a batch does not continue a chat
-        done = BatchRun(self, requests, concurrency, self._emit).run()
+        engine = Engine(self, concurrency, BatchReporter(self._emit))
+        for r in requests:
+            engine.add(r, self.prompt_tokens(r))
+        done = engine.run()
         self._emit("batch_done", **done)
         return done
+
+    def serve_requests(self, request: dict[str, Any], inbox: Inbox) -> dict[str, Any]:
+        """Serve the requests that follow in ``inbox`` as they come (``mlxpipe serve``), until ``exit``.
+
+        Requests arrive as token ids (the controller applies the chat template);
+        rank 0 streams each sampled token. Up to ``concurrency`` run at once, the
+        rest wait for a slot.
+        """
+        concurrency = int(request.get("concurrency") or self.group.size())
+        if concurrency < 1:
+            raise UsageError(f"concurrency must be at least 1, got {concurrency}")
+        self._prompt_cache = None
+        engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)))
+        self._emit("serving", rank=self.rank, concurrency=concurrency)
+        return engine.run(inbox)
 
     def _emit_token(self, request: dict[str, Any], response: Any) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""

@@ -1,0 +1,147 @@
+"""Starting a pipeline: plan, preflight, download, check, launch, load.
+
+The one launch sequence every command that runs a model goes through
+(``generate``, ``chat``, ``generate --prompts-file``, ``serve``, the benchmarks),
+as torchrun's ``run(config)``: the CLI fills a typed ``PipelineConfig``, this
+module runs it, and ``running_pipeline`` stops every rank on any way out.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from mlxpipe import console
+from mlxpipe.config import DEFAULT_BACKEND, pick
+from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.generate import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
+from mlxpipe.hostfile import BACKENDS
+from mlxpipe.metadata import ModelMetadata
+from mlxpipe.plan import Plan
+from mlxpipe.target import Target, load_model_metadata, plan_target
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything that decides how a pipeline is started; the CLI's flags, checked."""
+
+    target: Target
+    backend: str | None = None  # None: the preset's, else the hostfile's, else ring
+    mode: str = "generic"
+    prefill_step_size: int = 2048
+    port: int | None = None
+    timeout: float = DEFAULT_STEP_TIMEOUT
+    trust_remote_code: bool = False
+    from_controller: bool = False
+    quiet: bool = False  # no progress bars or status lines (--json, servers)
+    worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
+
+    def __post_init__(self) -> None:
+        if self.mode not in PIPELINE_MODES:
+            raise UsageError(f"--pipeline {self.mode!r}: use one of {', '.join(PIPELINE_MODES)}")
+        if self.prefill_step_size <= 0:
+            raise UsageError(f"--prefill-step-size must be positive, got {self.prefill_step_size}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout must be positive, got {self.timeout:g}")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise UsageError(f"--port {self.port}: expected a TCP port, 1-65535")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise UsageError(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+
+    @property
+    def chosen_backend(self) -> str:
+        return pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
+
+
+def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
+    """Metadata and a plan that fits, every host checked and holding its files; nothing launched yet."""
+    from mlxpipe.doctor import preflight, require_ok
+    from mlxpipe.launch import default_port
+
+    target = config.target
+    with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
+        meta = load_model_metadata(target, progress=progress)
+    the_plan = plan_target(target, meta)
+    if not the_plan.fits:
+        bad = next(r for r in the_plan.ranks if r.fits is False)
+        hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
+        raise PlanError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
+    port = config.port or default_port(target.hostfile)
+    with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
+        require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=config.chosen_backend))
+    ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
+    check_pipelinable(meta, config.mode, config.trust_remote_code)
+    return meta, the_plan
+
+
+def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
+           on_loaded: Callable[[RankStats], None] | None = None) -> Pipeline:
+    """Start one rank per host and wait until every rank has loaded its layers."""
+    from mlxpipe.launch import default_port
+
+    options = RunOptions(
+        backend=config.chosen_backend,
+        mode=config.mode,
+        prefill_step_size=config.prefill_step_size,
+        port=config.port or default_port(config.target.hostfile),
+        step_timeout=config.timeout,
+        trust_remote_code=config.trust_remote_code,
+    )
+    pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker)
+    if not config.quiet:
+        console.err.print(f"[dim]starting {config.target.hostfile.size} ranks: {pipe.run_dir}/command.txt[/]")
+    try:
+        with _status("loading layers on every rank...", config.quiet):
+            pipe.start(on_loaded)
+    except BaseException:
+        pipe.stop()
+        raise
+    return pipe
+
+
+def start_pipeline(config: PipelineConfig) -> Pipeline:
+    """Plan, check every host, fetch what is missing, check the model, launch, and wait for every rank to load."""
+    meta, the_plan = prepare(config)
+    return launch(config, meta, the_plan)
+
+
+@contextmanager
+def running_pipeline(config: PipelineConfig) -> Iterator[Pipeline]:
+    """A loaded pipeline; its ranks exit cleanly when the block ends, and are stopped on any error."""
+    pipe = start_pipeline(config)
+    try:
+        yield pipe
+    except BaseException:
+        pipe.stop()
+        raise
+    pipe.close()
+
+
+def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_controller: bool, quiet: bool) -> None:
+    """The download step: every host gets the files of its ranks (a no-op when they are there)."""
+    from mlxpipe import download as dl
+    from mlxpipe.render import download_progress
+
+    hosts = target.hostfile.hosts
+    if meta.local and all(h.is_local and not h.model_dir for h in hosts):
+        return  # every rank reads the directory itself
+    tasks = dl.host_tasks(the_plan, meta, hosts)
+    with download_progress(tasks, enabled=not quiet) as on_update:
+        if meta.local or from_controller:
+            dl.distribute(tasks, meta, on_update)
+        else:
+            dl.run_on_hosts(tasks, on_update)
+
+
+def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool) -> None:
+    """Refuse a model the pipeline cannot handle before any rank starts."""
+    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.worker.load import check_pipelinable as check
+
+    check(controller_model_dir(meta), mode=mode, trust_remote_code=trust)
+
+
+def _status(text: str, quiet: bool) -> Any:
+    return nullcontext() if quiet else console.err.status(text, spinner="dots")
+
