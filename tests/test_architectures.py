@@ -101,3 +101,14 @@ def test_readme_table_is_generated_from_the_status_file() -> None:
 def test_no_architecture_is_lost() -> None:
     # A floor at today's count (issue 14 aims at 115): a regression fails here.
     assert len(IDENTICAL) >= 110, f"only {len(IDENTICAL)} architectures are token-identical"
+
+
+@pytest.mark.parametrize("model_type", IDENTICAL)
+def test_metadata_finds_the_blocks(arch_root: Path, model_type: str) -> None:
+    """plan and download see the same blocks as the worker, from tensor names alone."""
+    from mlxpipe.metadata import load_local, validate
+
+    meta = load_local(suite.build(model_type, arch_root))
+    validate(meta)
+    assert meta.num_layers == suite.NUM_LAYERS
+    assert {meta.layer_of(t) for t in meta.tensors} - {None} == set(range(suite.NUM_LAYERS))
