@@ -28,8 +28,15 @@ SINGLE_WEIGHTS = "model.safetensors"
 SUPPORT_PATTERNS = (
     "*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja",
 )
-# Tensors are matched to layers by their layer number, as mlx-lm does, since sanitize can rename them.
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A numbered entry of a module list: "<prefix>.<N>.<rest>". Tensors are matched to
+# layers by their block number, as mlx-lm does, since sanitize can rename the rest.
+_NUMBERED_RE = re.compile(r"^(.*?)\.(\d+)\.")
+# Where architectures keep their layer count, in mlx-lm's ModelArgs spellings.
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_transformer_layers")
+# Per-layer lists that describe the whole stack (one entry per block).
+LAYER_PATTERN_KEYS = (
+    "hybrid_override_pattern", "layers_block_type", "block_types", "block_configs", "layer_types",
+)
 DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
     "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -51,11 +58,6 @@ class Tensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
 
-    @cached_property  # read several times per tensor while planning; DeepSeek-V3 has ~140k
-    def layer(self) -> int | None:
-        """The layer number this tensor belongs to, or None for shared tensors."""
-        m = _LAYER_RE.search(self.name)
-        return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -90,19 +92,87 @@ class ModelMetadata:
     def text_config(self) -> dict[str, Any]:
         """The language model's config (nested as ``text_config`` in multimodal models)."""
         nested = self.config.get("text_config")
-        if isinstance(nested, dict) and "num_hidden_layers" in nested and "num_hidden_layers" not in self.config:
+        if isinstance(nested, dict) and not _has_layer_count(self.config):
             return nested
         return self.config
 
-    @property
+    @cached_property
     def num_layers(self) -> int:
-        n = self.text_config.get("num_hidden_layers")
-        if not isinstance(n, int) or n <= 0:
-            raise ModelError(
-                f"{self.source}: config.json has no positive 'num_hidden_layers'",
-                "mlxpipe pipelines transformer models whose blocks are a 'layers' list",
-            )
-        return n
+        """The number of blocks: the config's count under any of its spellings, else its
+        per-layer pattern's length, else the checkpoint's numbered blocks."""
+        for config in (self.text_config, self.config):
+            n = config_layer_count(config, self.source)
+            if n is not None:
+                return n
+        if self.block_prefix is not None:
+            return len(self._block_numbers[self.block_prefix])
+        raise ModelError(
+            f"{self.source}: cannot tell how many layers the model has: config.json has none of "
+            f"{', '.join(LAYER_COUNT_KEYS)} and no tensor belongs to a numbered block",
+            "mlxpipe pipelines models whose blocks are a numbered list ('layers.N', 'h.N', ...)",
+        )
+
+    @cached_property
+    def _block_numbers(self) -> dict[str, set[int]]:
+        """Every "<prefix>.<N>." list in the tensor names, outside other numbered lists: prefix -> Ns."""
+        found: dict[str, set[int]] = {}
+        for t in self.tensors:
+            m = _NUMBERED_RE.match(t.name)
+            if m:
+                found.setdefault(m.group(1), set()).add(int(m.group(2)))
+        # "model.layers.0.mlp.experts" is a list inside a block, never the block list.
+        return {p: ns for p, ns in found.items() if not re.search(r"(^|\.)\d+(\.|$)", p)}
+
+    @cached_property
+    def block_prefix(self) -> str | None:
+        """The tensor-name prefix of the block list ("model.layers", "transformer.h"...).
+
+        One rule for every architecture: among the numbered lists that sit in no
+        other numbered list, the one whose numbering best covers the layer count
+        the config gives (layers past it are MTP blocks sanitize drops), else the
+        longest; then the heaviest (a language model outweighs a vision tower of
+        as many blocks), then the shallowest.
+        """
+        lists = self._block_numbers
+        if not lists:
+            return None
+        n = next((c for c in (config_layer_count(self.text_config, self.source),
+                              config_layer_count(self.config, self.source)) if c), None)
+
+        def score(prefix: str) -> tuple:
+            numbers = lists[prefix]
+            covered = len(numbers & set(range(n))) if n else len(numbers)
+            return (-covered, -self._list_bytes[prefix], prefix.count("."), prefix)
+
+        return min(lists, key=score)
+
+    @cached_property
+    def _list_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors under each numbered list of ``_block_numbers``."""
+        out = dict.fromkeys(self._block_numbers, 0)
+        for t in self.tensors:
+            m = _NUMBERED_RE.match(t.name)
+            if m and m.group(1) in out:
+                out[m.group(1)] += t.nbytes
+        return out
+
+    @cached_property
+    def _layer_index(self) -> dict[str, int]:
+        prefix = self.block_prefix
+        if prefix is None:
+            return {}
+        head = prefix + "."
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            if t.name.startswith(head):
+                number = t.name[len(head):].split(".", 1)[0]
+                if number.isdigit():
+                    out[t.name] = int(number)
+        return out
+
+    def layer_of(self, tensor: Tensor) -> int | None:
+        """The block number ``tensor`` belongs to, or None for shared tensors (embeddings, head)."""
+        return self._layer_index.get(tensor.name)
 
     @property
     def weight_files(self) -> tuple[str, ...]:
@@ -246,11 +316,11 @@ def validate(meta: ModelMetadata) -> None:
             "upgrade mlx-lm (pip install -U mlx-lm) or pick a supported model",
         )
     n = meta.num_layers
-    present = {t.layer for t in meta.tensors if t.layer is not None}
+    present = {meta.layer_of(t) for t in meta.tensors} - {None}
     if not present:
         raise ModelError(
-            f"{meta.source}: no tensor belongs to a 'layers.N' block",
-            "mlxpipe pipelines models whose blocks are a 'layers' list",
+            f"{meta.source}: no tensor belongs to a numbered block ('layers.N', 'h.N', ...)",
+            "mlxpipe pipelines models whose blocks are a numbered list",
         )
     missing = sorted(set(range(n)) - present)
     if missing:
@@ -258,6 +328,28 @@ def validate(meta: ModelMetadata) -> None:
             f"{meta.source}: the checkpoint has no weights for layers {_ranges(missing)} of {n}",
             "convert the model with mlx_lm.convert first",
         )
+
+
+def config_layer_count(config: dict[str, Any], source: str) -> int | None:
+    """The layer count ``config`` states (any spelling, or a per-layer pattern); None if none."""
+    for key in LAYER_COUNT_KEYS:
+        if key in config and config[key] is not None:
+            n = config[key]
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise ModelError(
+                    f"{source}: config.json's {key!r} is {n!r}, not a positive number of layers",
+                    "fix config.json, or download the model again",
+                )
+            return n
+    for key in LAYER_PATTERN_KEYS:
+        pattern = config.get(key)
+        if isinstance(pattern, (str, list)) and pattern:
+            return len(pattern)
+    return None
+
+
+def _has_layer_count(config: dict[str, Any]) -> bool:
+    return any(config.get(k) is not None for k in LAYER_COUNT_KEYS + LAYER_PATTERN_KEYS)
 
 
 def resolve_model_type(model_type: str, architectures: Any = None) -> str:

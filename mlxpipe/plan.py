@@ -227,7 +227,7 @@ def _costs(meta: ModelMetadata) -> _Costs:
     head_bytes = embed_bytes = 0
     active, experts = _active_experts(meta.text_config)
     for t in meta.tensors:
-        layer = t.layer
+        layer = meta.layer_of(t)
         if layer is None:
             shared_bytes += t.nbytes
             shared_files.add(t.file)
@@ -341,7 +341,7 @@ def make_plan(
         context=context,
         split=tuple(chosen),
         ranks=tuple(ranks),
-        model_bytes=sum(t.nbytes for t in meta.tensors if t.layer is None or t.layer < n),
+        model_bytes=sum(t.nbytes for t in meta.tensors if meta.layer_of(t) is None or meta.layer_of(t) < n),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
         notes=_notes(hosts) + _strategy_notes(strategy, costs, meta),

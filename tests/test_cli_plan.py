@@ -66,8 +66,8 @@ def write_hostfile(path: Path, budgets: list[float]) -> Path:
 def layer_budget(model: Path, layers: float) -> float:
     """A budget that holds the shared tensors plus ``layers`` layers (and their KV) of ``model``."""
     meta = load_metadata(str(model))
-    shared = sum(t.nbytes for t in meta.tensors if t.layer is None)
-    per_layer = sum(t.nbytes for t in meta.tensors if t.layer == 0)
+    shared = sum(t.nbytes for t in meta.tensors if meta.layer_of(t) is None)
+    per_layer = sum(t.nbytes for t in meta.tensors if meta.layer_of(t) == 0)
     per_kv = kv_bytes(kv_bytes_per_token(meta)[:1], CONTEXT)
     return RUNTIME_OVERHEAD + shared + layers * (per_layer + per_kv)
 

@@ -208,20 +208,45 @@ def test_no_model_type(tmp_path: Path) -> None:
     assert str(error) == f"{directory}: config.json has no 'model_type'"
 
 
-@pytest.mark.parametrize("value", [None, 0, -1, "32", 2.0])
-def test_num_hidden_layers_missing_or_invalid(tmp_path: Path, value: Any) -> None:
+@pytest.mark.parametrize("value", [0, -1, "32", 2.0, True])
+def test_num_hidden_layers_invalid(tmp_path: Path, value: Any) -> None:
+    directory, error = _validate(tmp_path, {**LLAMA, "num_hidden_layers": value}, [0, 1, 2])
+    assert str(error) == f"{directory}: config.json's 'num_hidden_layers' is {value!r}, not a positive number of layers"
+    assert error.hint == "fix config.json, or download the model again"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("n_layer", 3, 3),
+        ("num_layers", 3, 3),
+        ("n_layers", 3, 3),
+        ("num_transformer_layers", 3, 3),
+        ("hybrid_override_pattern", "M*-", 3),
+        ("layers_block_type", ["mamba", "attention", "mamba"], 3),
+        (None, None, 3),  # no count in the config: the checkpoint's numbered blocks
+    ],
+)
+def test_layer_count_under_any_key(tmp_path: Path, key: str | None, value: Any, expected: int) -> None:
     config = {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}
-    if value is not None:
-        config["num_hidden_layers"] = value
-    directory, error = _validate(tmp_path, config, [0, 1, 2])
-    assert str(error) == f"{directory}: config.json has no positive 'num_hidden_layers'"
-    assert error.hint == "mlxpipe pipelines transformer models whose blocks are a 'layers' list"
+    if key is not None:
+        config[key] = value
+    directory = write_checkpoint(tmp_path / "m", {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}, config, False)
+    meta = load_local(directory)
+    validate(meta)
+    assert meta.num_layers == expected
+
+
+def test_no_layer_count_and_no_numbered_blocks(tmp_path: Path) -> None:
+    config = {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}
+    directory, error = _validate(tmp_path, config, [])
+    assert str(error).startswith(f"{directory}: cannot tell how many layers the model has")
 
 
 def test_no_layers(tmp_path: Path) -> None:
     directory, error = _validate(tmp_path, LLAMA, [])
-    assert str(error) == f"{directory}: no tensor belongs to a 'layers.N' block"
-    assert error.hint == "mlxpipe pipelines models whose blocks are a 'layers' list"
+    assert str(error) == f"{directory}: no tensor belongs to a numbered block ('layers.N', 'h.N', ...)"
+    assert error.hint == "mlxpipe pipelines models whose blocks are a numbered list"
 
 
 @pytest.mark.parametrize(

@@ -315,22 +315,30 @@ def test_memory_strategy_names_the_host_without_memory() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "layer"),
+    ("names", "expected"),
     [
-        ("model.layers.3.mlp.experts.7.gate_proj.weight", 3),
-        ("model.layers.3.mlp.switch_mlp.gate_proj.scales", 3),
-        ("model.layers.12.self_attn.q_proj.weight", 12),
-        ("layers.0.attention.wq.weight", 0),
-        ("language_model.model.layers.5.mlp.down_proj.biases", 5),
-        ("model.layers.61.embed_tokens.weight", 61),
-        ("model.embed_tokens.weight", None),
-        ("model.norm.weight", None),
-        ("lm_head.weight", None),
-        ("model.sublayers.3.weight", None),
+        # One rule finds the block list wherever it lives; lists inside blocks
+        # (experts) and next to them (sublayers) are not blocks.
+        (
+            ["model.layers.3.mlp.experts.7.gate_proj.weight", "model.layers.3.mlp.switch_mlp.gate_proj.scales",
+             "model.layers.12.self_attn.q_proj.weight", "model.layers.61.embed_tokens.weight",
+             "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.sublayers.3.weight"],
+            [3, 3, 12, 61, None, None, None, None],
+        ),
+        (["layers.0.attention.wq.weight", "output.weight"], [0, None]),
+        (
+            ["language_model.model.layers.4.mlp.down_proj.biases", "language_model.model.layers.5.mlp.down_proj.biases",
+             "vision_tower.blocks.0.w"],
+            [4, 5, None],
+        ),
+        (["transformer.h.0.attn.c_attn.weight", "transformer.wte.weight"], [0, None]),
+        (["backbone.layers.1.mixer.A_log", "backbone.embeddings.weight"], [1, None]),
     ],
 )
-def test_tensor_layer(name: str, layer: int | None) -> None:
-    assert Tensor(name, "BF16", (1,), "f").layer == layer
+def test_tensor_layer(names: list[str], expected: list[int | None]) -> None:
+    tensors = tuple(Tensor(name, "BF16", (1,), "f") for name in names)
+    meta = ModelMetadata("m", {"model_type": "llama", "num_hidden_layers": 13}, tensors, {})
+    assert [meta.layer_of(t) for t in tensors] == expected
 
 
 def _ranks(plan: Any) -> list[tuple[int, int, tuple[str, ...], int, int]]:
@@ -539,7 +547,7 @@ def test_nested_text_config() -> None:
         tensors=tuple(T(f"language_model.model.layers.{i}.mlp.down_proj.weight", 1024, "w") for i in range(6)),
         file_sizes={"w": 6144},
     )
-    assert (m.model_type, m.num_layers) == ("gemma3_text", 6)
+    assert (m.model_type, m.num_layers) == ("gemma3", 6)  # mlx-lm loads it by the top-level type
     assert kv_bytes_per_token(m) == [(2 * 4 * 256 * 2, 1024)] * 5 + [(2 * 4 * 256 * 2, None)]
 
 

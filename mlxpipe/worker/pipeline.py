@@ -27,7 +27,9 @@ one leaves its output in ``hidden_out``, and nothing is sent or gathered.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -48,12 +50,13 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "gemma4": "its layers share KV caches across the stack",
     "gemma4_text": "its layers share KV caches across the stack",
     "hunyuan": "its layers pass shared KV states to the next layer",
+    "iquestloopcoder": "its model runs each block's attention itself, twice, instead of calling the blocks",
     "kimi_k3": "its layers pass attention blocks to the next layer",
     "muse_spark": "its layers pass attention inputs to the next layer",
     "nanbeige": "it runs the layer stack several times",
+    "phi3small": "a rank crashes (MLX segfault) when its block-sparse attention stack is cut; not yet understood",
     "rwkv7": "its layers pass the first layer's values to later layers",
 }
-_HIDDEN_KWARGS = ("x", "h", "hidden_states", "hidden")
 
 
 class Exchange:
@@ -71,6 +74,8 @@ class Exchange:
         self.hidden_in: mx.array | None = None
         self.hidden_out: mx.array | None = None
         self.incoming: tuple[tuple[int, ...], Any] | None = None
+        # The last block's output in this forward pass: the next block's hidden state.
+        self.last_out: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -92,18 +97,23 @@ class _PipelineStage:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._mlxpipe_stage
-        args, kwargs, x = _take_hidden(args, kwargs)
-        cache = _find_cache(args, kwargs)
         exchange = stage.exchange
+        where, x = _find_hidden(self, args, kwargs, exchange.last_out)
+        cache = _find_cache(args, kwargs)
         if stage.recv_from is not None:
             if not exchange.explicit:
                 x = mx.distributed.recv_like(x, stage.recv_from, group=stage.group)
+                if cache is None:
+                    # Prefill evaluates only the caches: a receive no local cache
+                    # depends on would stay unread, and the next one would read it.
+                    mx.async_eval(x)
             else:
                 exchange.incoming = (tuple(x.shape), x.dtype)
                 if exchange.hidden_in is not None:
                     x = exchange.hidden_in
         if stage.local:
-            out = super().__call__(x, *args, **kwargs)  # type: ignore[misc]
+            args, kwargs = _put_hidden(where, x, args, kwargs)
+            out = super().__call__(*args, **kwargs)  # type: ignore[misc]
             if not isinstance(out, mx.array):
                 raise ModelError(
                     f"{type(self).__name__} returns {type(out).__name__}, not one "
@@ -111,7 +121,9 @@ class _PipelineStage:
                 )
         else:
             advance_cache(cache, x.shape[0], x.shape[1])
-            out = x
+            # A new array, not ``x`` itself: the next block must tell the state from
+            # other arguments that were the same object (Talkie's embeddings).
+            out = mx.stop_gradient(x)
         if stage.send_to is not None:
             if exchange.explicit:
                 exchange.hidden_out = out
@@ -126,19 +138,48 @@ class _PipelineStage:
                     mx.async_eval(out)
         if stage.gather and not exchange.explicit:
             out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
+        exchange.last_out = out
         return out
 
 
-def _take_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict, mx.array]:
-    """Split the hidden state (first positional, or a known keyword) off the call."""
+def _find_hidden(layer: Any, args: tuple, kwargs: dict, previous: Any) -> tuple[int | str, mx.array]:
+    """Where the hidden state is in the call (a position or a keyword), and its value.
+
+    The hidden state is what the previous block returned: a model may pass
+    other arrays first (Talkie hands every block the embeddings, then the
+    state). For the first block, or a caller that transforms the state between
+    blocks: the first positional, else the keyword naming the first parameter.
+    """
+    if previous is not None:
+        for i, value in enumerate(args):
+            if value is previous:
+                return i, value
+        for name, value in kwargs.items():
+            if value is previous:
+                return name, value
     if args:
-        return args[1:], kwargs, args[0]
-    for name in _HIDDEN_KWARGS:
-        if name in kwargs:
-            # Pass it back positionally: every mlx-lm layer takes it first.
-            rest = {k: v for k, v in kwargs.items() if k != name}
-            return (), rest, kwargs[name]
+        return 0, args[0]
+    name = _first_parameter(type(layer).__mro__[2])  # the class behind the pipeline mixin
+    if name in kwargs:
+        return name, kwargs[name]
     raise ModelError("a layer was called without a hidden state the pipeline can find")
+
+
+def _put_hidden(where: int | str, x: mx.array, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with the hidden state at ``where`` replaced by ``x``."""
+    if isinstance(where, int):
+        return args[:where] + (x,) + args[where + 1 :], kwargs
+    return args, {**kwargs, where: x}
+
+
+@lru_cache(maxsize=None)
+def _first_parameter(cls: type) -> str | None:
+    """The name of the first parameter of ``cls.__call__`` after ``self``."""
+    try:
+        params = list(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[1] if len(params) > 1 else None
 
 
 def _find_cache(args: tuple, kwargs: dict) -> Any:
@@ -324,8 +365,8 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
         )
         if not stage.local:
             strip_weights(layer)
-        if stage.local and stage.recv_from is None and stage.send_to is None and not stage.gather:
-            continue  # an inner local layer runs as is
+        # Every block is wrapped, inner local ones too: each records its output,
+        # by which the next block's hidden state is recognised.
         layer.__class__ = _stage_class(type(layer))
         layer._mlxpipe_stage = stage
     return start, end

@@ -1,0 +1,114 @@
+"""Every architecture of the installed mlx-lm: token-identical through the pipeline, or refused.
+
+``tests/architectures.json`` says, per model type, what mlxpipe does with it:
+``identical`` (the suite checks it at 2 and 3 ranks against single-process
+mlx-lm), ``refused`` (``check_pipelinable`` must refuse it before launch, with
+the reason written there) or ``untested`` (the suite cannot run it here, with
+why). A newer mlx-lm's new architecture fails ``test_status_covers_installed_mlx_lm``
+until someone runs it and records what happens. The README's table is
+generated from the same file (``PYTHONPATH=tests python tests/fixtures/arch_suite.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures import arch_suite as suite
+from fixtures.arch_configs import model_types
+
+from mlxpipe.errors import ModelError
+
+STATUS = suite.load_status()
+INSTALLED = set(model_types())
+IDENTICAL = [t for t, s in STATUS.items() if s["status"] == "identical" and t in INSTALLED]
+REFUSED = [t for t, s in STATUS.items() if s["status"] == "refused" and t in INSTALLED]
+_TIMEOUT = 120 + 3 * len(IDENTICAL)  # about 0.5 s per architecture on 2 CPU cores
+
+
+@pytest.fixture(scope="session")
+def arch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny checkpoints of every architecture are built (once per session)."""
+    return tmp_path_factory.mktemp("architectures")
+
+
+@pytest.fixture(scope="session")
+def arch_runs(arch_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """rank count -> (the one launch over every identical architecture, model type -> events)."""
+    runs: dict[int, Any] = {}
+
+    def get(num_ranks: int):
+        if num_ranks not in runs:
+            tmp = tmp_path_factory.mktemp(f"arch-{num_ranks}")
+            runs[num_ranks] = suite.run(IDENTICAL, num_ranks, arch_root, tmp, _TIMEOUT)
+        return runs[num_ranks]
+
+    return get
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("model_type", IDENTICAL)
+def test_token_identical(arch_runs, arch_root: Path, model_type: str, num_ranks: int) -> None:
+    result, events = arch_runs(num_ranks)
+    case = events.get(model_type, [])
+    if len(case) != num_ranks:
+        pytest.fail(f"no result for {model_type} from every rank\n{result.describe()}")
+    tokens = [e["turns"][0]["tokens"] for e in case]
+    assert all(t == tokens[0] for t in tokens), f"ranks disagree: {tokens}"
+    assert tokens[0] == suite.reference(suite.build(model_type, arch_root))
+    split = suite.split_for(IDENTICAL.index(model_type), num_ranks)
+    assert [e["layers"] for e in case] == [
+        [sum(split[r + 1 :]), sum(split[r:])] for r in range(num_ranks)
+    ]
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_refused_before_launch(arch_root: Path, model_type: str) -> None:
+    from mlxpipe.worker.load import check_pipelinable
+
+    with pytest.raises(ModelError) as error:
+        check_pipelinable(suite.build(model_type, arch_root))
+    assert str(error.value) == f"mlxpipe cannot pipeline {model_type}: {STATUS[model_type]['reason']}"
+
+
+def test_status_covers_installed_mlx_lm() -> None:
+    """Every installed architecture has a status; every one not identical says why."""
+    missing = sorted(INSTALLED - set(STATUS))
+    assert not missing, (
+        f"mlx-lm has new architectures {missing}: run them through tests/test_architectures.py "
+        "and record each in tests/architectures.json"
+    )
+    for model_type, entry in STATUS.items():
+        assert entry["status"] in suite.STATUSES, model_type
+        assert entry["status"] == "identical" or entry.get("reason"), model_type
+
+
+def test_refusals_match_the_pipeline() -> None:
+    """The status file's refusals are exactly the pipeline's, with the same reasons."""
+    from mlxpipe.worker.pipeline import UNSUPPORTED_MODEL_TYPES
+
+    refused = {t: s["reason"] for t, s in STATUS.items() if s["status"] == "refused"}
+    assert refused == UNSUPPORTED_MODEL_TYPES
+
+
+def test_readme_table_is_generated_from_the_status_file() -> None:
+    section = suite.readme_section(suite.README.read_text())
+    assert section == suite.readme_table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/arch_suite.py"
+
+
+def test_no_architecture_is_lost() -> None:
+    # A floor at today's count (issue 14 aims at 115): a regression fails here.
+    assert len(IDENTICAL) >= 110, f"only {len(IDENTICAL)} architectures are token-identical"
+
+
+@pytest.mark.parametrize("model_type", IDENTICAL)
+def test_metadata_finds_the_blocks(arch_root: Path, model_type: str) -> None:
+    """plan and download see the same blocks as the worker, from tensor names alone."""
+    from mlxpipe.metadata import load_local, validate
+
+    meta = load_local(suite.build(model_type, arch_root))
+    validate(meta)
+    assert meta.num_layers == suite.NUM_LAYERS
+    assert {meta.layer_of(t) for t in meta.tensors} - {None} == set(range(suite.NUM_LAYERS))
