@@ -33,6 +33,7 @@ bench: install demo-model
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_throughput.py
+	$(PY) bench/bench_serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
