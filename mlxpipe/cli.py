@@ -463,6 +463,62 @@ def chat(
             )
 
 
+@app.command()
+@_boundary
+def serve(
+    model: Optional[str] = ModelOpt,
+    hostfile: Optional[Path] = HostfileOpt,
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    config: Optional[Path] = ConfigOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."),
+    port: int = typer.Option(8080, "--port", help="HTTP port of the API."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="MLXPIPE_API_KEY", show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on every endpoint but /health. Prefer the environment variable: "
+        "a flag shows in the process list.",
+    ),
+    max_concurrency: Optional[int] = typer.Option(
+        None, "--max-concurrency", help="Requests computed at once, each at its own stage. [default: the number of ranks]"
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; beyond them, 429."),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="Relaunches after a rank fails before the server gives up."),
+    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Default max_tokens of a request. [default: 256]"),
+    backend: Optional[str] = BackendOpt,
+    prefill_step_size: int = PrefillOpt,
+    ring_port: Optional[int] = typer.Option(None, "--ring-port", help="First port of the ranks' ring. [default: 32323; a free one when every rank is local]"),
+    timeout: float = TimeoutOpt,
+    trust_remote_code: bool = TrustOpt,
+    from_controller: bool = FromControllerOpt,
+) -> None:
+    """Serve the pipelined model behind an OpenAI-compatible API until Ctrl-C.
+
+    Plans, checks every host, downloads and loads once; then answers /v1/chat/completions,
+    /v1/completions (streaming or not) and /v1/models, with /health for status. A failed rank
+    ends the requests in flight with an error, and the pipeline is relaunched.
+
+    Example: mlxpipe serve --port 8080
+    """
+    from mlxpipe import serve as server
+    from mlxpipe.config import DEFAULT_MAX_TOKENS, pick
+    from mlxpipe.target import resolve_target
+
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    pipeline_config = _pipeline_config(target, backend, "generic", prefill_step_size, ring_port, timeout,
+                                       trust_remote_code, False, from_controller)
+    options = server.ServeOptions(
+        max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size,
+        max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
+    )
+    code = server.serve(
+        pipeline_config, options, host=host, port=port, api_key=api_key,
+        default_max_tokens=pick(max_tokens, target.preset.max_tokens, DEFAULT_MAX_TOKENS),
+    )
+    raise typer.Exit(code)
+
+
 @app.command("demo-model")
 @_boundary
 def demo_model() -> None:

@@ -97,7 +97,7 @@ def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOption
 
 
 def controller_model_dir(meta: ModelMetadata) -> Path:
-    """A directory on this machine with the model's config (for the pre-launch check)."""
+    """A directory on this machine with the model's config and tokenizer (the pre-launch check, serve's tokenizer)."""
     if meta.local:
         return Path(meta.source)
     from huggingface_hub import hf_hub_download
@@ -106,7 +106,7 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
 
     with hub_errors(meta.source):
         for name in meta.support_files:
-            if name.endswith((".json", ".py")) and "/" not in name:
+            if "/" not in name:
                 hf_hub_download(meta.source, name, revision=meta.commit)
         return Path(hf_hub_download(meta.source, "config.json", revision=meta.commit)).parent
 

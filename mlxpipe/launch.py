@@ -50,7 +50,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from mlxpipe import protocol, remote
 from mlxpipe.errors import LaunchError
@@ -248,14 +248,17 @@ class Ranks:
     def send(self, request: dict[str, Any]) -> None:
         self._write(protocol.encode_request(request))
 
-    def events(self, timeout: float) -> Iterator[dict[str, Any]]:
+    def events(self, timeout: float, busy: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
         """Yield the workers' events; raise ``LaunchError`` (root cause first) on any failure.
 
         ``timeout`` is the watchdog: the longest time without progress (any event but
-        the supervisors' ``alive``) before the run is ended.
+        the supervisors' ``alive``) before the run is ended. With ``busy``, the clock
+        only runs while it says work is outstanding (an idle server makes no progress).
         """
         last_progress = time.monotonic()
         while True:
+            if busy is not None and not busy():
+                last_progress = time.monotonic()
             self._check_liveness(timeout, last_progress)
             if self.failures:
                 raise self._fail()

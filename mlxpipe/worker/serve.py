@@ -26,6 +26,7 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.prompts import prompt_tokens
 from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
@@ -274,26 +275,7 @@ class Server:
 
     def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
         """The request's prompt as token ids, through the chat template if any."""
-        tokenizer = self.loaded.tokenizer
-        prompt, messages = request.get("prompt"), request.get("messages")
-        if (prompt is None) == (messages is None):
-            raise UsageError("a generate request needs exactly one of prompt and messages")
-        use_template = not request.get("ignore_chat_template") and tokenizer.has_chat_template
-        if messages is None and not use_template:
-            # As stream_generate: no second BOS when the prompt brings one.
-            bos = tokenizer.bos_token
-            add_bos = bos is None or not prompt.startswith(bos)
-            return list(tokenizer.encode(prompt, add_special_tokens=add_bos))
-        if not use_template:
-            raise UsageError("chat messages need a tokenizer with a chat template")
-        if messages is None:
-            messages = [{"role": "user", "content": prompt}]
-        messages = list(messages)
-        system = request.get("system_prompt")
-        if system is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": system})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return prompt_tokens(self.loaded.tokenizer, request)
 
     def _cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
         """A cache for ``tokens`` and how many of them it already holds."""

@@ -1,0 +1,164 @@
+"""``mlxpipe serve``: the pipeline kept up behind an OpenAI-compatible API.
+
+``engine.py`` keeps the pipeline (launch, requests, restarts), ``api.py`` is
+the HTTP API, ``text.py`` turns tokens into what a client sees. ``serve()``
+ties them to uvicorn: it plans, checks and downloads once (errors end the
+command before anything listens), then listens while the ranks load, and
+serves until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from dataclasses import replace
+from typing import Any, Iterator
+
+from mlxpipe import console
+from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.serve.engine import RequestLog, ServeEngine, ServeOptions
+from mlxpipe.startup import PipelineConfig, prepare
+
+__all__ = ["ServeOptions", "serve"]
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
+          default_max_tokens: int) -> int:
+    """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises)."""
+    import uvicorn
+
+    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.serve.api import ServerSettings, build_app
+
+    _check(options, host, port, api_key)
+    meta, plan = prepare(config)
+    tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
+    log = RequestLog()
+    holder: dict[str, Any] = {}
+
+    def on_state(state: str, detail: str | None) -> None:
+        if state == "ready":
+            log.path = engine.run_dir / "requests.jsonl" if engine.run_dir else None
+            console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {engine.run_dir}")
+        elif state == "restarting":
+            console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {engine.restarts} "
+                         f"of {options.max_restarts})")
+        elif state == "failed" and "server" in holder:
+            holder["server"].should_exit = True
+
+    engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
+    settings = ServerSettings(
+        model_id=config.target.model, api_key=api_key, context=_context(meta), default_max_tokens=default_max_tokens,
+    )
+    app = build_app(engine, tokenizer, settings, log)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                    timeout_graceful_shutdown=3), engine)
+    holder["server"] = server
+    console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
+                      f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if server.signal is not None:
+        console.error(f"stopped by {server.signal_name}")
+        return 128 + server.signal
+    if engine.error is not None:
+        raise LaunchError(f"the pipeline failed {engine.restarts + 1} times; last: {engine.error.message}",
+                          engine.error.hint)
+    return 0
+
+
+class _Server:
+    """uvicorn's server, stopping the engine's requests first on SIGINT/SIGTERM and not re-raising the signal."""
+
+    def __init__(self, config: Any, engine: ServeEngine) -> None:
+        import uvicorn
+
+        engine_ref = engine
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if outer.signal is None:
+                    outer.signal = sig
+                # End the streams now: uvicorn's graceful shutdown waits for them.
+                threading.Thread(target=engine_ref.stop, daemon=True).start()
+                self.should_exit = True
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                import signal as signals
+
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                handled = (signals.SIGINT, signals.SIGTERM)
+                original = {s: signals.signal(s, self.handle_exit) for s in handled}
+                try:
+                    yield
+                finally:
+                    for s, h in original.items():
+                        signals.signal(s, h)
+
+        self.signal: int | None = None
+        self._server = Server(config)
+
+    @property
+    def signal_name(self) -> str:
+        import signal as signals
+
+        return signals.Signals(self.signal).name if self.signal is not None else ""
+
+    @property
+    def should_exit(self) -> bool:
+        return self._server.should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._server.should_exit = value
+
+    def run(self) -> None:
+        self._server.run()
+        if not self._server.started and self.signal is None:
+            raise UsageError("the HTTP server could not start (see above)", "pick another --port or --host")
+
+
+def _check(options: ServeOptions, host: str, port: int, api_key: str | None) -> None:
+    if options.max_concurrency < 1:
+        raise UsageError(f"--max-concurrency must be at least 1, got {options.max_concurrency}")
+    if options.max_queue < 0 or options.max_restarts < 0 or options.prompt_cache_size < 0:
+        raise UsageError("--max-queue, --max-restarts and --prompt-cache-size must be 0 or more")
+    if not 0 < port < 65536:
+        raise UsageError(f"--port {port}: expected a TCP port, 1-65535")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key (or MLXPIPE_API_KEY) is empty")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})",
+                         "pick another --port, or stop what uses it") from None
+    if host not in _LOOPBACK and api_key is None:
+        console.warn(f"listening on {host} without --api-key: anyone who reaches this machine can use the model")
+
+
+def _load_tokenizer(model_dir: Any, config: dict[str, Any]) -> Any:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+
+
+def _context(meta: Any) -> int:
+    n = meta.text_config.get("max_position_embeddings") or meta.config.get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and n > 0 else 1 << 20
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

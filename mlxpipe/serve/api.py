@@ -1,0 +1,418 @@
+"""The OpenAI-compatible HTTP API of ``mlxpipe serve`` (Starlette).
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streaming as server-sent events ending with ``data: [DONE]``, or one JSON
+body) and ``GET /health``. Shapes follow OpenAI's, so the ``openai`` package
+and any OpenAI client work unchanged; every error is a 4xx/5xx with OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxpipe import console
+from mlxpipe.config import DEFAULT_MAX_TOKENS
+from mlxpipe.errors import UsageError
+from mlxpipe.prompts import prompt_tokens
+from mlxpipe.serve.engine import Job, Outcome, RequestLog, ServeEngine, Stream
+from mlxpipe.serve.text import Delta, Reply, tool_calls
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_id: str
+    api_key: str | None
+    context: int  # the longest prompt + completion the model takes
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+@dataclass
+class Parsed:
+    """A validated request body."""
+
+    job: Job
+    stream: bool
+    include_usage: bool
+    stops: list[str]
+    tools: list[Any] | None
+
+
+def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
+    """The Starlette app serving ``engine``."""
+    api = _Api(engine, tokenizer, settings, log)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    return app
+
+
+class _Api:
+    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+
+    # --- endpoints -----------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        body = self.engine.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as e:
+            return e.response()
+        model = {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "mlxpipe"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        try:
+            self._authorize(request)
+            body = await _read_json(request)
+            parsed = self._parse(body, chat)
+            self._admit()
+            stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
+        except ApiError as e:
+            return e.response()
+        except UsageError as e:
+            return ApiError(400, e.message).response()
+        run = _Run(self, parsed, stream, chat)
+        if parsed.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await run.whole()
+
+    # --- checks --------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key", kind="authentication_error")
+
+    def _admit(self) -> None:
+        engine = self.engine
+        if engine.state != "ready":
+            raise ApiError(503, f"the pipeline is {engine.state}; try again shortly", code="unavailable",
+                           kind="server_error", headers={"Retry-After": "5"})
+        if engine.in_flight >= engine.capacity:
+            raise ApiError(429, f"{engine.in_flight} requests in flight, the most this server takes "
+                                f"(--max-concurrency + --max-queue); try again shortly",
+                           code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> Parsed:
+        model = body.get("model")
+        if model is not None and model != self.settings.model_id:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.model_id!r}",
+                           param="model", code="model_not_found")
+        n = _field(body, "n", int, 1)
+        if n != 1:
+            raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
+        max_tokens = _field(body, "max_completion_tokens", int, None)
+        if max_tokens is None:
+            max_tokens = _field(body, "max_tokens", int, self.settings.default_max_tokens)
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if max_tokens < 1:
+            raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+        temp = float(_field(body, "temperature", (int, float), 0.0))
+        if temp < 0:
+            raise ApiError(400, f"'temperature' must be >= 0, got {temp:g}", param="temperature")
+        top_p = float(_field(body, "top_p", (int, float), 1.0))
+        if not 0 < top_p <= 1:
+            raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p:g}", param="top_p")
+        min_p = float(_field(body, "min_p", (int, float), 0.0))
+        if not 0 <= min_p < 1:
+            raise ApiError(400, f"'min_p' must be in [0, 1), got {min_p:g}", param="min_p")
+        seed = _field(body, "seed", int, None)
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, None) or {}
+        include_usage = bool(options.get("include_usage", False))
+        stops = _stops(body)
+        tools = _field(body, "tools", list, None) if chat else None
+        tokens = self._tokens(body, chat, tools)
+        if len(tokens) + 1 > self.settings.context:
+            raise ApiError(400, f"the prompt has {len(tokens)} tokens; this model's context is "
+                                f"{self.settings.context} tokens", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = min(max_tokens, self.settings.context - len(tokens))
+        job = Job(self.engine.new_id(), tokens, max_tokens, temp, top_p, min_p, seed)
+        return Parsed(job, stream, include_usage, stops, tools)
+
+    def _tokens(self, body: dict[str, Any], chat: bool, tools: list[Any] | None) -> list[int]:
+        if chat:
+            messages = _field(body, "messages", list, None)
+            if not messages:
+                raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+            request = {"messages": [_message(m, i) for i, m in enumerate(messages)]}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
+            request = {"prompt": prompt, "ignore_chat_template": True}
+        try:
+            tokens = prompt_tokens(self.tokenizer, request, tools)
+        except UsageError as e:
+            raise ApiError(400, e.message, param="messages" if chat else "prompt") from None
+        except Exception as e:  # noqa: BLE001 - a chat template that rejects these messages
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        if not tokens:
+            raise ApiError(400, "the prompt has no tokens", param="messages" if chat else "prompt")
+        return tokens
+
+
+class _Run:
+    """One request, from its first token to its last, as SSE chunks or one body."""
+
+    def __init__(self, api: _Api, parsed: Parsed, stream: Stream, chat: bool) -> None:
+        self.api, self.parsed, self.stream, self.chat = api, parsed, stream, chat
+        self.reply = Reply(api.tokenizer, parsed.stops)
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + parsed.job.id
+        self.outcome: Outcome | None = None
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
+        """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
+        done = False
+        try:
+            while True:
+                item = await self.stream.next()
+                if isinstance(item, Outcome):
+                    self.outcome = item
+                    if item.error is not None:
+                        done = True
+                        return
+                    break
+                delta = self.reply.add(item)
+                if delta:
+                    yield delta
+                if self.reply.stopped:  # a stop string: nothing more is wanted
+                    self.api.engine.cancel(self.parsed.job.id)
+                    break
+            done = True
+            last = self.reply.finish(self.finish_reason)
+            if last:
+                yield last
+        finally:
+            if not done:
+                self.api.engine.cancel(self.parsed.job.id)  # the client went away
+            self._log()
+
+    @property
+    def finish_reason(self) -> str:
+        if self.reply.stopped:
+            return "stop"
+        reason = self.outcome.finish_reason if self.outcome else None
+        if reason == "stop" and self.reply.made_tool_call:
+            return "tool_calls"
+        return "length" if reason == "length" else "stop"
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.parsed.job.tokens)
+        completion = len(self.reply.tokens)
+        cached = self.outcome.cached_tokens if self.outcome else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _tool_calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        return tool_calls(self.api.tokenizer, texts, self.parsed.tools, self.parsed.stream)
+
+    # --- one body --------------------------------------------------------------------
+
+    async def whole(self) -> Response:
+        text, reasoning, calls = "", "", []
+        async for delta in self._deltas():
+            text, reasoning = text + delta.text, reasoning + delta.reasoning
+            calls.extend(delta.tool_calls)
+        if self.outcome is not None and self.outcome.error is not None:
+            return _failure(self.outcome.error).response()
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = self._tool_calls(calls)
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "finish_reason": self.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+        return JSONResponse({**self._head(False), "choices": [choice], "usage": self.usage()})
+
+    # --- server-sent events ------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[str]:
+        if self.chat:
+            yield _sse({**self._head(True), "choices": [self._choice({"role": "assistant", "content": ""})]})
+        async for delta in self._deltas():
+            yield _sse({**self._head(True), "choices": [self._choice(self._delta(delta))]})
+        if self.outcome is not None and self.outcome.error is not None:
+            yield _sse(_failure(self.outcome.error).body())
+            return
+        yield _sse({**self._head(True), "choices": [self._choice({} if self.chat else "", self.finish_reason)]})
+        if self.parsed.include_usage:
+            yield _sse({**self._head(True), "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    def _delta(self, delta: Delta) -> Any:
+        if not self.chat:
+            return delta.text
+        out: dict[str, Any] = {}
+        if delta.text:
+            out["content"] = delta.text
+        if delta.reasoning:
+            out["reasoning_content"] = delta.reasoning
+        if delta.tool_calls:
+            out["tool_calls"] = self._tool_calls(delta.tool_calls)
+        return out
+
+    def _choice(self, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "text": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    def _head(self, streaming: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if streaming and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.api.settings.model_id}
+
+    # --- the request log -------------------------------------------------------------
+
+    def _log(self) -> None:
+        stream, outcome = self.stream, self.outcome
+        now = time.monotonic()
+        ttft = (stream.first_token - stream.submitted) if stream.first_token else None
+        tokens = len(self.reply.tokens)
+        after_first = now - stream.first_token if stream.first_token else 0.0
+        error = outcome.error.message if outcome and outcome.error else None
+        status = "error" if error else ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason)
+        record = {
+            "id": self.parsed.job.id, "status": status, "prompt_tokens": len(self.parsed.job.tokens),
+            "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
+            "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
+            "seconds": now - stream.submitted, "error": error,
+        }
+        self.api.log.write(record)
+        ttft_text = f"{ttft:.2f} s" if ttft is not None else "-"
+        console.err.print(
+            f"[dim]{record['id']}: {status}, prompt {record['prompt_tokens']} ({record['cached_tokens']} cached), "
+            f"{tokens} tokens, ttft {ttft_text}, {record['tps']:.1f} tok/s[/]"
+        )
+
+
+# --- body parsing ---------------------------------------------------------------------
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body has {length} bytes, over this server's limit of {MAX_BODY_BYTES}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is over this server's limit of {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, types: Any, default: Any) -> Any:
+    """``body[name]`` checked against ``types`` (bools are not numbers), or ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = types if isinstance(types, tuple) else (types,)
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        names = " or ".join({int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+                             dict: "an object", str: "a string"}[t] for t in allowed)
+        raise ApiError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
+    return value
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop")
+    return [s for s in stops if s]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """A chat message for the template: string content, or the text of its parts."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, f"'{where}.content' may hold only text parts", param=f"{where}.content")
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ApiError(400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content")
+    return {**m, "content": content if content is not None else ""}
+
+
+def _failure(error: Exception) -> ApiError:
+    message = getattr(error, "message", str(error))
+    hint = getattr(error, "hint", None)
+    return ApiError(503, f"{message} ({hint})" if hint else message, code="pipeline_failed", kind="server_error")
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"

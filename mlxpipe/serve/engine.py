@@ -1,0 +1,276 @@
+"""The controller side of ``mlxpipe serve``: one pipeline kept up, requests in, tokens out, restarts.
+
+The HTTP server lives in this process, never in a rank, so a rank's death does
+not take the API down. A background thread launches the pipeline (through
+``startup.launch``, the same sequence every command uses), puts the ranks into
+their serving loop (``worker.engine``), and pumps their events: each token goes
+to its request's stream as it is sampled. When a rank fails, every request in
+flight ends at once with the root cause, ``/health`` says ``restarting``, and
+the thread launches and loads the pipeline again, up to ``max_restarts`` times
+with backoff; after that the server gives up with the root cause.
+
+Requests reach the ranks as token ids (the chat template is applied here), so
+the ranks only compute; the text, stop strings and tool calls are made here
+(``serve.text``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from mlxpipe.errors import LaunchError, MlxpipeError
+from mlxpipe.generate import Pipeline, RankStats
+from mlxpipe.metadata import ModelMetadata
+from mlxpipe.plan import Plan
+from mlxpipe.startup import PipelineConfig, launch
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_PROMPT_CACHE_SIZE = 10
+_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_concurrency: int
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as the ranks run it: token ids and sampling."""
+
+    id: str
+    tokens: list[int]
+    max_tokens: int
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def message(self) -> dict[str, Any]:
+        seed = self.seed if self.seed is not None or self.temp == 0 else random.randrange(2**31)
+        return {"type": "submit", "id": self.id, "tokens": self.tokens, "max_tokens": self.max_tokens,
+                "temp": self.temp, "top_p": self.top_p, "min_p": self.min_p, "seed": seed}
+
+
+@dataclass
+class Outcome:
+    """How a request ended, from rank 0's ``finished`` event (or a failure)."""
+
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    error: MlxpipeError | None = None
+
+
+class Stream:
+    """The tokens of one request, readable from the HTTP server's event loop."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self._loop = loop
+        self._queue: asyncio.Queue[int | Outcome] = asyncio.Queue()
+        self.submitted = time.monotonic()
+        self.first_token: float | None = None
+        self.outcome: Outcome | None = None
+
+    def put(self, item: int | Outcome) -> None:
+        """From the pump thread."""
+        if isinstance(item, int) and self.first_token is None:
+            self.first_token = time.monotonic()
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def next(self) -> int | Outcome:
+        """The next token, or the outcome once the request has ended."""
+        item = await self._queue.get()
+        if isinstance(item, Outcome):
+            self.outcome = item
+        return item
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: str
+    layers: tuple[int, int]
+    state: str = "loading"
+
+
+class ServeEngine:
+    """The pipeline behind the server; see the module docstring."""
+
+    def __init__(self, config: PipelineConfig, meta: ModelMetadata, plan: Plan, options: ServeOptions,
+                 on_state: Callable[[str, str | None], None] | None = None) -> None:
+        self.config, self.meta, self.plan, self.options = config, meta, plan, options
+        self.state = "loading"
+        self.error: MlxpipeError | None = None  # the root cause, once the server gave up
+        self.restarts = 0
+        self.ranks = [RankState(r.rank, r.host, (r.start, r.end)) for r in plan.ranks]
+        self.run_dir: Path | None = None
+        self._on_state = on_state or (lambda state, detail: None)
+        self._streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()
+        self._pipe: Pipeline | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mlxpipe-serve")
+        self.finished = threading.Event()  # the run thread has ended (stopped, or gave up)
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End every request, stop every rank (cleanly when it answers), and wait for the run thread."""
+        self._stopping.set()
+        self._fail_all(LaunchError("the server is shutting down"))
+        pipe = self._pipe
+        if pipe is not None:
+            pipe.ranks.send({"type": "exit"})
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=3)
+        if pipe is not None:
+            pipe.stop()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._serve_once()
+                    return  # the ranks exited as asked
+                except MlxpipeError as e:
+                    if self._stopping.is_set():
+                        return
+                    self._fail_all(e)
+                    if self.restarts >= self.options.max_restarts:
+                        self.error = e
+                        self._set_state("failed", f"{e.message} (gave up after {self.restarts} restarts)")
+                        return
+                    self.restarts += 1
+                    self._set_state("restarting", e.message)
+                    self._stopping.wait(_BACKOFF_SECONDS[min(self.restarts, len(_BACKOFF_SECONDS)) - 1])
+        finally:
+            self.finished.set()
+
+    def _serve_once(self) -> None:
+        for r in self.ranks:
+            r.state = "loading"
+        pipe = launch(self.config, self.meta, self.plan, on_loaded=self._loaded)
+        self._pipe, self.run_dir = pipe, pipe.run_dir
+        try:
+            pipe.ranks.send({"type": "serve", "concurrency": self.options.max_concurrency,
+                             "prompt_cache_size": self.options.prompt_cache_size})
+            for event in pipe.ranks.events(self.config.timeout, busy=lambda: bool(self._streams)):
+                self._dispatch(event)
+        finally:
+            self._pipe = None
+            pipe.stop()
+
+    def _loaded(self, stats: RankStats) -> None:
+        self.ranks[stats.rank].state = "loaded"
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "serving":
+            self.ranks[int(event["rank"])].state = "ready"
+            if all(r.state == "ready" for r in self.ranks):
+                self._set_state("ready", None)
+            return
+        stream = self._streams.get(str(event.get("id")))
+        if stream is None:
+            return  # a request already ended here (cancelled, failed)
+        if kind == "token":
+            stream.put(int(event["token"]))
+        elif kind == "finished":
+            with self._lock:
+                self._streams.pop(stream.job.id, None)
+            stream.put(Outcome(
+                finish_reason=event.get("finish_reason"),
+                prompt_tokens=int(event.get("prompt_tokens", 0)),
+                cached_tokens=int(event.get("cached_tokens", 0)),
+                generation_tokens=int(event.get("generation_tokens", 0)),
+            ))
+
+    def _set_state(self, state: str, detail: str | None) -> None:
+        self.state = state
+        if state != "ready":
+            for r in self.ranks:
+                r.state = state
+        self._on_state(state, detail)
+
+    # --- requests --------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def capacity(self) -> int:
+        return self.options.max_concurrency + self.options.max_queue
+
+    def new_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Stream:
+        """Send ``job`` to the ranks; the caller checked ``ready`` and ``capacity``."""
+        pipe = self._pipe
+        if pipe is None or self.state != "ready":
+            raise LaunchError(f"the pipeline is {self.state}", "try again in a moment")
+        stream = Stream(job, loop)
+        with self._lock:
+            self._streams[job.id] = stream
+        pipe.ranks.send(job.message())
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """The client is gone or its stop string came: free its slot on every rank."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        pipe = self._pipe
+        if stream is not None and pipe is not None:
+            pipe.ranks.send({"type": "cancel", "id": request_id})
+
+    def _fail_all(self, error: MlxpipeError) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(Outcome(error=error))
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "status": self.state,
+            "model": self.meta.source,
+            "restarts": self.restarts,
+            "in_flight": self.in_flight,
+            "ranks": [{"rank": r.rank, "host": r.host, "layers": list(r.layers), "state": r.state} for r in self.ranks],
+        }
+        if self.error is not None:
+            out["error"] = self.error.message
+        return out
+
+
+@dataclass
+class RequestLog:
+    """One line per request in the run directory's ``requests.jsonl``."""
+
+    path: Path | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
