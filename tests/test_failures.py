@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 from fixtures import faulty_worker
 from fixtures.cluster import Cluster
+from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
 from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
@@ -42,68 +43,6 @@ OTHER_MLX = "0.29.0"
 
 
 # --- Where the ranks run ---------------------------------------------------------------------
-
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) for every process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if fields[0] == "Z":
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        table[int(entry)] = (int(fields[1]), cmdline)
-    return table
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        return int(env[b"MLX_RANK"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _is_rank_process(cmdline: str) -> bool:
-    """A rank's supervisor or worker (mlx.launch names them too, after ``--``)."""
-    if "mlx.launch " in cmdline:
-        return False
-    return "mlxpipe.supervisor" in cmdline or "mlxpipe.worker" in cmdline or "faulty_worker" in cmdline
-
-
-def _is_worker(cmdline: str) -> bool:
-    return "mlxpipe.supervisor" not in cmdline and ("-m mlxpipe.worker" in cmdline or "faulty_worker" in cmdline)
-
-
-def local_rank_processes(root: int) -> dict[int, tuple[int | None, str]]:
-    """pid -> (rank, command line) of the supervisors and workers below ``root``."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            if _is_rank_process(table[pid][1]):
-                found[pid] = (_rank_of(pid), table[pid][1])
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @dataclass

@@ -179,9 +179,9 @@ class _Api:
         tools = _field(body, "tools", list, None) if chat else None
         tokens = self._tokens(body, chat, tools)
         if len(tokens) + 1 > self.settings.context:
-            raise ApiError(400, f"the prompt has {len(tokens)} tokens; this model's context is "
-                                f"{self.settings.context} tokens", param="messages" if chat else "prompt",
-                           code="context_length_exceeded")
+            param = "messages" if chat else "prompt"
+            raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this model's context is "
+                                f"{self.settings.context} tokens", param=param, code="context_length_exceeded")
         max_tokens = min(max_tokens, self.settings.context - len(tokens))
         job = Job(self.engine.new_id(), tokens, max_tokens, temp, top_p, min_p, seed)
         return Parsed(job, stream, include_usage, stops, tools)

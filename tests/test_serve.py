@@ -1,0 +1,350 @@
+"""``mlxpipe serve`` end to end: the real console script on 2 local ranks, the ``openai`` package as client.
+
+One server (the demo model, an API key) serves every test that is not about
+starting, breaking or stopping one; a second, small one is broken on purpose
+(a rank killed, SIGTERM). Greedy output must equal single-process mlx-lm's,
+whatever else is in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from fixtures.processes import _alive, local_rank_processes
+from fixtures.serve_process import ServeProcess
+
+pytestmark = pytest.mark.ranks
+
+KEY = "test-key-0123456789"
+MAX_TOKENS = 10
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a color.",
+    "What is 2 + 2?",
+    "Say hello.",
+    "What is the largest planet?",
+    "Name a fruit.",
+    "What day comes after Monday?",
+    "Who wrote Hamlet?",
+]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(
+        ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "4",
+         "--max-queue", "8"],
+        tmp_path_factory.mktemp("serve-home"), env={"MLXPIPE_API_KEY": KEY},
+    )
+    try:
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        _stop_all(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+@lru_cache(maxsize=None)
+def _reference_model(path: str) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(path)
+
+
+def reference(model_dir: Path, messages: list[dict[str, str]] | None = None, prompt: str | None = None,
+              max_tokens: int = MAX_TOKENS) -> tuple[str, list[int]]:
+    """Single-process mlx-lm: the greedy reply's text (as ``stream_generate`` streams it) and its tokens."""
+    from mlx_lm import stream_generate
+
+    model, tokenizer = _reference_model(str(model_dir))
+    if messages is not None:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        tokens = tokenizer.encode(prompt)
+    responses = list(stream_generate(model, tokenizer, tokens, max_tokens=max_tokens))
+    return "".join(r.text for r in responses), [r.token for r in responses]
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _stream_text(client: openai.OpenAI, messages: list[dict[str, str]], **kwargs: Any) -> tuple[str, Any, list[Any]]:
+    chunks = list(client.chat.completions.create(
+        model=_model_id(client), messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, **kwargs,
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage, chunks
+
+
+@lru_cache(maxsize=None)
+def _model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+# --- the API ------------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, demo_model: Path) -> None:
+    assert [m.id for m in client.models.list().data] == [str(demo_model)]
+
+
+def test_chat_is_token_identical_to_mlx_lm(client: openai.OpenAI, demo_model: Path) -> None:
+    text, tokens = reference(demo_model, _user(QUESTIONS[0]))
+    reply = client.chat.completions.create(model=str(demo_model), messages=_user(QUESTIONS[0]),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.completion_tokens == len(tokens)
+    assert reply.choices[0].finish_reason == ("stop" if tokens[-1] in _eos(demo_model) else "length")
+    assert reply.object == "chat.completion" and reply.model == str(demo_model)
+
+
+def test_streamed_chat_matches_and_reports_usage(client: openai.OpenAI, demo_model: Path) -> None:
+    text, tokens = reference(demo_model, _user(QUESTIONS[3]))
+    streamed, usage, chunks = _stream_text(client, _user(QUESTIONS[3]))
+    assert streamed == text
+    assert usage.completion_tokens == len(tokens) and usage.prompt_tokens > 0
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_match_mlx_lm(client: openai.OpenAI, demo_model: Path, stream: bool) -> None:
+    prompt = "The three primary colors are"
+    text, tokens = reference(demo_model, prompt=prompt)
+    if stream:
+        chunks = list(client.completions.create(model=str(demo_model), prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+    else:
+        reply = client.completions.create(model=str(demo_model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        got = reply.choices[0].text
+        assert reply.usage.completion_tokens == len(tokens)
+    assert got == text
+
+
+def test_a_stop_string_ends_the_reply_and_is_never_shown(client: openai.OpenAI, demo_model: Path) -> None:
+    text, _ = reference(demo_model, _user(QUESTIONS[0]), max_tokens=20)
+    stop = "Paris"
+    assert stop in text  # the demo model's answer
+    streamed, usage, chunks = _stream_text(client, _user(QUESTIONS[0]), stop=[stop])
+    assert streamed == text[: text.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_eight_concurrent_streams_each_match_their_solo_output(client: openai.OpenAI, demo_model: Path) -> None:
+    expected = [reference(demo_model, _user(q))[0] for q in QUESTIONS]
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        got = list(pool.map(lambda q: _stream_text(client, _user(q))[0], QUESTIONS))
+    assert got == expected
+
+
+def test_second_turn_of_a_chat_prefills_only_its_new_tokens(client: openai.OpenAI, demo_model: Path) -> None:
+    first_q, second_q = "Tell me about Paris.", "And about Rome?"
+    first = client.chat.completions.create(model=str(demo_model), messages=_user(first_q),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    history = [*_user(first_q), {"role": "assistant", "content": first.choices[0].message.content},
+               *_user(second_q)]
+    second = client.chat.completions.create(model=str(demo_model), messages=history,
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Everything up to the first reply is reused; only the new turn is prefilled.
+    assert cached >= first.usage.prompt_tokens
+    assert second.usage.prompt_tokens - cached < 20
+    assert second.choices[0].message.content == reference(demo_model, history)[0]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server: ServeProcess, demo_model: Path) -> None:
+    body = {"model": str(demo_model), "messages": _user("Write a long story about a dragon."),
+            "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        lines = response.iter_lines()
+        assert any(line.startswith("data: ") and "content" in line for line in lines)
+    deadline = time.monotonic() + 30
+    while server.health()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.health()["in_flight"] == 0
+    log = _request_log(server)
+    assert log[-1]["status"] == "cancelled" and log[-1]["generation_tokens"] < 400
+
+
+BAD = [
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"content": "no role"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "other/model"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD)
+def test_bad_input_is_a_4xx_naming_the_field(server: ServeProcess, body: dict[str, Any], status: int,
+                                              param: str) -> None:
+    response = httpx.post(f"{server.url}/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param.split("[")[0] in error["message"]
+    assert server.health()["status"] == "ready"
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object")])
+def test_a_body_that_is_not_a_json_object_is_refused(server: ServeProcess, raw: bytes, fragment: str) -> None:
+    response = httpx.post(f"{server.url}/chat/completions", content=raw,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_refused(server: ServeProcess) -> None:
+    response = httpx.post(f"{server.url}/chat/completions", content=b"x" * (17 * 1024 * 1024),
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}"])
+def test_every_endpoint_but_health_needs_the_key(server: ServeProcess, header: str | None) -> None:
+    headers = {"Authorization": header} if header else {}
+    assert httpx.get(f"{server.url}/models", headers=headers).status_code == 401
+    response = httpx.post(f"{server.url}/chat/completions", headers=headers, json={"messages": _user("hi")})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_health_names_every_rank(server: ServeProcess) -> None:
+    health = server.health()
+    assert health["status"] == "ready"
+    assert [(r["rank"], r["layers"], r["state"]) for r in health["ranks"]] == [(0, [15, 30], "ready"),
+                                                                               (1, [0, 15], "ready")]
+
+
+def test_the_key_appears_in_no_log_and_no_command_line(server: ServeProcess) -> None:
+    assert KEY not in server.stderr
+    for pid, (_, cmdline) in local_rank_processes(server.proc.pid).items():
+        assert KEY not in cmdline
+    for path in _run_dir(server).rglob("*"):
+        if path.is_file():
+            assert KEY not in path.read_text(errors="replace")
+
+
+# --- a server broken on purpose -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fragile(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json",
+                         "--max-concurrency", "1", "--max-queue", "0", "--max-restarts", "2"],
+                        tmp_path_factory.mktemp("fragile-home"))
+    try:
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        _stop_all(proc)
+
+
+def test_beyond_concurrency_and_queue_the_answer_is_429(fragile: ServeProcess, demo_model: Path) -> None:
+    body = {"model": str(demo_model), "messages": _user("Write a long story."), "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{fragile.url}/chat/completions", json=body, timeout=60) as first:
+        lines = first.iter_lines()  # kept: a dropped iterator would close the stream (a disconnect)
+        next(line for line in lines if "content" in line)
+        second = httpx.post(f"{fragile.url}/chat/completions", json={**body, "stream": False}, timeout=30)
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_killed_rank_ends_the_stream_with_an_error_and_the_server_recovers(fragile: ServeProcess,
+                                                                              demo_model: Path) -> None:
+    client = openai.OpenAI(base_url=fragile.url, api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model=str(demo_model), messages=_user("Write a long story."),
+                                            max_tokens=400, stream=True)
+    chunks = iter(stream)
+    next(c for c in chunks if c.choices and c.choices[0].delta.content)
+    worker = next(pid for pid, (rank, cmd) in local_rank_processes(fragile.proc.pid).items()
+                  if rank == 1 and "mlxpipe.supervisor" not in cmd)
+    tic = time.monotonic()
+    signal_pid(worker, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert time.monotonic() - tic < 10
+    assert "rank 1" in str(e.value) and "SIGKILL" in str(e.value)
+    health = fragile.health()
+    assert health["status"] in ("restarting", "loading") or health["restarts"] == 1
+    fragile.wait_for("ready")
+    assert fragile.health()["restarts"] == 1
+    reply = client.chat.completions.create(model=str(demo_model), messages=_user(QUESTIONS[0]),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == reference(demo_model, _user(QUESTIONS[0]))[0]
+
+
+def test_sigterm_stops_every_rank_and_exits_143(fragile: ServeProcess) -> None:
+    pids = set(local_rank_processes(fragile.proc.pid))
+    assert pids
+    tic = time.monotonic()
+    assert fragile.stop(signal.SIGTERM) == 143
+    left = _wait_gone(pids, 5 - (time.monotonic() - tic))
+    assert left == set(), left
+    assert "stopped by SIGTERM" in fragile.stderr
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    os.kill(pid, sig)
+
+
+def _wait_gone(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + max(timeout, 0.1)
+    while True:
+        left = {p for p in pids if _alive(p)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _stop_all(proc: ServeProcess) -> None:
+    pids = set(local_rank_processes(proc.proc.pid)) if proc.proc.poll() is None else set()
+    proc.stop(signal.SIGTERM)
+    for pid in _wait_gone(pids, 5):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run_dir(server: ServeProcess) -> Path:
+    line = next(x for x in server.err if "ready" in x and "logs: " in x)
+    return Path(line.split("logs: ", 1)[1].strip())
+
+
+def _request_log(server: ServeProcess) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (_run_dir(server) / "requests.jsonl").read_text().splitlines()]
+
+
+@lru_cache(maxsize=None)
+def _eos(model_dir: Path) -> frozenset[int]:
+    return frozenset(_reference_model(str(model_dir))[1].eos_token_ids)
