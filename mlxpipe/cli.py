@@ -24,7 +24,8 @@ app = typer.Typer(
     name="mlxpipe",
     help=(
         "Run LLMs too large for one Mac as a pipeline across several.\n\n"
-        "Start with `mlxpipe plan`, then `mlxpipe download`, then `mlxpipe generate` or `mlxpipe chat`; "
+        "Start with `mlxpipe plan`, then `mlxpipe download`, then `mlxpipe generate` or `mlxpipe chat`, "
+        "or keep the model up behind an OpenAI-compatible API with `mlxpipe serve`; "
         "`mlxpipe doctor` checks every host first.\n\n"
         "Rank 0 runs the LAST layers. Exit codes: 0 success, 1 failure (any failed rank included), "
         "2 usage error, 130/143 interrupted."

@@ -236,3 +236,36 @@ def test_trust_remote_code_is_off_unless_asked(demo_model: Path, tmp_path: Path,
         result = cli("generate", "--model", str(demo_model), "--hostfile", str(hostfile), "--prompt", "Hi", *flags)
         assert result.exit_code == 1 and "not starting ranks" in result.stderr
     assert [job.trust_remote_code for job in jobs] == [False, True]
+
+
+# --- serve ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.ranks
+@pytest.mark.cluster
+def test_serve_on_three_ssh_hosts(cluster: Cluster, hub: FakeHub, demo_model: Path, tmp_path: Path) -> None:
+    import signal
+
+    import openai
+    from mlx_lm import load, stream_generate
+
+    from fixtures.serve_process import ServeProcess
+
+    hostfile = cluster.hostfile(3)
+    server = ServeProcess(["--model", REPO_ID, "--hostfile", str(hostfile), "--from-controller"], tmp_path / "serve")
+    try:
+        health = server.wait_for("ready")
+        assert [(r["rank"], r["host"]) for r in health["ranks"]] == list(enumerate(cluster.hosts[:3]))
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": PROMPT}]
+        reply = client.chat.completions.create(model=REPO_ID, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    finally:
+        code = server.stop(signal.SIGTERM)
+    model, tokenizer = load(str(demo_model))
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = list(stream_generate(model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False),
+                                    max_tokens=MAX_TOKENS))
+    assert reply.choices[0].message.content == "".join(r.text for r in expected)
+    assert reply.usage.completion_tokens == len(expected)
+    assert code == 143, server.stderr
+    assert cluster.wait_clean(5) == {}

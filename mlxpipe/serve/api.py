@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from mlxpipe import console
 from mlxpipe.config import DEFAULT_MAX_TOKENS
-from mlxpipe.errors import UsageError
+from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.serve.engine import Job, Outcome, RequestLog, ServeEngine, Stream
 from mlxpipe.serve.text import Delta, Reply, tool_calls
@@ -121,6 +121,8 @@ class _Api:
             return e.response()
         except UsageError as e:
             return ApiError(400, e.message).response()
+        except MlxpipeError as e:  # the pipeline failed between the check and the submission
+            return _failure(e).response()
         run = _Run(self, parsed, stream, chat)
         if parsed.stream:
             return StreamingResponse(run.events(), media_type="text/event-stream",

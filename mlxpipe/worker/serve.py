@@ -4,7 +4,10 @@ Every rank reads the same requests (``mlx.launch`` broadcasts standard input)
 and runs the same generation, so every collective lines up. Rank 0 alone
 streams ``token`` events; every rank ends a request with ``done``. A ``batch``
 request overlaps many requests across the stages (``engine``): rank 0 emits
-a ``result`` per request, every rank ends with ``batch_done``.
+a ``result`` per request, every rank ends with ``batch_done``. A ``serve``
+request hands the rest of standard input to the engine (``mlxpipe serve``):
+``submit`` and ``cancel`` messages, applied by every rank at the same tick, until
+``exit``; rank 0 emits every sampled ``token`` and a ``finished`` per request.
 """
 
 from __future__ import annotations
