@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
+from mlxpipe.request import check_sampling
 
 # Per-prompt options a JSONL line may set, with the JSON types they take.
 _OPTIONS: dict[str, tuple[type, ...]] = {
@@ -138,10 +139,7 @@ def _is_message(m: Any) -> bool:
 
 
 def _check_ranges(where: str, options: dict[str, Any]) -> None:
-    if options.get("max_tokens", 1) < 1:
-        raise UsageError(f"{where}: 'max_tokens' must be at least 1")
-    if options.get("temp", 0) < 0 or not 0 < options.get("top_p", 1) <= 1 or not 0 <= options.get("min_p", 0) < 1:
-        raise UsageError(f"{where}: 'temp' must be >= 0, 'top_p' in (0, 1], 'min_p' in [0, 1)")
+    check_sampling(options, lambda field: f"{where}: '{field}'")
 
 
 def with_seeds(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

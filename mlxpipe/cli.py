@@ -245,8 +245,8 @@ OutputOpt = typer.Option(
 
 
 def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template) -> Any:
-    from mlxpipe.config import DEFAULT_MAX_TOKENS, pick
-    from mlxpipe.generate import Sampling
+    from mlxpipe.config import pick
+    from mlxpipe.request import DEFAULT_MAX_TOKENS, Sampling
 
     sampling = Sampling(
         max_tokens=pick(max_tokens, preset.max_tokens, DEFAULT_MAX_TOKENS),
@@ -257,11 +257,7 @@ def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, 
         system_prompt=pick(system_prompt, preset.system_prompt),
         ignore_chat_template=ignore_chat_template,
     )
-    if sampling.max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be positive, got {sampling.max_tokens}")
-    if sampling.temp < 0 or not 0 < sampling.top_p <= 1 or not 0 <= sampling.min_p < 1:
-        raise UsageError("--temp must be >= 0, --top-p in (0, 1], --min-p in [0, 1)")
-    return sampling
+    return sampling.check(lambda field: "--" + field.replace("_", "-"))
 
 
 def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
@@ -503,9 +499,12 @@ def serve(
     Example: mlxpipe serve --port 8080
     """
     from mlxpipe import serve as server
-    from mlxpipe.config import DEFAULT_MAX_TOKENS, pick
+    from mlxpipe.config import pick
+    from mlxpipe.request import DEFAULT_MAX_TOKENS, check_sampling
     from mlxpipe.target import resolve_target
 
+    if max_tokens is not None:
+        check_sampling({"max_tokens": max_tokens}, lambda field: "--max-tokens")
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     pipeline_config = _pipeline_config(target, backend, "generic", prefill_step_size, ring_port, timeout,
                                        trust_remote_code, False, from_controller)

@@ -13,7 +13,6 @@ import yaml
 
 from mlxpipe.errors import ConfigError
 
-DEFAULT_MAX_TOKENS = 256
 DEFAULT_BACKEND = "ring"
 
 

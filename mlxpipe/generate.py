@@ -17,6 +17,7 @@ from mlxpipe.errors import LaunchError
 from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
+from mlxpipe.request import Sampling
 from mlxpipe.target import Target
 
 if TYPE_CHECKING:
@@ -28,19 +29,6 @@ PIPELINE_MODES = ("generic", "native")
 WORKER = ("-m", "mlxpipe.worker")
 
 OnText = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """mlx_lm.generate's knobs, by the same names."""
-
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    system_prompt: str | None = None
-    ignore_chat_template: bool = False
 
 
 @dataclass(frozen=True)

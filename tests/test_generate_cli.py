@@ -73,8 +73,10 @@ def test_chat_two_turns(demo_model: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt", "x", "--max-tokens", "0"], "error: --max-tokens must be positive, got 0"),
-        (["--prompt", "x", "--temp", "-1"], "error: --temp must be >= 0, --top-p in (0, 1], --min-p in [0, 1)"),
+        (["--prompt", "x", "--max-tokens", "0"], "error: --max-tokens must be at least 1, got 0"),
+        (["--prompt", "x", "--temp", "-1"], "error: --temp must be >= 0, got -1"),
+        (["--prompt", "x", "--top-p", "1.5"], "error: --top-p must be in (0, 1], got 1.5"),
+        (["--prompt", "x", "--min-p", "1"], "error: --min-p must be in [0, 1), got 1"),
         (["--prompt", "x", "--pipeline", "magic"], "error: --pipeline 'magic': use one of generic, native"),
         (["--max-tokens", "3"], "error: --prompt is required ('-' reads standard input)"),
     ],

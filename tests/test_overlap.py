@@ -224,7 +224,8 @@ def test_json_lines_carry_per_prompt_options(tmp_path: Path) -> None:
         ('{"prompt": 3}', "'prompt' must be str, got 3"),
         ('{"prompt": "a", "max_tokens": true}', "'max_tokens' must be int, got true"),
         ('{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be at least 1"),
-        ('{"prompt": "a", "top_p": 1.5}', "'top_p' in (0, 1]"),
+        ('{"prompt": "a", "top_p": 1.5}', "'top_p' must be in (0, 1], got 1.5"),
+        ('{"prompt": "a", "temp": -0.5}', "'temp' must be >= 0, got -0.5"),
         ('{"messages": [{"role": "user"}]}', "'messages' must be a non-empty list"),
     ],
 )

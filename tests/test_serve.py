@@ -310,6 +310,23 @@ def test_sigterm_stops_every_rank_and_exits_143(fragile: ServeProcess) -> None:
     assert "stopped by SIGTERM" in fragile.stderr
 
 
+def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(demo_model: Path, tmp_path: Path) -> None:
+    proc = ServeProcess(["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-restarts", "0"],
+                        tmp_path / "home")
+    try:
+        proc.wait_for("ready")
+        worker = next(pid for pid, (rank, cmd) in local_rank_processes(proc.proc.pid).items()
+                      if rank == 0 and "mlxpipe.supervisor" not in cmd)
+        signal_pid(worker, signal.SIGKILL)
+        code = proc.proc.wait(timeout=60)
+    finally:
+        _stop_all(proc)
+    assert code == 1, proc.stderr
+    errors = [line for line in proc.err if line.startswith("error: ")]
+    assert errors == ["error: the pipeline failed 1 time, the last time: rank 0 on 127.0.0.1: "
+                      "killed by SIGKILL (exit status -9)\n"], proc.stderr
+
+
 # --- helpers ------------------------------------------------------------------------------------
 
 

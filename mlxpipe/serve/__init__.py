@@ -10,10 +10,13 @@ serves until SIGINT or SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 from dataclasses import replace
 from typing import Any, Iterator
+
+import uvicorn
 
 from mlxpipe import console
 from mlxpipe.errors import LaunchError, UsageError
@@ -28,8 +31,6 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
           default_max_tokens: int) -> int:
     """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises)."""
-    import uvicorn
-
     from mlxpipe.generate import controller_model_dir
     from mlxpipe.serve.api import ServerSettings, build_app
 
@@ -37,7 +38,6 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     meta, plan = prepare(config)
     tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
     log = RequestLog()
-    holder: dict[str, Any] = {}
 
     def on_state(state: str, detail: str | None) -> None:
         if state == "ready":
@@ -46,8 +46,8 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         elif state == "restarting":
             console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {engine.restarts} "
                          f"of {options.max_restarts})")
-        elif state == "failed" and "server" in holder:
-            holder["server"].should_exit = True
+        elif state == "failed":
+            server.should_exit = True  # bound below, before the engine starts
 
     engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
     settings = ServerSettings(
@@ -56,7 +56,6 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     app = build_app(engine, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=3), engine)
-    holder["server"] = server
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
                       f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
     engine.start()
@@ -68,63 +67,46 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         console.error(f"stopped by {server.signal_name}")
         return 128 + server.signal
     if engine.error is not None:
-        raise LaunchError(f"the pipeline failed {engine.restarts + 1} times; last: {engine.error.message}",
-                          engine.error.hint)
+        failures = engine.restarts + 1
+        raise LaunchError(f"the pipeline failed {failures} time{'s' if failures > 1 else ''}, the last time: "
+                          f"{engine.error.message}", engine.error.hint)
     return 0
 
 
-class _Server:
-    """uvicorn's server, stopping the engine's requests first on SIGINT/SIGTERM and not re-raising the signal."""
+class _Server(uvicorn.Server):
+    """uvicorn's server that ends the engine's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
 
-    def __init__(self, config: Any, engine: ServeEngine) -> None:
-        import uvicorn
-
-        engine_ref = engine
-        outer = self
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                if outer.signal is None:
-                    outer.signal = sig
-                # End the streams now: uvicorn's graceful shutdown waits for them.
-                threading.Thread(target=engine_ref.stop, daemon=True).start()
-                self.should_exit = True
-
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                import signal as signals
-
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                handled = (signals.SIGINT, signals.SIGTERM)
-                original = {s: signals.signal(s, self.handle_exit) for s in handled}
-                try:
-                    yield
-                finally:
-                    for s, h in original.items():
-                        signals.signal(s, h)
-
+    def __init__(self, config: uvicorn.Config, engine: ServeEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
         self.signal: int | None = None
-        self._server = Server(config)
 
     @property
     def signal_name(self) -> str:
-        import signal as signals
+        return signal.Signals(self.signal).name if self.signal is not None else ""
 
-        return signals.Signals(self.signal).name if self.signal is not None else ""
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = sig
+        # End the streams now: uvicorn's graceful shutdown waits for them.
+        threading.Thread(target=self.engine.stop, daemon=True).start()
+        self.should_exit = True
 
-    @property
-    def should_exit(self) -> bool:
-        return self._server.should_exit
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in original.items():
+                signal.signal(s, handler)
 
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        self._server.should_exit = value
-
-    def run(self) -> None:
-        self._server.run()
-        if not self._server.started and self.signal is None:
+    def run(self, sockets: Any = None) -> None:
+        super().run(sockets)
+        if not self.started and self.signal is None:
             raise UsageError("the HTTP server could not start (see above)", "pick another --port or --host")
 
 

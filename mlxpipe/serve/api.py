@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxpipe import console
-from mlxpipe.config import DEFAULT_MAX_TOKENS
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.prompts import prompt_tokens
+from mlxpipe.request import DEFAULT_MAX_TOKENS, RequestError, check_sampling
 from mlxpipe.serve.engine import Job, Outcome, RequestLog, ServeEngine, Stream
 from mlxpipe.serve.text import Delta, Reply, tool_calls
 
@@ -161,18 +161,16 @@ class _Api:
         max_tokens = _field(body, "max_completion_tokens", int, None)
         if max_tokens is None:
             max_tokens = _field(body, "max_tokens", int, self.settings.default_max_tokens)
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        if max_tokens < 1:
-            raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
         temp = float(_field(body, "temperature", (int, float), 0.0))
-        if temp < 0:
-            raise ApiError(400, f"'temperature' must be >= 0, got {temp:g}", param="temperature")
         top_p = float(_field(body, "top_p", (int, float), 1.0))
-        if not 0 < top_p <= 1:
-            raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p:g}", param="top_p")
         min_p = float(_field(body, "min_p", (int, float), 0.0))
-        if not 0 <= min_p < 1:
-            raise ApiError(400, f"'min_p' must be in [0, 1), got {min_p:g}", param="min_p")
+        openai_names = {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                        "temp": "temperature"}
+        try:
+            check_sampling({"max_tokens": max_tokens, "temp": temp, "top_p": top_p, "min_p": min_p},
+                           lambda field: f"'{openai_names.get(field, field)}'")
+        except RequestError as e:
+            raise ApiError(400, e.message, param=openai_names.get(e.field, e.field)) from None
         seed = _field(body, "seed", int, None)
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, None) or {}

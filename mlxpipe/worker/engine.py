@@ -39,6 +39,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
 from mlxpipe.errors import UsageError
+from mlxpipe.request import DEFAULT_MAX_TOKENS
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline import Exchange, find_exchange
 from mlxpipe.worker.schedule import MicroBatch, Schedule
@@ -46,7 +47,6 @@ from mlxpipe.worker.schedule import MicroBatch, Schedule
 if TYPE_CHECKING:
     from mlxpipe.worker.serve import Server
 
-DEFAULT_MAX_TOKENS = 256
 _CLEAR_CACHE_TICKS = 256
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
 

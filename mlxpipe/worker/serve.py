@@ -30,12 +30,12 @@ from mlx_lm.utils import common_prefix_len
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.prompts import prompt_tokens
+from mlxpipe.request import DEFAULT_MAX_TOKENS
 from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank, settle
 
-DEFAULT_MAX_TOKENS = 256
 PROGRESS_SECONDS = 1.0  # the most often a rank reports decode progress: the controller's stall watchdog
 Emit = Callable[..., None]
 
