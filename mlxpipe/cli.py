@@ -51,6 +51,16 @@ def _boundary(fn: F) -> F:
                 raise
             console.error(e.message, e.hint)
             raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
+        except Exception as e:
+            # A hub or network error that reached here unmapped (hub.hub_errors maps them where
+            # the hub is called) is still the user's network, not a bug: one line, exit 1.
+            from mlxpipe.hub import as_hub_error
+
+            known = None if os.environ.get(_DEBUG_ENV) else as_hub_error(e)
+            if known is None:
+                raise
+            console.error(known.message, known.hint)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             console.error("interrupted")
             raise typer.Exit(130) from None

@@ -135,13 +135,15 @@ def _job(plan: Plan, meta: ModelMetadata, host: Host, ranks: Sequence[int], name
 
 def _fetch_job(meta: ModelMetadata, files: set[str] | Sequence[str], name: str, *, hf_home: str | None,
                local_dir: str | None) -> FetchJob:
+    from mlxpipe.hub import offline
+
     # JSON files first: small, and a repo the host cannot read fails before any weight moves.
     ordered = tuple(sorted(files, key=lambda f: (not f.endswith(".json"), f)))
     return FetchJob(
         repo=meta.source, commit=meta.commit, revision=meta.revision, files=ordered,
         sizes={f: meta.file_sizes[f] for f in ordered if f in meta.file_sizes},
         sha256={f: meta.file_sha256[f] for f in ordered if f in meta.file_sha256},
-        hf_home=hf_home, local_dir=local_dir, host=name,
+        hf_home=hf_home, local_dir=local_dir, host=name, offline=offline(),
     )
 
 

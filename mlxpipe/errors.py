@@ -41,6 +41,13 @@ class HubError(MlxpipeError):
     """The hub refused or could not serve a request (missing, gated, offline)."""
 
 
+class HubUnreachable(HubError):
+    """The hub could not be reached or failed on its side (refused, DNS, TLS, timeout, 5xx, offline).
+
+    Worth telling apart from the other ``HubError``s: a cached answer may stand in for it.
+    """
+
+
 class PlanError(MlxpipeError):
     """No valid layer split exists for this model and cluster."""
 

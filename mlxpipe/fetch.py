@@ -30,6 +30,10 @@ from mlxpipe.errors import DownloadError, MlxpipeError
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
 BACKOFF_SECONDS = (0.5, 1.0, 2.0)
+# No new attempt starts this long after a file's first one (or the last that moved data):
+# four attempts at a hub that never answers (each waiting HF_HUB_ETAG_TIMEOUT, 10 s)
+# would take 45 s; this stops at ~20.
+RETRY_WINDOW_SECONDS = 15.0
 _HASH_CHUNK = 8 * 1024 * 1024
 
 OnBytes = Callable[[int], None]
@@ -42,7 +46,8 @@ class FetchJob:
 
     ``host`` is a label for messages (``studio-2 (rank 1)``). ``commit`` is None
     for a local model directory, which only ``--check`` and the controller's
-    copy handle.
+    copy handle. ``offline``: the controller runs with ``HF_HUB_OFFLINE=1``, so
+    this host must not ask the hub either (ssh does not carry the variable).
     """
 
     repo: str
@@ -54,6 +59,7 @@ class FetchJob:
     local_dir: str | None = None
     host: str = "localhost"
     revision: str | None = None
+    offline: bool = False
 
     def __post_init__(self) -> None:
         from mlxpipe.metadata import check_repo_filename
@@ -98,6 +104,8 @@ def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: OnFile | None
     """Fetch every file of ``job`` that is not already present, verifying each."""
     if not job.commit:
         raise DownloadError(f"{job.host}: {job.repo} is not a hub repo; there is nothing to fetch")
+    if is_offline(job):
+        _require_present(job)
     fetched: list[str] = []
     present: list[str] = []
     for name in job.files:
@@ -119,6 +127,26 @@ def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: OnFile | None
         present_bytes=sum(_size(job, f) for f in present),
         fetched_files=tuple(fetched),
         present_files=tuple(present),
+    )
+
+
+def is_offline(job: FetchJob) -> bool:
+    """The job, or this host's own environment, says not to ask the hub."""
+    from mlxpipe.hub import offline
+
+    return job.offline or offline()
+
+
+def _require_present(job: FetchJob) -> None:
+    """Offline: every file must already be here; otherwise say which are not."""
+    _, missing = check(job)
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    raise DownloadError(
+        f"{job.host}: offline (HF_HUB_OFFLINE=1) and {len(missing)} of its {len(job.files)} files of {job.repo} "
+        f"at commit {str(job.commit)[:12]} are not in {model_dir(job)}: {shown}",
+        "run `mlxpipe download` once online, or `mlxpipe download --from-controller` from a machine that has them",
     )
 
 
@@ -181,10 +209,18 @@ def _size(job: FetchJob, name: str) -> int:
 
 def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
     """Download one file with bounded retries and backoff; a corrupt file is never kept."""
+    from mlxpipe.hub import network_fault
+
     last: BaseException | None = None
-    for attempt in range(ATTEMPTS):
-        if attempt:
-            time.sleep(BACKOFF_SECONDS[min(attempt, len(BACKOFF_SECONDS)) - 1])
+    started = time.monotonic()
+    attempts = 0
+    while attempts < ATTEMPTS:
+        if attempts:
+            pause = BACKOFF_SECONDS[min(attempts, len(BACKOFF_SECONDS)) - 1]
+            if time.monotonic() - started + pause > RETRY_WINDOW_SECONDS:
+                break  # a hub this slow to fail is down: say so now rather than in a minute
+            time.sleep(pause)
+        attempts += 1
         counted = [0]
 
         def count(n: int) -> None:
@@ -197,8 +233,10 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
             _verify(job, name, path)
             return
         except Exception as e:  # noqa: BLE001 - sorted below: retried, mapped, or re-raised
-            if on_bytes and counted[0]:
-                on_bytes(-counted[0])  # the progress bar gives back what this attempt did not keep
+            if counted[0]:
+                started = time.monotonic()  # data flowed: the hub is alive, the window starts again
+                if on_bytes:
+                    on_bytes(-counted[0])  # the progress bar gives back what this attempt did not keep
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 target = Path(model_dir(job)) / name
                 raise DownloadError(
@@ -213,21 +251,28 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
             last = e
     if isinstance(last, _Corrupt):
         raise DownloadError(
-            f"{job.host}: {name} from {job.repo} did not match the hub's sha256 in {ATTEMPTS} attempts; "
+            f"{job.host}: {name} from {job.repo} did not match the hub's sha256 in {attempts} attempts; "
             "nothing was kept",
             "the hub or a proxy on the way is serving bad data; try again later",
         )
+    tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
+    fault = network_fault(last, job.host) if last is not None else None
+    if fault is not None:
+        raise DownloadError(
+            f"{job.host}: could not fetch {name} from {job.repo} in {tries}: {fault.problem}",
+            f"{fault.hint}; then run download again (it resumes)",
+        )
     raise DownloadError(
-        f"{job.host}: could not fetch {name} from {job.repo} after {ATTEMPTS} attempts ({_short(last)})",
+        f"{job.host}: could not fetch {name} from {job.repo} in {tries} ({_short(last)})",
         "check that host's network and HF_ENDPOINT, then run download again (it resumes)",
     )
 
 
 def _download(job: FetchJob, name: str, on_bytes: OnBytes, *, force: bool) -> str:
-    from huggingface_hub import hf_hub_download
+    from mlxpipe.hub import download_file
 
-    return hf_hub_download(
-        job.repo, name, revision=job.commit,
+    return download_file(
+        job.repo, name, str(job.commit),
         cache_dir=None if job.local_dir else hub_cache_dir(job.hf_home),
         local_dir=Path(job.local_dir).expanduser() if job.local_dir else None,
         tqdm_class=_progress_class(on_bytes), force_download=force,
@@ -235,9 +280,14 @@ def _download(job: FetchJob, name: str, on_bytes: OnBytes, *, force: bool) -> st
 
 
 def _transient(e: BaseException) -> bool:
-    """Worth another attempt: the network, a 5xx, or a short read."""
+    """Worth another attempt: the network, a 5xx, or a short read; not offline mode or a TLS failure."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    from mlxpipe.hub import network_fault
+
+    fault = network_fault(e)
+    if fault is not None:
+        return fault.transient
     if isinstance(e, HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None) or 0
         return status >= 500 or status in (408, 429)

@@ -4,6 +4,14 @@ Everything goes through huggingface_hub, so the standard cache, ``HF_HOME``,
 ``HF_ENDPOINT`` and the user's login apply. Metadata fetched once is cached
 under ``mlxpipe_home()/metadata`` by commit, so a second ``plan`` of the same
 revision makes no network call.
+
+Network faults (refused connection, DNS, TLS, timeout, 5xx, ``HF_HUB_OFFLINE``)
+become one ``HubUnreachable`` naming the host that failed and what to do.
+Every request has a timeout (``HF_HUB_ETAG_TIMEOUT``, 10 s by default), so a
+hub that accepts connections and never answers fails instead of hanging.
+With ``HF_HUB_OFFLINE=1`` (or when the hub cannot be reached) metadata comes
+from the caches alone: mlxpipe's, then the Hugging Face cache's refs and
+snapshots, as huggingface_hub resolves a branch offline.
 """
 
 from __future__ import annotations
@@ -11,12 +19,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import ssl
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
 
-from mlxpipe.errors import HubError, ModelError
+from mlxpipe.errors import HubError, HubUnreachable, MlxpipeError, ModelError
 from mlxpipe.metadata import (
     SINGLE_WEIGHTS,
     WEIGHT_INDEX,
@@ -50,52 +62,247 @@ def load_metadata(
             "pass a local model directory or a repo id such as mlx-community/Llama-3.3-70B-Instruct-4bit",
         )
     rev = revision or "main"
+    if offline():
+        if refresh:
+            raise HubUnreachable(
+                f"{model}: --refresh reads the hub, but HF_HUB_OFFLINE=1 forbids it",
+                "drop --refresh to use the cached metadata, or unset HF_HUB_OFFLINE",
+            )
+        return _cached_offline(model, rev) or _raise_not_cached(model, revision)
     if not refresh:
         cached = _cached(model, rev)
         if cached is not None:
             return cached
-    meta = _fetch(model, rev, progress)
+    try:
+        meta = _fetch(model, rev, progress)
+    except HubUnreachable:
+        # As huggingface_hub does: a hub that cannot be reached leaves what is cached usable.
+        fallback = None if refresh else _cached_offline(model, rev)
+        if fallback is None:
+            raise
+        return fallback
     _store(meta, rev)
     return meta
 
 
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``), as huggingface_hub read it."""
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode())
+
+
+def request_timeout() -> float:
+    """Seconds any one metadata request may wait for the hub: ``HF_HUB_ETAG_TIMEOUT`` (10 by default).
+
+    Read at each call, not at import, and passed explicitly: huggingface_hub's
+    own client has no timeout, so a port that accepts and never answers would hang.
+    """
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def download_file(repo: str, filename: str, revision: str, **kwargs: Any) -> str:
+    """``hf_hub_download`` with a bounded wait when the hub is down.
+
+    When a file is not cached and its first HEAD fails on the network or with a
+    5xx, ``hf_hub_download`` retries it with a 60 s timeout and five backoffs
+    (minutes for a silent hub). A cached file is returned without a request; for
+    any other, one HEAD with ``request_timeout()`` and no retry goes first, so a
+    dead hub fails here, in seconds, and callers retry as they see fit.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+
+    if not kwargs.get("local_dir") and not kwargs.get("force_download"):
+        cached = try_to_load_from_cache(repo, filename, cache_dir=kwargs.get("cache_dir"), revision=revision)
+        if isinstance(cached, str):
+            return cached
+    if not offline():
+        get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision), timeout=request_timeout())
+    return hf_hub_download(repo, filename, revision=revision, etag_timeout=request_timeout(), **kwargs)
+
+
 @contextmanager
 def hub_errors(repo: str, host: str | None = None) -> Iterator[None]:
-    """Turn huggingface_hub's exceptions into one-line ``HubError``s naming the repo."""
-    from huggingface_hub import errors as hf
-
-    where = f" (on {host})" if host else ""
-    login = "log in with `hf auth login` or set HF_TOKEN" + (f" on {host}" if host else "")
+    """Turn huggingface_hub's and the network's exceptions into one-line ``HubError``s naming the repo."""
     try:
         yield
-    except hf.GatedRepoError:
-        raise HubError(
+    except Exception as e:  # noqa: BLE001 - mapped below, or re-raised as it is
+        mapped = as_hub_error(e, repo, host)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def as_hub_error(e: BaseException, repo: str | None = None, host: str | None = None) -> HubError | None:
+    """The ``HubError`` for ``e`` (about ``repo``, as seen from ``host``), or None if ``e`` is not the hub's."""
+    from huggingface_hub import errors as hf
+
+    if isinstance(e, MlxpipeError):
+        return None
+    name = f"{repo}: " if repo else ""
+    where = f" (on {host})" if host else ""
+    login = "log in with `hf auth login` or set HF_TOKEN" + (f" on {host}" if host else "")
+    fault = network_fault(e, host)
+    if fault is not None:
+        if fault.offline and repo:
+            return HubUnreachable(
+                f"{repo}: offline (HF_HUB_OFFLINE=1) and a file it needs is not in the Hugging Face cache{where}",
+                f"run `mlxpipe download --model {repo}` once online, or unset HF_HUB_OFFLINE",
+            )
+        prefix = f"{repo}{where}: " if repo else (f"{host}: " if host else "")
+        return HubUnreachable(prefix + fault.problem, fault.hint)
+    if isinstance(e, hf.GatedRepoError):
+        return HubError(
             f"{repo} is gated{where}: you must accept its terms and be logged in",
             f"accept the terms on the model's page, then {login}",
-        ) from None
-    except hf.RepositoryNotFoundError:
-        raise HubError(
-            f"{repo}: no such model repo on {_endpoint()}{where}, or it is private",
+        )
+    if isinstance(e, hf.RepositoryNotFoundError):
+        return HubError(
+            f"{name}no such model repo on {_endpoint()}{where}, or it is private",
             f"check the name; if it is private, {login}",
-        ) from None
-    except hf.RevisionNotFoundError:
-        raise HubError(f"{repo}: no such revision{where}", "check --revision") from None
-    except hf.LocalEntryNotFoundError:
-        raise HubError(
-            f"{repo}: not in the local cache and the hub at {_endpoint()} cannot be reached{where}",
+        )
+    if isinstance(e, hf.RevisionNotFoundError):
+        return HubError(f"{name}no such revision{where}", "check --revision")
+    if isinstance(e, hf.LocalEntryNotFoundError):
+        return HubError(
+            f"{name}not in the local cache and the hub at {_endpoint()} cannot be reached{where}",
             "check the network (or HF_ENDPOINT), or download the model first",
-        ) from None
-    except hf.EntryNotFoundError as e:
-        raise HubError(f"{repo}: file missing from the repo{where} ({_short(e)})") from None
-    except hf.HfHubHTTPError as e:
-        status = getattr(getattr(e, "response", None), "status_code", None)
+        )
+    if isinstance(e, hf.EntryNotFoundError):
+        return HubError(f"{name}file missing from the repo{where} ({_short(e)})")
+    if isinstance(e, hf.HfHubHTTPError):
+        status = _status(e)
         if status in (401, 403):
-            raise HubError(f"{repo}: access refused ({status}){where}", login) from None
-        raise HubError(f"{repo}: the hub answered an error{where}: {_short(e)}") from None
-    except OSError as e:
-        if type(e).__module__.startswith(("httpx", "requests", "urllib3")) or "connect" in str(e).lower():
-            raise HubError(f"{repo}: cannot reach the hub at {_endpoint()}{where} ({_short(e)})") from None
-        raise
+            return HubError(f"{name}access refused ({status}){where}", login)
+        return HubError(f"{name}the hub answered an error{where}: {_short(e)}")
+    return None
+
+
+# --- Network faults: what failed, on which host, and what to do -----------------------
+
+_DNS_WORDS = ("name or service not known", "nodename nor servname", "name resolution", "no address associated",
+              "getaddrinfo failed")
+
+
+@dataclass(frozen=True)
+class NetworkFault:
+    """The hub could not be reached or failed: ``problem`` names the host, ``hint`` says what to do."""
+
+    problem: str
+    hint: str
+    offline: bool = False
+    transient: bool = True  # worth another attempt (a refusal or a 503 may pass; offline mode will not)
+
+
+def network_fault(e: BaseException, host: str | None = None) -> NetworkFault | None:
+    """Why ``e`` means the hub is unreachable or failing, or None when it is something else.
+
+    Looks through the whole ``__cause__`` chain: huggingface_hub wraps a failed
+    HEAD in ``LocalEntryNotFoundError``, httpx wraps the socket's own error.
+    """
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    chain = _chain(e)
+    if any(isinstance(x, hf.OfflineModeIsEnabled) for x in chain) or (
+        isinstance(e, hf.LocalEntryNotFoundError) and offline()
+    ):
+        return NetworkFault(
+            "offline (HF_HUB_OFFLINE=1) and what is needed is not in the local cache",
+            "run the same command once online, or unset HF_HUB_OFFLINE", offline=True, transient=False,
+        )
+    on = f" of {host}" if host else ""
+    net = f"check the network{on} and HF_ENDPOINT ({_endpoint()})"
+    cached = "a model already downloaded works offline with HF_HUB_OFFLINE=1"
+    for x in chain:
+        if isinstance(x, hf.HfHubHTTPError) and (_status(x) or 0) >= 500:
+            return NetworkFault(
+                f"the hub at {_origin(x)} answered {_status(x)} {_reason(x)}",
+                f"the hub is failing on its side: try again in a few minutes; {cached}",
+            )
+        if isinstance(x, hf.HfHubHTTPError) and _status(x) == 429:
+            return NetworkFault(
+                f"the hub at {_origin(x)} is rate-limiting this machine (429 Too Many Requests)",
+                "wait a few minutes and run it again; logged-in users (HF_TOKEN) get a higher limit",
+            )
+        if isinstance(x, httpx2.TransportError):
+            return _transport_fault(x, chain, on, net, cached)
+    return None
+
+
+def _transport_fault(x: BaseException, chain: list[BaseException], on: str, net: str, cached: str) -> NetworkFault:
+    import httpx2
+
+    origin = _origin(x)
+    text = " ".join(str(c) for c in chain).lower()
+    if any(isinstance(c, socket.gaierror) for c in chain) or any(w in text for w in _DNS_WORDS):
+        hostname = urlsplit(origin).hostname or origin
+        return NetworkFault(
+            f"cannot reach the hub at {origin}: the name {hostname} does not resolve (DNS)",
+            f"{net}; {cached}",
+        )
+    tls = next((c for c in chain if isinstance(c, ssl.SSLError)), None)
+    if tls is not None or "[ssl" in text:
+        return NetworkFault(
+            f"cannot reach the hub at {origin}: the TLS handshake failed ({_short(tls or x)})",
+            f"check the system clock{on}, the CA certificates (SSL_CERT_FILE) and any proxy on the way "
+            f"(HTTPS_PROXY), and that HF_ENDPOINT ({_endpoint()}) speaks https",
+            transient=False,
+        )
+    if isinstance(x, httpx2.TimeoutException):
+        seconds = _timeout_of(x)
+        within = f" within {seconds:g} s" if seconds else ""
+        return NetworkFault(
+            f"the hub at {origin} did not answer{within}",
+            f"{net}; on a slow link raise HF_HUB_ETAG_TIMEOUT; {cached}",
+        )
+    if any(isinstance(c, ConnectionRefusedError) for c in chain) or "connection refused" in text:
+        return NetworkFault(f"cannot reach the hub at {origin}: connection refused", f"{net}; {cached}")
+    return NetworkFault(f"cannot reach the hub at {origin} ({_short(x)})", f"{net}; {cached}")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    current: BaseException | None = e
+    while current is not None and current not in out:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
+def _origin(e: BaseException) -> str:
+    """``scheme://host:port`` of the request that failed (a redirect's target included), else the endpoint."""
+    url = None
+    try:
+        url = e.request.url  # type: ignore[attr-defined]  # httpx errors; raises when unset
+    except Exception:  # noqa: BLE001 - no request attached
+        response = getattr(e, "response", None)
+        url = getattr(response, "url", None)
+    parts = urlsplit(str(url)) if url else None
+    return f"{parts.scheme}://{parts.netloc}" if parts and parts.netloc else _endpoint()
+
+
+def _timeout_of(e: BaseException) -> float | None:
+    try:
+        timeouts = e.request.extensions.get("timeout") or {}  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        return None
+    return timeouts.get("read") or timeouts.get("connect")
+
+
+def _status(e: BaseException) -> int | None:
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
+def _reason(e: BaseException) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(_status(e) or 0).phrase
+    except ValueError:
+        return "(server error)"
 
 
 def _endpoint() -> str:
@@ -109,17 +316,17 @@ def _short(e: BaseException) -> str:
 
 
 def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata:
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi
 
     api = HfApi()
     with hub_errors(repo):
-        info = api.model_info(repo, revision=revision, files_metadata=True)
+        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=request_timeout())
         commit = info.sha
         sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
         hashes = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs and s.lfs.sha256}
-        config = read_json(Path(hf_hub_download(repo, "config.json", revision=commit)), repo)
+        config = read_json(Path(download_file(repo, "config.json", commit)), repo)
         if WEIGHT_INDEX in sizes:
-            index = read_json(Path(hf_hub_download(repo, WEIGHT_INDEX, revision=commit)), repo)
+            index = read_json(Path(download_file(repo, WEIGHT_INDEX, commit)), repo)
             files = sorted(set(weight_map(index, repo).values()))
         elif SINGLE_WEIGHTS in sizes:
             files = [SINGLE_WEIGHTS]
@@ -145,7 +352,7 @@ def _fetch_headers(api: Any, repo: str, commit: str, files: list[str], progress:
     done = 0
 
     def one(name: str) -> list[Tensor]:
-        meta = api.parse_safetensors_file_metadata(repo, name, revision=commit)
+        meta = api.parse_safetensors_file_metadata(repo, name, revision=commit, timeout=request_timeout())
         return [Tensor(t, info.dtype, tuple(info.shape), name) for t, info in meta.tensors.items()]
 
     tensors: list[Tensor] = []
@@ -176,6 +383,76 @@ def _cached(repo: str, revision: str) -> ModelMetadata | None:
         return ModelMetadata.from_json(json.loads(entry.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a damaged cache entry is refetched
+
+
+def _cached_offline(repo: str, revision: str) -> ModelMetadata | None:
+    """Metadata without the hub: mlxpipe's cache, found by its own ref or by huggingface_hub's.
+
+    ``refs/<branch>`` in the Hugging Face cache is how huggingface_hub (and mlx-lm)
+    resolve a branch offline; a snapshot holding the whole checkpoint (downloaded
+    by ``hf download`` or mlx-lm) is read like a local directory.
+    """
+    cached = _cached(repo, revision)
+    if cached is not None:
+        return cached
+    commit = _hf_commit(repo, revision)
+    if commit is None:
+        return None
+    return _cached(repo, commit) or _from_hf_snapshot(repo, revision, commit)
+
+
+def _hf_commit(repo: str, revision: str) -> str | None:
+    """The commit huggingface_hub's cache resolves ``revision`` to on this machine, if any."""
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    ref = _hf_repo_dir(repo) / "refs" / revision
+    try:
+        commit = ref.read_text().strip()
+    except OSError:
+        return None
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+def _hf_repo_dir(repo: str) -> Path:
+    from mlxpipe.fetch import hub_cache_dir
+
+    return hub_cache_dir(None) / ("models--" + repo.replace("/", "--"))
+
+
+def _from_hf_snapshot(repo: str, revision: str, commit: str) -> ModelMetadata | None:
+    """The metadata of a complete snapshot in the Hugging Face cache, or None if it lacks a file."""
+    snapshot = _hf_repo_dir(repo) / "snapshots" / commit
+    if not (snapshot / "config.json").is_file():
+        return None
+    try:
+        local = load_local(snapshot)
+    except (ModelError, OSError):
+        return None  # a rank's share of the files, not the whole checkpoint
+    hashes = {name: sha for name in local.weight_files if (sha := _blob_sha256(snapshot / name))}
+    return ModelMetadata(
+        source=repo, config=local.config, tensors=local.tensors, file_sizes=local.file_sizes,
+        revision=revision, commit=commit, support_files=local.support_files, file_sha256=hashes,
+    )
+
+
+def _blob_sha256(entry: Path) -> str | None:
+    """The sha256 an LFS file's cache blob is named after (the hub's hash, known offline), else None."""
+    if not entry.is_symlink():
+        return None
+    name = Path(os.readlink(entry)).name
+    return name if re.fullmatch(r"[0-9a-f]{64}", name) else None
+
+
+def _raise_not_cached(repo: str, revision: str | None) -> ModelMetadata:
+    """Offline with nothing cached: say what is missing and how to get it."""
+    rev = revision or "main"
+    commit = _hf_commit(repo, rev)
+    known = f" (commit {commit[:12]})" if commit and commit != rev else ""
+    flag = f" --revision {revision}" if revision else ""
+    raise HubUnreachable(
+        f"offline (HF_HUB_OFFLINE=1) and no cached metadata for {repo} at revision {rev}{known}",
+        f"run `mlxpipe plan --model {repo}{flag}` once online",
+    )
 
 
 def _store(meta: ModelMetadata, revision: str) -> None:

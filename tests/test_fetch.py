@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from fixtures.fake_hub import FakeHub
+from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.tiny_models import make_tiny_checkpoint
 
 from mlxpipe import fetch as fetch_mod
@@ -216,3 +217,65 @@ def test_check_mode_reports_present_and_missing_without_network(hub_env: FakeHub
         {"event": "check", "present": ["config.json"], "missing": [SHARD]}
     ]
     assert hub_env.requests == []
+
+
+# --- Offline and network faults (the CLI's view of them is in test_offline.py) ----------------
+
+
+def test_an_offline_job_fetches_nothing_and_names_the_missing_files(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path
+) -> None:
+    """A host over ssh does not inherit HF_HUB_OFFLINE: the job carries it, and the host obeys it."""
+    job = job_for(hub_env, tiny_repo, ["config.json", INDEX, SHARD], tmp_path)
+    fetch(dataclasses.replace(job, files=("config.json",)))
+    hub_env.reset_log()
+    offline_job = FetchJob.decode(dataclasses.replace(job, offline=True).encode())
+    assert offline_job.offline
+    with pytest.raises(DownloadError) as info:
+        fetch(offline_job)
+    assert info.value.message == (
+        f"studio-2 (rank 1): offline (HF_HUB_OFFLINE=1) and 2 of its 3 files of {tiny_repo} at commit "
+        f"{job.commit[:12]} are not in {fetch_mod.model_dir(job)}: {INDEX}, {SHARD}"
+    )
+    assert hub_env.requests == []
+    # Everything present: offline is no obstacle, and still nothing is asked.
+    done = fetch(dataclasses.replace(offline_job, files=("config.json",)))
+    assert (done.fetched_bytes, done.present_files, hub_env.requests) == (0, ("config.json",), [])
+
+
+def test_a_tls_failure_is_not_retried(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_backoff: None
+) -> None:
+    ep = hub_env.endpoint.replace("http://", "https://")  # TLS to a plain-HTTP port: the handshake fails
+    job = job_for(hub_env, tiny_repo, ["config.json"], tmp_path)
+    point_hf_hub_at(ep, Path(os.environ["HF_HOME"]), monkeypatch)
+    calls: list[str] = []
+    real = fetch_mod._download
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fetch_mod, "_download", counting)
+    with pytest.raises(HubError) as info:
+        fetch(job)
+    assert info.value.message.startswith(
+        f"{tiny_repo} (on studio-2 (rank 1)): cannot reach the hub at {ep}: the TLS handshake failed ([SSL: "
+    )
+    assert calls == ["config.json"]  # one attempt: a certificate problem does not pass by itself
+
+
+def test_a_5xx_storm_is_retried_then_named_without_waiting_on_the_clients_own_retries(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None
+) -> None:
+    job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
+    hub_env.outage(502)
+    with pytest.raises(DownloadError) as info:
+        fetch(job)
+    assert info.value.message == (
+        f"studio-2 (rank 1): could not fetch config.json from {tiny_repo} in {fetch_mod.ATTEMPTS} attempts: "
+        f"the hub at {hub_env.endpoint} answered 502 Bad Gateway"
+    )
+    # One bounded HEAD per attempt: huggingface_hub's own retry loop (60 s timeouts, 5 backoffs) never ran.
+    head = ("HEAD", f"/{tiny_repo}/resolve/{job.commit}/config.json", 502)
+    assert [(r.method, r.path, r.status) for r in hub_env.requests] == [head] * fetch_mod.ATTEMPTS
