@@ -199,6 +199,7 @@ def download(
     """
     from mlxpipe import download as dl
     from mlxpipe.render import controller_line, download_progress, download_table, tasks_table
+    from mlxpipe.startup import require_fit
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
@@ -217,6 +218,7 @@ def download(
     if not from_controller:
         dl.require_hub(meta)
     the_plan = plan_target(target, meta)
+    require_fit(the_plan)  # shares that no run could load are not worth fetching (nor listing: exit 1)
     tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)
     if dry_run:
         if json_out:
