@@ -22,6 +22,7 @@ from fixtures.fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe import cli_reference
 from mlxpipe.cli import app
+from mlxpipe.config import load_preset
 from mlxpipe.hostfile import BACKENDS, GB
 from mlxpipe.launch import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS
@@ -204,6 +205,8 @@ def test_the_examples_are_found() -> None:
 def test_example_parses_and_names_files_that_exist(where: str, argv: list[str]) -> None:
     with parse(argv) as ctx:
         assert ctx.command.name == argv[0]
+        if ctx.params.get("config") is not None:
+            load_preset(REPO / ctx.params["config"])  # a preset an example names must load, not just exist
     missing = [word for word in argv if REPO_FILE.match(word) and not (REPO / word).is_file()]
     assert missing == [], f"{where}: {missing}"
 
@@ -289,6 +292,20 @@ def test_backend_is_checked_and_named(command: str) -> None:
 def test_bad_sampling_flag_is_named(command: str, flag: str, value: str, message: str) -> None:
     result = invoke(*LAUNCHING[command], flag, value, input="")
     assert (result.exit_code, result.stderr) == (2, f"error: {message}\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [("temp", "-1", ">= 0, got -1"), ("top_p", "0", "in (0, 1], got 0"), ("max_tokens", "0", "at least 1, got 0")],
+)
+def test_bad_sampling_value_in_a_preset_names_the_file_not_a_flag(
+    tmp_path: Path, command: str, key: str, value: str, expected: str
+) -> None:
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"generate:\n  {key}: {value}\n")
+    result = invoke(*LAUNCHING[command], "--config", str(preset), input="")
+    assert (result.exit_code, result.stderr) == (1, f"error: {preset}: key '{key}' must be {expected}\n")
 
 
 def test_bad_serve_max_tokens_is_named() -> None:
