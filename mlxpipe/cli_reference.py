@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 WIDTH = 100
 PROG = "mlxpipe"
@@ -44,6 +45,9 @@ def help_pages(width: int = WIDTH) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if k not in _TERMINAL_ENV}
     env.update(TERMINAL_WIDTH=str(width), COLUMNS=str(width), NO_COLOR="1", TERM="dumb")
+    # The child must import this very mlxpipe, not another one installed elsewhere.
+    source = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-m", "mlxpipe.cli_reference", _PAGES_FLAG],
         env=env, capture_output=True, text=True, check=False, timeout=120,
