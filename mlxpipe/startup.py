@@ -63,16 +63,22 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
         meta = load_model_metadata(target, progress=progress)
     the_plan = plan_target(target, meta)
-    if not the_plan.fits:
-        bad = next(r for r in the_plan.ranks if r.fits is False)
-        hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
-        raise PlanError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
+    require_fit(the_plan)
     port = config.port or default_port(target.hostfile)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=config.chosen_backend))
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
     check_pipelinable(meta, config.mode, config.trust_remote_code)
     return meta, the_plan
+
+
+def require_fit(the_plan: Plan) -> None:
+    """Raise ``PlanError`` (exit 1) naming the first rank that cannot hold its share."""
+    if the_plan.fits:
+        return
+    bad = next(r for r in the_plan.ranks if r.fits is False)
+    hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
+    raise PlanError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
 
 
 def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,

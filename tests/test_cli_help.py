@@ -1,0 +1,399 @@
+"""A CLI that tells the truth: defaults in every --help, examples that parse, exit codes, docs/cli.md.
+
+Everything here runs before any rank is launched: help pages, parsing, and the checks a
+command makes before it starts (flags, the plan's fit), through Typer's runner.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import socket
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from fixtures.fake_hub import FakeHub
+from fixtures.tiny_models import make_tiny_checkpoint
+from mlxpipe import cli_reference
+from mlxpipe.cli import app
+from mlxpipe.config import load_preset
+from mlxpipe.hostfile import BACKENDS, GB
+from mlxpipe.launch import DEFAULT_PORT
+from mlxpipe.request import DEFAULT_MAX_TOKENS
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+REFERENCE = REPO / "docs" / "cli.md"
+# Files that examples name and that must ship with the repo (prompts files and outputs are the user's).
+REPO_FILE = re.compile(r"^(hostfiles|configs)/")
+# A command line in the README: at the start of a code line, possibly as .venv/bin/mlxpipe.
+README_COMMAND = re.compile(r"^(\S*/)?mlxpipe\s")
+INLINE_CODE = re.compile(r"`(mlxpipe [^`]*)`")
+CLICK_ERROR_BOX = re.compile(r"[│╭╮╰╯─]")
+
+
+def invoke(*args: str, input: str | None = None) -> Any:
+    return CliRunner().invoke(app, list(args), input=input, prog_name="mlxpipe")
+
+
+def click_error(stderr: str) -> str:
+    """The sentence in the box Typer draws around a usage error, unwrapped."""
+    text = " ".join(CLICK_ERROR_BOX.sub(" ", stderr).split())
+    return text.split(" Error ", 1)[1]
+
+
+# --- Defaults in every --help -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    """Every help page at the reference's width, as docs/cli.md shows it."""
+    return cli_reference.help_pages()
+
+
+@pytest.fixture(scope="module")
+def wide_pages() -> dict[str, str]:
+    """Every help page at a width where no option's help wraps: one option, one line."""
+    return cli_reference.help_pages(width=400)
+
+
+def options_with_values(command: list[str]) -> list[Any]:
+    """The options of ``mlxpipe COMMAND`` that take a value (flags are off unless given: no default to show)."""
+    root = get_command(app)
+    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
+    cmd = root.get_command(ctx, command[0]) if command else root  # type: ignore[attr-defined]
+    return [p for p in cmd.params if p.param_type_name == "option" and not p.is_flag]
+
+
+def option_line(page: str, flag: str) -> str:
+    """The one line of a wide help page that describes ``flag``."""
+    lines = [line for line in page.splitlines() if re.match(rf"│ {re.escape(flag)}\s", line)]
+    assert len(lines) == 1, (flag, lines)
+    return " ".join(lines[0].strip("│ ").split())
+
+
+def test_every_option_with_a_value_shows_its_default(pages: dict[str, str]) -> None:
+    for title, page in pages.items():
+        options = options_with_values(title.split()[1:])
+        # Rich markup would swallow a hand-written "[default: ...]": count what is actually printed.
+        assert page.count("[default: ") == len(options), title
+        for option in options:
+            assert option.default is not None or isinstance(option.show_default, str), (title, option.opts)
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "shown"),
+    [
+        ("generate", "--max-tokens", f"[default: ({DEFAULT_MAX_TOKENS}, or the --config preset's)]"),
+        ("chat", "--max-tokens", f"[default: ({DEFAULT_MAX_TOKENS}, or the --config preset's)]"),
+        ("serve", "--max-tokens", f"[default: ({DEFAULT_MAX_TOKENS}, or the --config preset's)]"),
+        ("generate", "--temp", "[default: (0, or the --config preset's)]"),
+        ("generate", "--top-p", "[default: (1, or the --config preset's)]"),
+        ("generate", "--min-p", "[default: (0, or the --config preset's)]"),
+        ("generate", "--port", f"[default: ({DEFAULT_PORT}; a free one when every rank is local)]"),
+        ("serve", "--ring-port", f"[default: ({DEFAULT_PORT}; a free one when every rank is local)]"),
+        ("serve", "--port", "[default: 8080]"),
+        ("doctor", "--port", f"[default: ({DEFAULT_PORT}; unchecked when every rank is local)]"),
+        ("plan", "--hostfile", "[default: (hostfiles/local-2.json: two local ranks)]"),
+        ("plan", "--context", "[default: 4096]"),
+        ("generate", "--prefill-step-size", "[default: 2048]"),
+        ("generate", "--timeout", "[default: 120.0]"),
+    ],
+)
+def test_the_default_shown_is_the_one_used(wide_pages: dict[str, str], command: str, flag: str, shown: str) -> None:
+    assert option_line(wide_pages[f"mlxpipe {command}"], flag).endswith(shown)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "doctor"])
+def test_backend_help_names_every_backend(wide_pages: dict[str, str], command: str) -> None:
+    line = option_line(wide_pages[f"mlxpipe {command}"], "--backend")
+    named = re.findall(r"\b([a-z][a-z-]*) \(", line.split("backend:", 1)[1]) + ["mpi"]
+    assert sorted(set(named) & set(BACKENDS)) == sorted(BACKENDS)
+
+
+# --- Every example parses, and names files that exist -------------------------------------------
+
+
+def help_examples() -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` for every ``Example:`` line in the app's and each command's help."""
+    root = get_command(app)
+    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
+    commands = [("mlxpipe", root)] + [(name, root.get_command(ctx, name)) for name in root.list_commands(ctx)]  # type: ignore[attr-defined]
+    found = []
+    for name, cmd in commands:
+        for line in (cmd.help or "").splitlines():
+            if line.strip().startswith("Example:"):
+                found.append((f"{name} --help", command_argv(line.split("Example:", 1)[1])))
+    return found
+
+
+def readme_commands(text: str) -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` for every mlxpipe command line in the README's code (fenced, indented or inline)."""
+    found: list[tuple[str, list[str]]] = []
+    fenced = False
+    pending: tuple[int, str] | None = None  # a command line continued with a backslash
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        code = line if fenced else line[4:] if line.startswith("    ") else None
+        if code is None:
+            found += [(f"README.md:{number}", command_argv(span)) for span in INLINE_CODE.findall(line)
+                      if "--" in span and "..." not in span]
+            continue
+        if pending is not None:
+            start, joined = pending
+            code, pending = joined + " " + code.strip(), None
+        elif README_COMMAND.match(code.strip()):
+            start = number
+        else:
+            continue
+        if code.rstrip().endswith("\\"):
+            pending = (start, code.rstrip()[:-1])
+        else:
+            found.append((f"README.md:{start}", command_argv(code)))
+    return found
+
+
+def command_argv(line: str) -> list[str]:
+    """The arguments of one shell command line: no program name, comment or redirection."""
+    words = shlex.split(line, comments=True)
+    assert words and (words[0] == "mlxpipe" or words[0].endswith("/mlxpipe")), line
+    words = words[1:]
+    redirect = next((i for i, w in enumerate(words) if w[0] in "<>|"), len(words))
+    return words[:redirect]
+
+
+def parse(argv: list[str]) -> Any:
+    """Parse ``mlxpipe ARGV`` with the real app, converting and checking every value, running nothing."""
+    root = get_command(app)
+    at = next(i for i, word in enumerate(argv) if not word.startswith("-"))
+    root_ctx = root.make_context("mlxpipe", argv[: at + 1])
+    cmd = root.get_command(root_ctx, argv[at])  # type: ignore[attr-defined]
+    assert cmd is not None, f"no command {argv[at]!r}"
+    return cmd.make_context(argv[at], argv[at + 1:], parent=root_ctx)
+
+
+EXAMPLES = help_examples() + readme_commands(README.read_text())
+
+
+def test_the_examples_are_found() -> None:
+    # The extractors themselves: each command's examples, a README line continued with a backslash,
+    # a redirection dropped, an inline span.
+    assert {where for where, _ in help_examples()} == {
+        "plan --help", "download --help", "generate --help", "serve --help", "doctor --help",
+    }
+    readme = [argv for where, argv in EXAMPLES if where.startswith("README.md:")]
+    assert [
+        "generate", "--model", "mlx-community/Llama-3.3-70B-Instruct-4bit",
+        "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json", "--prompt", "Write a haiku about Thunderbolt cables",
+    ] in readme
+    assert [
+        "generate", "--config", "configs/llama-3.3-70b-4bit.yaml", "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json",
+        "--prompt", "-",
+    ] in readme
+    assert ["plan", "--json"] in readme
+
+
+@pytest.mark.parametrize(("where", "argv"), EXAMPLES, ids=[f"{w}:{' '.join(a[:1])}" for w, a in EXAMPLES])
+def test_example_parses_and_names_files_that_exist(where: str, argv: list[str]) -> None:
+    with parse(argv) as ctx:
+        assert ctx.command.name == argv[0]
+        if ctx.params.get("config") is not None:
+            load_preset(REPO / ctx.params["config"])  # a preset an example names must load, not just exist
+    missing = [word for word in argv if REPO_FILE.match(word) and not (REPO / word).is_file()]
+    assert missing == [], f"{where}: {missing}"
+
+
+def test_a_bad_example_would_be_caught() -> None:
+    # What the test above relies on: parsing refuses unknown flags and bad values.
+    for argv, error in [
+        (["plan", "--hostfiles", "x"], "No such option: --hostfiles"),
+        (["generate", "--max-tokens", "many"], "Invalid value for '--max-tokens'"),
+        (["serve", "--ring-port", "0"], "Invalid value for '--ring-port': 0 is not a TCP port (1-65535)"),
+    ]:
+        with pytest.raises(Exception) as caught:
+            parse(argv)
+        # The rest of the sentence is typer's and varies between its versions.
+        assert caught.value.format_message().startswith(error)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def llama_on_the_hub(hub_env: FakeHub, tmp_path: Path) -> Iterator[str]:
+    """The README's 70B repo id, served by the fake hub as a tiny 6-layer llama (metadata is all plan reads)."""
+    repo = "mlx-community/Llama-3.3-70B-Instruct-4bit"
+    hub_env.add_repo(repo, make_tiny_checkpoint("llama", tmp_path / "llama"))
+    yield repo
+
+
+PLAN_EXAMPLES = [(where, argv) for where, argv in EXAMPLES if argv[0] == "plan" and len(argv) > 2]
+
+
+@pytest.mark.parametrize(("where", "argv"), PLAN_EXAMPLES, ids=[where for where, _ in PLAN_EXAMPLES])
+def test_plan_examples_run(llama_on_the_hub: str, monkeypatch: pytest.MonkeyPatch, where: str,
+                           argv: list[str]) -> None:
+    monkeypatch.chdir(REPO)  # examples name hostfiles relative to the repo
+    result = invoke(*argv, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["model"], data["split"], [r["host"] for r in data["ranks"]]) == (
+        llama_on_the_hub, [3, 3], ["studio-1.local", "studio-2.local"],
+    )
+
+
+# --- Flags checked before anything runs ---------------------------------------------------------
+
+# Commands with every value they need, so that only the flag under test is wrong; --model is never
+# read before the flags are checked, and chat would read its first message from standard input.
+LAUNCHING = {
+    "generate": ["generate", "--model", "unread", "--prompt", "hi"],
+    "chat": ["chat", "--model", "unread"],
+    "serve": ["serve", "--model", "unread"],
+    "doctor": ["doctor"],
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [("generate", "--port"), ("chat", "--port"), ("serve", "--port"), ("serve", "--ring-port"), ("doctor", "--port")],
+)
+@pytest.mark.parametrize("value", ["0", "65536"])
+def test_port_is_checked_and_named(command: str, flag: str, value: str) -> None:
+    result = invoke(*LAUNCHING[command], flag, value, input="")
+    assert result.exit_code == 2
+    assert click_error(result.stderr) == f"Invalid value for '{flag}': {value} is not a TCP port (1-65535)"
+
+
+@pytest.mark.parametrize("command", list(LAUNCHING))
+def test_backend_is_checked_and_named(command: str) -> None:
+    result = invoke(*LAUNCHING[command], "--backend", "tcp", input="")
+    assert result.exit_code == 2
+    assert click_error(result.stderr) == f"Invalid value for '--backend': 'tcp': use one of {', '.join(BACKENDS)}"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-tokens", "0", "--max-tokens must be at least 1, got 0"),
+        ("-n", "-3", "--max-tokens must be at least 1, got -3"),
+        ("--temp", "-0.5", "--temp must be >= 0, got -0.5"),
+        ("--top-p", "0", "--top-p must be in (0, 1], got 0"),
+        ("--top-p", "1.5", "--top-p must be in (0, 1], got 1.5"),
+        ("--min-p", "1", "--min-p must be in [0, 1), got 1"),
+    ],
+)
+def test_bad_sampling_flag_is_named(command: str, flag: str, value: str, message: str) -> None:
+    result = invoke(*LAUNCHING[command], flag, value, input="")
+    assert (result.exit_code, result.stderr) == (2, f"error: {message}\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [("temp", "-1", ">= 0, got -1"), ("top_p", "0", "in (0, 1], got 0"), ("max_tokens", "0", "at least 1, got 0")],
+)
+def test_bad_sampling_value_in_a_preset_names_the_file_not_a_flag(
+    tmp_path: Path, command: str, key: str, value: str, expected: str
+) -> None:
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"generate:\n  {key}: {value}\n")
+    result = invoke(*LAUNCHING[command], "--config", str(preset), input="")
+    assert (result.exit_code, result.stderr) == (1, f"error: {preset}: key '{key}' must be {expected}\n")
+
+
+def test_bad_serve_max_tokens_is_named() -> None:
+    result = invoke(*LAUNCHING["serve"], "--max-tokens", "0")
+    assert (result.exit_code, result.stderr) == (2, "error: --max-tokens must be at least 1, got 0\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("flag", ["--temp", "--top-p", "--min-p", "--seed", "--max-tokens"])
+def test_sampling_flag_that_is_not_a_number_is_named(command: str, flag: str) -> None:
+    result = invoke(*LAUNCHING[command], flag, "warm", input="")
+    assert result.exit_code == 2
+    # What follows the flag is typer's wording, which varies between its versions.
+    assert click_error(result.stderr).startswith(f"Invalid value for '{flag}'")
+
+
+# --- A plan that does not fit: exit 1, whatever the command -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("fit") / "llama")
+
+
+@pytest.fixture
+def too_small(tmp_path: Path) -> Path:
+    """Two local ranks whose GPUs may wire 100 KiB: the tiny model (1 MiB) fits on neither."""
+    hosts = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"], "memory_gb": 8, "wired_limit_gb": 100 * 1024 / GB}] * 2
+    path = tmp_path / "too-small.json"
+    path.write_text(json.dumps(hosts))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--prompt", "hi"],
+        ["chat"],
+        ["serve", "--port", "PORT"],
+        ["download", "--from-controller", "--dry-run"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_does_not_fit_exits_1_before_launch(tiny_model: Path, too_small: Path, args: list[str]) -> None:
+    args = [str(free_port()) if a == "PORT" else a for a in args]
+    result = invoke(*args, "--model", str(tiny_model), "--hostfile", str(too_small), input="")
+    assert (result.exit_code, result.stderr) == (1, "error: rank 0 (127.0.0.1) cannot hold layers 3-5\n"
+                                                    "hint: see `mlxpipe plan`\n")
+
+
+def test_does_not_fit_exits_1_in_plan(tiny_model: Path, too_small: Path) -> None:
+    result = invoke("plan", "--model", str(tiny_model), "--hostfile", str(too_small))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: rank 0 (127.0.0.1), rank 1 (127.0.0.1) cannot hold its share")
+
+
+def test_does_not_fit_exits_1_in_doctor(tiny_model: Path, too_small: Path) -> None:
+    result = invoke("doctor", "--model", str(tiny_model), "--hostfile", str(too_small), "--json")
+    assert result.exit_code == 1
+    failed = [(c["check"], c["ranks"]) for c in json.loads(result.stdout)["checks"] if c["status"] != "ok"]
+    assert failed == [("memory", [0, 1])]
+
+
+# --- docs/cli.md is what the app prints ----------------------------------------------------------
+
+
+def test_reference_is_up_to_date() -> None:
+    # typer and Rich draw the pages: a new version of either may change them as much as a new flag does.
+    assert REFERENCE.read_text() == cli_reference.reference(), (
+        f"docs/cli.md is stale: run `{cli_reference.REGENERATE}` "
+        f"(rendered here with typer {version('typer')}, rich {version('rich')})"
+    )
+
+
+def test_reference_has_every_command_plain_and_at_its_width(pages: dict[str, str]) -> None:
+    text = REFERENCE.read_text()
+    assert list(pages) == ["mlxpipe", "mlxpipe plan", "mlxpipe download", "mlxpipe generate", "mlxpipe chat",
+                           "mlxpipe serve", "mlxpipe demo-model", "mlxpipe doctor"]
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(pages)
+    assert "\x1b" not in text  # no colour or style codes
+    assert max(len(line) for page in pages.values() for line in page.splitlines()) == cli_reference.WIDTH
+
+
+def test_readme_links_the_reference() -> None:
+    assert "[docs/cli.md](docs/cli.md)" in README.read_text()
