@@ -88,15 +88,13 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
     """A directory on this machine with the model's config and tokenizer (the pre-launch check, serve's tokenizer)."""
     if meta.local:
         return Path(meta.source)
-    from huggingface_hub import hf_hub_download
-
-    from mlxpipe.hub import hub_errors
+    from mlxpipe.hub import download_file, hub_errors
 
     with hub_errors(meta.source):
         for name in meta.support_files:
             if "/" not in name:
-                hf_hub_download(meta.source, name, revision=meta.commit)
-        return Path(hf_hub_download(meta.source, "config.json", revision=meta.commit)).parent
+                download_file(meta.source, name, revision=meta.commit)
+        return Path(download_file(meta.source, "config.json", revision=meta.commit)).parent
 
 
 class Pipeline:
