@@ -90,7 +90,10 @@ class Stream:
         """From the pump thread."""
         if isinstance(item, int) and self.first_token is None:
             self.first_token = time.monotonic()
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the HTTP server has shut down: nobody reads this stream any more
 
     async def next(self) -> int | Outcome:
         """The next token, or the outcome once the request has ended."""
