@@ -21,7 +21,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.pipeline import check_supported, pipeline_generic, pipeline_native
+from mlxpipe.worker.pipeline import check_supported, learn_layouts, pipeline_generic, pipeline_native
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
@@ -94,6 +94,8 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         # A custom model file (trust_remote_code) bypasses the recorder.
         check_weights_loaded(model, recorder, path)
     mx.eval(model.parameters())
+    if job.mode != "native":
+        learn_layouts(model, group)
     tokenizer = load_tokenizer(
         path,
         {"trust_remote_code": job.trust_remote_code},

@@ -28,12 +28,14 @@ one leaves its output in ``hidden_out``, and nothing is sent or gathered.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, _BaseCache
 
@@ -49,13 +51,11 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "gemma3n": "its layers share KV caches across the stack",
     "gemma4": "its layers share KV caches across the stack",
     "gemma4_text": "its layers share KV caches across the stack",
-    "hunyuan": "its layers pass shared KV states to the next layer",
     "iquestloopcoder": "its model runs each block's attention itself, twice, instead of calling the blocks",
     "kimi_k3": "its layers pass attention blocks to the next layer",
     "muse_spark": "its layers pass attention inputs to the next layer",
     "nanbeige": "it runs the layer stack several times",
     "phi3small": "a rank crashes (MLX segfault) when its block-sparse attention stack is cut; not yet understood",
-    "rwkv7": "its layers pass the first layer's values to later layers",
 }
 
 
@@ -67,6 +67,13 @@ class Exchange:
     the first local layer then takes ``hidden_in`` (or the incoming state as is
     when None, remembering its shape and dtype in ``incoming``), and the last
     local layer leaves its output in ``hidden_out``.
+
+    Blocks that return more than the hidden state (``(h, v_first)``,
+    ``(h, shared_kv_states)``...) hand the extra arrays on too: those shaped
+    like the hidden state's batch and tokens travel packed with it, as one
+    ``uint8`` array of shape ``(batch, tokens, bytes per token)`` (then
+    ``hidden_in``/``hidden_out``/``incoming`` are that array). What a rank
+    receives, ``incoming_layout``, is learnt once at load (``learn_layouts``).
     """
 
     def __init__(self) -> None:
@@ -74,8 +81,18 @@ class Exchange:
         self.hidden_in: mx.array | None = None
         self.hidden_out: mx.array | None = None
         self.incoming: tuple[tuple[int, ...], Any] | None = None
-        # The last block's output in this forward pass: the next block's hidden state.
+        # The last block's output in this forward pass: the next block's hidden state,
+        # and what it returned besides (None when it returns the hidden state alone).
         self.last_out: mx.array | None = None
+        self.last_extras: tuple | None = None
+        # The layouts of what crosses the cut into and out of this rank (None: the
+        # hidden state alone); ``probing`` while ``learn_layouts`` runs the model.
+        self.incoming_layout: Layout | None = None
+        self.outgoing_layout: Layout | None = None
+        self.probing = False
+        # Caches advanced by a stand-in in this forward pass: a KV-sharing layer is
+        # handed its owner's cache, which must not advance twice.
+        self.advanced: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -83,7 +100,9 @@ class _Stage:
     """What one entry of the layers list does around (or instead of) its layer."""
 
     group: Any
+    index: int
     local: bool
+    before_local: bool  # a stand-in for a layer before this rank's first
     recv_from: int | None
     send_to: int | None
     gather: bool
@@ -98,48 +117,245 @@ class _PipelineStage:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._mlxpipe_stage
         exchange = stage.exchange
+        if stage.index == 0:
+            exchange.advanced.clear()  # a new forward pass
         where, x = _find_hidden(self, args, kwargs, exchange.last_out)
         cache = _find_cache(args, kwargs)
-        if stage.recv_from is not None:
-            if not exchange.explicit:
-                x = mx.distributed.recv_like(x, stage.recv_from, group=stage.group)
-                if cache is None:
-                    # Prefill evaluates only the caches: a receive no local cache
-                    # depends on would stay unread, and the next one would read it.
-                    mx.async_eval(x)
-            else:
-                exchange.incoming = (tuple(x.shape), x.dtype)
-                if exchange.hidden_in is not None:
-                    x = exchange.hidden_in
+        if stage.recv_from is not None and not exchange.probing:
+            x, args, kwargs = _receive(stage, x, cache, args, kwargs)
         if stage.local:
             args, kwargs = _put_hidden(where, x, args, kwargs)
-            out = super().__call__(*args, **kwargs)  # type: ignore[misc]
-            if not isinstance(out, mx.array):
-                raise ModelError(
-                    f"{type(self).__name__} returns {type(out).__name__}, not one "
-                    "hidden state; the generic pipeline cannot cut this model"
-                )
+            out, extras = _split_output(self, super().__call__(*args, **kwargs))  # type: ignore[misc]
         else:
-            advance_cache(cache, x.shape[0], x.shape[1])
+            if cache is not None and id(cache) not in exchange.advanced:
+                exchange.advanced.add(id(cache))
+                advance_cache(cache, x.shape[0], x.shape[1])
             # A new array, not ``x`` itself: the next block must tell the state from
             # other arguments that were the same object (Talkie's embeddings).
             out = mx.stop_gradient(x)
-        if stage.send_to is not None:
-            if exchange.explicit:
-                exchange.hidden_out = out
+            if stage.before_local:
+                extras = _made_up_extras(exchange.incoming_layout, x)
             else:
-                out = mx.distributed.send(out, stage.send_to, group=stage.group)
-                if cache is not None:
-                    tie_into_cache(cache, out)
-                else:
-                    # A block without a cache (an MLP or MoE block): prefill evaluates
-                    # only the caches, so nothing would run the send and the next rank
-                    # would wait forever. Schedule it now, without waiting for it.
-                    mx.async_eval(out)
-        if stage.gather and not exchange.explicit:
+                extras = exchange.last_extras
+        if stage.send_to is not None:
+            if exchange.probing:
+                exchange.outgoing_layout = _layout_of(out, extras)
+            else:
+                out = _send(stage, out, extras, cache)
+        if stage.gather and not exchange.explicit and not exchange.probing:
             out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
-        exchange.last_out = out
+        exchange.last_out, exchange.last_extras = out, extras
+        return out if extras is None else (out, *extras)
+
+
+def _split_output(layer: Any, out: Any) -> tuple[mx.array, tuple | None]:
+    """A block's output as (hidden state, what it returned besides or None)."""
+    if isinstance(out, mx.array):
+        return out, None
+    if isinstance(out, tuple) and out and isinstance(out[0], mx.array):
+        return out[0], tuple(out[1:])
+    raise ModelError(
+        f"{type(layer).__name__} returns {type(out).__name__}, not a hidden state; "
+        "the generic pipeline cannot cut this model"
+    )
+
+
+def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) -> tuple[mx.array, tuple, dict]:
+    """The first local layer's hidden state (and arguments) from rank + 1."""
+    exchange = stage.exchange
+    layout = exchange.incoming_layout
+    like = x if layout is None else _packed_like(layout, x)
+    if exchange.explicit:
+        exchange.incoming = (tuple(like.shape), like.dtype)
+        received = exchange.hidden_in
+        if received is None:
+            return x, args, kwargs
+    else:
+        received = mx.distributed.recv_like(like, stage.recv_from, group=stage.group)
+        if cache is None:
+            # Prefill evaluates only the caches: a receive no local cache
+            # depends on would stay unread, and the next one would read it.
+            mx.async_eval(received)
+    if layout is None:
+        return received, args, kwargs
+    hidden, extras = _unpack(received, layout)
+    # The extras the stand-in before made up are replaced wherever the model passes them on.
+    for made_up, real in zip(exchange.last_extras or (), extras):
+        if real is not None:
+            args, kwargs = _replace_object(made_up, real, args, kwargs)
+    return hidden, args, kwargs
+
+
+def _send(stage: _Stage, out: mx.array, extras: tuple | None, cache: Any) -> mx.array:
+    """Send what crosses the cut to rank - 1 (or leave it in ``hidden_out``); returns the hidden state."""
+    exchange = stage.exchange
+    layout = exchange.outgoing_layout
+    message = out if layout is None else _pack(layout, out, extras)
+    if exchange.explicit:
+        exchange.hidden_out = message
         return out
+    sent = mx.distributed.send(message, stage.send_to, group=stage.group)
+    if cache is not None:
+        tie_into_cache(cache, sent)
+    else:
+        # A block without a cache (an MLP or MoE block): prefill evaluates
+        # only the caches, so nothing would run the send and the next rank
+        # would wait forever. Schedule it now, without waiting for it.
+        mx.async_eval(sent)
+    return sent if layout is None else mx.depends(out, sent)
+
+
+# ------------------------------------------------------- more than the hidden state
+
+# A layout: the hidden state's and each extra output's trailing shape and dtype
+# after (batch, tokens). An extra is an array, a tuple of arrays, or None for
+# what does not cross the cut (other shapes, numbers, None itself).
+Layout = dict[str, Any]
+_PROBE_TOKENS = 7  # a length no head count or width is likely to equal
+_HEADER_BYTES = 4096
+
+
+def _array_layout(value: Any, lead: tuple[int, ...]) -> dict[str, Any] | None:
+    if isinstance(value, mx.array) and tuple(value.shape[:2]) == lead:
+        return {"shape": list(value.shape[2:]), "dtype": str(value.dtype).rsplit(".", 1)[-1]}
+    return None
+
+
+def _layout_of(out: mx.array, extras: tuple | None) -> Layout | None:
+    """What of a block's output crosses the cut; None when only the hidden state does."""
+    if extras is None:
+        return None
+    lead = tuple(out.shape[:2])
+    items: list[Any] = []
+    for value in extras:
+        if isinstance(value, (tuple, list)) and value:
+            parts = [_array_layout(v, lead) for v in value]
+            items.append({"tuple": parts} if all(p is not None for p in parts) else None)
+        else:
+            items.append(_array_layout(value, lead))
+    hidden = _array_layout(out, lead)
+    if hidden is None:
+        raise ModelError("a block returns more than a hidden state of shape (batch, tokens, ...); the generic pipeline cannot cut it")
+    return {"hidden": hidden, "extras": items}
+
+
+def _parts(layout: Layout) -> list[dict[str, Any]]:
+    """The arrays of a message in order: the hidden state, then every extra's."""
+    parts = [layout["hidden"]]
+    for item in layout["extras"]:
+        if item is not None:
+            parts.extend(item["tuple"] if "tuple" in item else [item])
+    return parts
+
+
+def _dtype(name: str) -> Any:
+    return getattr(mx, name)
+
+
+def _width(part: dict[str, Any]) -> int:
+    """Bytes per token of one part."""
+    count = 1
+    for n in part["shape"]:
+        count *= n
+    return count * _dtype(part["dtype"]).size
+
+
+def _packed_like(layout: Layout, x: mx.array) -> mx.array:
+    """A stand-in for the packed message of ``x``'s batch and tokens (for its shape)."""
+    width = sum(_width(p) for p in _parts(layout))
+    return mx.zeros((x.shape[0], x.shape[1], width), mx.uint8)
+
+
+def _pack(layout: Layout, out: mx.array, extras: tuple | None) -> mx.array:
+    """The hidden state and the extras that cross, as bytes per token, in one array:
+    two sends could run in another order than the two receives."""
+    arrays = [out]
+    for item, value in zip(layout["extras"], extras or ()):
+        if item is not None:
+            arrays.extend(value if "tuple" in item else [value])
+    batch, tokens = out.shape[:2]
+    return mx.concatenate(
+        [mx.contiguous(a).view(mx.uint8).reshape(batch, tokens, -1) for a in arrays], axis=2
+    )
+
+
+def _unpack(packed: mx.array, layout: Layout) -> tuple[mx.array, list[Any]]:
+    """The hidden state and the extras (None where nothing crossed) from a packed message."""
+    batch, tokens = packed.shape[:2]
+    offset = 0
+
+    def take(part: dict[str, Any]) -> mx.array:
+        nonlocal offset
+        width = _width(part)
+        data = packed[:, :, offset : offset + width]
+        offset += width
+        return data.view(_dtype(part["dtype"])).reshape(batch, tokens, *part["shape"])
+
+    hidden = take(layout["hidden"])
+    extras: list[Any] = []
+    for item in layout["extras"]:
+        if item is None:
+            extras.append(None)
+        elif "tuple" in item:
+            extras.append(tuple(take(p) for p in item["tuple"]))
+        else:
+            extras.append(take(item))
+    return hidden, extras
+
+
+def _made_up_extras(layout: Layout | None, x: mx.array) -> tuple | None:
+    """What a stand-in before the first local layer returns besides the hidden state:
+    zeros of the incoming extras' shapes, replaced by the received ones at the cut."""
+    if layout is None:
+        return None
+    batch, tokens = x.shape[:2]
+
+    def zeros(part: dict[str, Any]) -> mx.array:
+        return mx.zeros((batch, tokens, *part["shape"]), _dtype(part["dtype"]))
+
+    return tuple(
+        None if item is None
+        else tuple(zeros(p) for p in item["tuple"]) if "tuple" in item
+        else zeros(item)
+        for item in layout["extras"]
+    )
+
+
+def _replace_object(old: Any, new: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with the object ``old`` (by identity) replaced by ``new``."""
+    args = tuple(new if a is old else a for a in args)
+    kwargs = {k: new if v is old else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def learn_layouts(model: nn.Module, group: Any) -> None:
+    """Learn, once at load, what crosses each cut besides the hidden state.
+
+    Rank by rank from the first stage: a rank hears from rank + 1 what it will
+    receive, runs its layers lazily on a few tokens (nothing is evaluated) to
+    see what its last layer returns, and tells rank - 1.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    exchange = find_exchange(model)
+    if exchange is None:
+        return
+    rank, size = group.rank(), group.size()
+    if rank < size - 1:
+        header = mx.distributed.recv((_HEADER_BYTES,), mx.uint8, rank + 1, group=group, stream=mx.cpu)
+        exchange.incoming_layout = json.loads(bytes(np.array(header)).rstrip(b"\0") or b"null")
+    exchange.probing = True
+    try:
+        model(mx.zeros((1, _PROBE_TOKENS), mx.int32), cache=make_prompt_cache(model))
+    finally:
+        exchange.probing = False
+        exchange.last_out = exchange.last_extras = None
+    if rank > 0:
+        text = json.dumps(exchange.outgoing_layout).encode()
+        if len(text) > _HEADER_BYTES:
+            raise ModelError("the blocks of this model return too many arrays to pipeline")
+        data = mx.array(np.frombuffer(text.ljust(_HEADER_BYTES, b"\0"), dtype=np.uint8))
+        mx.eval(mx.distributed.send(data, rank - 1, group=group, stream=mx.cpu))
 
 
 def _find_hidden(layer: Any, args: tuple, kwargs: dict, previous: Any) -> tuple[int | str, mx.array]:
@@ -357,7 +573,9 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
     for i, layer in enumerate(layers):
         stage = _Stage(
             group=group,
+            index=i,
             local=start <= i < end,
+            before_local=i < start,
             recv_from=rank + 1 if i == start and rank < size - 1 else None,
             send_to=rank - 1 if i == end - 1 and rank > 0 else None,
             gather=i == len(layers) - 1,
