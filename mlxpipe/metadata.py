@@ -91,10 +91,7 @@ class ModelMetadata:
     @property
     def text_config(self) -> dict[str, Any]:
         """The language model's config (nested as ``text_config`` in multimodal models)."""
-        nested = self.config.get("text_config")
-        if isinstance(nested, dict) and not _has_layer_count(self.config):
-            return nested
-        return self.config
+        return text_config_of(self.config)
 
     @cached_property
     def num_layers(self) -> int:
@@ -346,6 +343,47 @@ def config_layer_count(config: dict[str, Any], source: str) -> int | None:
         if isinstance(pattern, (str, list)) and pattern:
             return len(pattern)
     return None
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of ``config`` (nested as ``text_config`` in multimodal models)."""
+    nested = config.get("text_config")
+    if isinstance(nested, dict) and not _has_layer_count(config):
+        return nested
+    return config
+
+
+def kv_sharing_groups(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """Layer ranges ``(first, last)`` that must run on one rank.
+
+    KV-sharing layers (``num_kv_shared_layers``: Gemma 3n, Gemma 4) read, in the
+    same forward pass, the cache of the last earlier layer of their type; the
+    readers, their sources and every layer between stay together.
+    """
+    shared = config.get("num_kv_shared_layers")
+    if not isinstance(shared, int) or shared <= 0:
+        return []
+    types = _layer_types(config)
+    first_shared = len(types) - shared
+    if not types or first_shared <= 0:
+        return [(0, len(types) - 1)] if types else []
+    sources = [
+        max((i for i in range(first_shared) if types[i] == kind), default=0)
+        for kind in set(types[first_shared:])
+    ]
+    return [(min(sources), len(types) - 1)]
+
+
+def _layer_types(config: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind: ``layer_types``, else Gemma's sliding-window pattern."""
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        return [str(t) for t in types]
+    n = config_layer_count(config, "config.json") or 0
+    every = config.get("sliding_window_pattern")
+    if not isinstance(every, int) or every <= 0:
+        return ["full_attention"] * n
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
 
 
 def _has_layer_count(config: dict[str, Any]) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.hostfile import GB, Host
-from mlxpipe.metadata import ModelMetadata, kv_bytes_per_token
+from mlxpipe.metadata import ModelMetadata, kv_bytes_per_token, kv_sharing_groups
 
 STRATEGIES = ("even", "memory", "balanced", "split")
 DEFAULT_CONTEXT = 4096
@@ -118,6 +118,62 @@ def check_split(split: Sequence[int], num_layers: int, size: int) -> None:
             f"--split {_fmt(split)} sums to {sum(split)} but the model has {num_layers} layers",
             "the layer counts must add up to the model's layers",
         )
+
+
+def cuts(split: Sequence[int]) -> list[int]:
+    """The layer boundaries between ranks, in pipeline order (first layers first)."""
+    return sorted(start for start, _ in layer_ranges(split)[:-1])
+
+
+def cut_group(split: Sequence[int], groups: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The first group of layers ``split`` puts on two ranks, None when it keeps every one whole."""
+    for first, last in groups:
+        if any(first < c <= last for c in cuts(split)):
+            return first, last
+    return None
+
+
+def legal_split(split: Sequence[int], groups: Sequence[tuple[int, int]]) -> list[int] | None:
+    """``split`` with each cut inside a group moved to the nearest legal cut; None when none exists.
+
+    The cuts move as little as they can in total (each stays where it is when legal).
+    """
+    n, size = sum(split), len(split)
+    wanted = cuts(split)
+    legal = [c for c in range(1, n) if not any(first < c <= last for first, last in groups)]
+    if len(legal) < len(wanted):
+        return None
+    # best[j]: (total move, cuts) with the latest cut at legal[j], for the cuts placed so far.
+    best: list[tuple[int, list[int]] | None] = [(abs(c - wanted[0]), [c]) for c in legal] if wanted else []
+    for want in wanted[1:]:
+        running: tuple[int, list[int]] | None = None
+        nxt: list[tuple[int, list[int]] | None] = []
+        for j, c in enumerate(legal):
+            nxt.append(None if running is None else (running[0] + abs(c - want), running[1] + [c]))
+            if best[j] is not None and (running is None or best[j][0] < running[0]):  # type: ignore[index]
+                running = best[j]
+        best = nxt
+    if not wanted:
+        return list(split)
+    options = [b for b in best if b is not None]
+    if not options:
+        return None
+    chosen = min(options, key=lambda b: b[0])[1]
+    bounds = [0, *chosen, n]
+    return [bounds[i + 1] - bounds[i] for i in range(size)][::-1]  # rank order
+
+
+def check_groups(split: Sequence[int], groups: Sequence[tuple[int, int]]) -> None:
+    """Raise PlanError, with a split that keeps them whole, when ``split`` cuts a group."""
+    group = cut_group(split, groups)
+    if group is None:
+        return
+    legal = legal_split(split, groups)
+    hint = f"try --split {_fmt(legal)}" if legal else "use fewer hosts"
+    raise PlanError(
+        f"--split {_fmt(split)} cuts layers {group[0]}-{group[1]}, which share KV caches and must run on one rank",
+        hint,
+    )
 
 
 def balanced_split(layer_work: Sequence[int], head_work: int, size: int) -> list[int]:
@@ -303,6 +359,8 @@ def make_plan(
     n = meta.num_layers
     costs = _costs(meta)
     strategy, chosen = choose_split(strategy, split, n, hosts, (costs.layer_work, costs.head_work))
+    groups = kv_sharing_groups(meta.text_config)
+    chosen = _keep_groups(strategy, chosen, groups, n)
     max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
     support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
     ranks = []
@@ -344,10 +402,12 @@ def make_plan(
         model_bytes=sum(t.nbytes for t in meta.tensors if meta.layer_of(t) is None or meta.layer_of(t) < n),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
-        notes=_notes(hosts) + _strategy_notes(strategy, costs, meta),
+        notes=_notes(hosts) + _strategy_notes(strategy, costs, meta) + _group_notes(groups),
     )
     if not plan.fits:
         suggestion = suggest_split(costs, hosts, context)
+        if suggestion is not None and groups:
+            suggestion = legal_split(suggestion, groups)
         if suggestion is not None and tuple(suggestion) != plan.split:
             plan = _replace(plan, suggested_split=tuple(suggestion))
     return plan
@@ -404,6 +464,30 @@ def suggest_split(costs: _Costs, hosts: Sequence[Host], context: int) -> list[in
         split[size - k] = end - start
         end = start
     return split
+
+
+def _keep_groups(strategy: str, split: list[int], groups: Sequence[tuple[int, int]], n: int) -> list[int]:
+    """``split`` with no group of KV-sharing layers cut: a given --split is refused, a computed one moved."""
+    if strategy == "split":
+        check_groups(split, groups)
+        return split
+    if cut_group(split, groups) is None:
+        return split
+    legal = legal_split(split, groups)
+    if legal is None:
+        first, last = cut_group(split, groups)  # type: ignore[misc]
+        raise PlanError(
+            f"no split of {n} layers over {len(split)} hosts keeps layers {first}-{last} "
+            "(which share KV caches) on one rank",
+            "use fewer hosts",
+        )
+    return legal
+
+
+def _group_notes(groups: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    return tuple(
+        f"layers {first}-{last} share KV caches: they run on one rank" for first, last in groups
+    )
 
 
 def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ def test_token_identical(arch_runs, arch_root: Path, model_type: str, num_ranks:
     tokens = [e["turns"][0]["tokens"] for e in case]
     assert all(t == tokens[0] for t in tokens), f"ranks disagree: {tokens}"
     assert tokens[0] == suite.reference(suite.build(model_type, arch_root))
-    split = suite.split_for(IDENTICAL.index(model_type), num_ranks)
+    split = suite.split_for(IDENTICAL.index(model_type), num_ranks, model_type)
     assert [e["layers"] for e in case] == [
         [sum(split[r + 1 :]), sum(split[r:])] for r in range(num_ranks)
     ]

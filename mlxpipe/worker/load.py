@@ -19,7 +19,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from mlxpipe.errors import ModelError
+from mlxpipe.errors import ModelError, PlanError
+from mlxpipe.metadata import kv_sharing_groups, text_config_of
+from mlxpipe.plan import check_groups
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.pipeline import check_supported, learn_layouts, pipeline_generic, pipeline_native
 
@@ -86,6 +88,11 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         trust_remote_code=job.trust_remote_code,
     )
     model.__dict__.pop("load_weights", None)
+    if group.size() > 1:
+        try:
+            check_groups(job.split, kv_sharing_groups(text_config_of(config)))
+        except PlanError as e:
+            raise ModelError(str(e), hint=e.hint) from e
     if job.mode == "native":
         start, end = pipeline_native(model, group, job.split)
     else:

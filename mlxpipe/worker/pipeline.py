@@ -48,9 +48,6 @@ from mlxpipe.worker.job import layer_range
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "afm7": "its KV-reuse layers read the last layer's cache",
     "deepseek_v41": "its layers pass hyper-connection streams to each other",
-    "gemma3n": "its layers share KV caches across the stack",
-    "gemma4": "its layers share KV caches across the stack",
-    "gemma4_text": "its layers share KV caches across the stack",
     "iquestloopcoder": "its model runs each block's attention itself, twice, instead of calling the blocks",
     "kimi_k3": "its layers pass attention blocks to the next layer",
     "muse_spark": "its layers pass attention inputs to the next layer",
@@ -93,6 +90,9 @@ class Exchange:
         # Caches advanced by a stand-in in this forward pass: a KV-sharing layer is
         # handed its owner's cache, which must not advance twice.
         self.advanced: set[int] = set()
+        # Where the hidden state keeps its tokens: (batch, tokens, ...) but for models
+        # that stack several copies first (Gemma 3n's AltUp: (copies, batch, tokens, ...)).
+        self.token_axis = 1
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,11 @@ class _PipelineStage:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._mlxpipe_stage
         exchange = stage.exchange
+        where, x = _find_hidden(self, args, kwargs, exchange.last_out)
         if stage.index == 0:
             exchange.advanced.clear()  # a new forward pass
-        where, x = _find_hidden(self, args, kwargs, exchange.last_out)
+            if exchange.probing and _PROBE_TOKENS in x.shape:
+                exchange.token_axis = list(x.shape).index(_PROBE_TOKENS)
         cache = _find_cache(args, kwargs)
         if stage.recv_from is not None and not exchange.probing:
             x, args, kwargs = _receive(stage, x, cache, args, kwargs)
@@ -129,7 +131,8 @@ class _PipelineStage:
         else:
             if cache is not None and id(cache) not in exchange.advanced:
                 exchange.advanced.add(id(cache))
-                advance_cache(cache, x.shape[0], x.shape[1])
+                axis = exchange.token_axis
+                advance_cache(cache, x.shape[axis - 1] if axis else 1, x.shape[axis])
             # A new array, not ``x`` itself: the next block must tell the state from
             # other arguments that were the same object (Talkie's embeddings).
             out = mx.stop_gradient(x)
