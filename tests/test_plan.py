@@ -15,14 +15,16 @@ import pytest
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.hostfile import GB, Host
-from mlxpipe.metadata import ModelMetadata, Tensor, kv_bytes_per_token
+from mlxpipe.metadata import ModelMetadata, Tensor, kv_bytes_per_token, kv_sharing_groups
 from mlxpipe.plan import (
     RUNTIME_OVERHEAD,
     balanced_split,
     choose_split,
+    cut_group,
     even_split,
     kv_bytes,
     layer_ranges,
+    legal_split,
     make_plan,
     proportional_split,
 )
@@ -708,3 +710,64 @@ def test_plan_json_round_trips() -> None:
     assert [(r["rank"], r["host"], r["start"], r["end"], r["layers"], r["fits"]) for r in data["ranks"]] == [
         (0, "h0", 2, 4, 2, True), (1, "h1", 0, 2, 2, False),
     ]
+
+
+# --- Layers that share KV caches stay on one rank ----------------------------------------
+
+# Gemma 3n E2B's pattern: four sliding layers then a full one; the last 10 of 30 read the
+# caches of the last sliding (18) and full (19) layers before them.
+GEMMA3N = {
+    "num_kv_shared_layers": 10,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 6,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "groups"),
+    [
+        (GEMMA3N, [(18, 29)]),
+        ({"num_kv_shared_layers": 0, "layer_types": GEMMA3N["layer_types"]}, []),
+        ({"num_hidden_layers": 30}, []),
+        # No layer types: Gemma's pattern (every sliding_window_pattern-th layer is full).
+        ({"num_hidden_layers": 10, "num_kv_shared_layers": 4, "sliding_window_pattern": 5}, [(4, 9)]),
+        ({"layer_types": ["full_attention"] * 4, "num_kv_shared_layers": 4}, [(0, 3)]),
+    ],
+)
+def test_kv_sharing_groups(config: dict[str, Any], groups: list[tuple[int, int]]) -> None:
+    assert kv_sharing_groups(config) == groups
+
+
+@pytest.mark.parametrize(
+    ("split", "legal"),
+    [
+        ([10, 10, 10], [12, 8, 10]),  # the cut at 20 moves to 18, the nearest legal one
+        ([12, 9, 9], [12, 9, 9]),  # already legal: unchanged
+        ([1, 29], [12, 18]),
+        ([6, 6, 6, 6, 6], [12, 1, 5, 6, 6]),  # cuts 18 and 24 both fall in the group: 17 and 18 move least
+        ([1] * 30, None),  # 29 cuts, only 18 legal places
+    ],
+)
+def test_legal_split_moves_each_cut_out_of_the_group(split: list[int], legal: list[int] | None) -> None:
+    assert legal_split(split, [(18, 29)]) == legal
+    if legal is not None:
+        assert cut_group(legal, [(18, 29)]) is None
+
+
+def test_computed_splits_keep_the_group_on_one_rank() -> None:
+    plan = make_plan(uniform(30, MB, **GEMMA3N), hosts(3), strategy="even")
+    assert plan.split == (12, 8, 10)
+    assert plan.ranks[0].start == 18
+    assert "layers 18-29 share KV caches: they run on one rank" in plan.notes
+
+
+def test_a_split_that_cuts_the_group_is_refused_with_a_legal_one() -> None:
+    with pytest.raises(PlanError) as error:
+        make_plan(uniform(30, MB, **GEMMA3N), hosts(3), split=[10, 10, 10])
+    assert str(error.value.message) == "--split 10,10,10 cuts layers 18-29, which share KV caches and must run on one rank"
+    assert error.value.hint == "try --split 12,8,10"
+
+
+def test_no_split_keeps_the_group_whole() -> None:
+    config = {"layer_types": ["sliding_attention"] * 4, "num_kv_shared_layers": 3}
+    with pytest.raises(PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"):
+        make_plan(uniform(4, MB, **config), hosts(2), strategy="even")

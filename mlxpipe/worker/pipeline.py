@@ -18,6 +18,11 @@ mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
 * After the model's last layer every rank all-gathers the hidden state and
   keeps rank 0's part, so every rank computes the same logits and samples the
   same token.
+* A block may return more than the hidden state (``(h, v_first)``): the extra
+  arrays shaped like the state's batch and tokens cross the cut packed with it,
+  and the stand-ins before the first local layer return zeros of their shapes,
+  replaced by the received ones where the model passes them on
+  (``learn_layouts`` finds out at load what crosses each cut).
 
 Overlapped requests (``mlxpipe.worker.engine``) move hidden states
 themselves, between micro-batches of different requests: with the rank's
@@ -42,9 +47,10 @@ from mlx_lm.models.cache import CacheList, _BaseCache
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.job import layer_range
 
-# Architectures whose layers exchange more than the hidden state (shared KV
-# caches, values from the first layer, several passes over the stack): cutting
-# them between ranks would give wrong tokens, so they are refused up front.
+# Architectures the generic pipeline cannot cut: what their layers hand each
+# other is not arrays the size of the hidden state (a shared dict of growing
+# state, residual-block objects, fused norms of the next rank's layer), or the
+# model runs the stack in another way than once, block by block.
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "afm7": "its KV-reuse layers read the last layer's cache",
     "deepseek_v41": "its layers pass hyper-connection streams to each other",
