@@ -58,7 +58,6 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "kimi_k3": "its layers pass attention blocks to the next layer",
     "muse_spark": "its layers pass attention inputs to the next layer",
     "nanbeige": "it runs the layer stack several times",
-    "phi3small": "a rank crashes (MLX segfault) when its block-sparse attention stack is cut; not yet understood",
 }
 
 
