@@ -155,17 +155,36 @@ class ModelMetadata:
 
     @cached_property
     def _layer_index(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for prefix, first in self._block_lists:
+            head = prefix + "."
+            for t in self.tensors:
+                if t.name.startswith(head):
+                    number = t.name[len(head):].split(".", 1)[0]
+                    if number.isdigit():
+                        out[t.name] = first + int(number)
+        return out
+
+    @cached_property
+    def _block_lists(self) -> list[tuple[str, int]]:
+        """The block list and the number of its first block; then, when the config counts
+        more layers than it holds, the one list beside it that makes up the rest
+        (AFM's ``kv_reuse_layers``, run after ``layers``), numbered on."""
         prefix = self.block_prefix
         if prefix is None:
-            return {}
-        head = prefix + "."
-        out: dict[str, int] = {}
-        for t in self.tensors:
-            if t.name.startswith(head):
-                number = t.name[len(head):].split(".", 1)[0]
-                if number.isdigit():
-                    out[t.name] = int(number)
-        return out
+            return []
+        lists = [(prefix, 0)]
+        n = config_layer_count(self.text_config, self.source) or 0
+        held = len(self._block_numbers[prefix])
+        parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+        siblings = [
+            p for p, numbers in self._block_numbers.items()
+            if p != prefix and (p.rsplit(".", 1)[0] if "." in p else "") == parent
+            and held + len(numbers) == n
+        ]
+        if held < n and len(siblings) == 1:
+            lists.append((siblings[0], held))
+        return lists
 
     def layer_of(self, tensor: Tensor) -> int | None:
         """The block number ``tensor`` belongs to, or None for shared tensors (embeddings, head)."""
@@ -360,6 +379,11 @@ def kv_sharing_groups(config: dict[str, Any]) -> list[tuple[int, int]]:
     same forward pass, the cache of the last earlier layer of their type; the
     readers, their sources and every layer between stay together.
     """
+    reuse = config.get("num_kv_reuse_layers")
+    n = config_layer_count(config, "config.json") or 0
+    if isinstance(reuse, int) and 0 < reuse < n:
+        # AFM: the KV-reuse layers, run last, read the cache of the layer before them.
+        return [(n - reuse - 1, n - 1)]
     shared = config.get("num_kv_shared_layers")
     if not isinstance(shared, int) or shared <= 0:
         return []

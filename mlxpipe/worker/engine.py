@@ -316,9 +316,8 @@ class Engine:
             raise RuntimeError("the pipeline's first local layer was never called")
 
     def _incoming_shape(self, num_tokens: int) -> tuple[tuple[int, ...], Any]:
-        assert self.exchange is not None and self.exchange.incoming is not None
-        shape, dtype = self.exchange.incoming
-        return (1, num_tokens, *shape[2:]), dtype
+        assert self.exchange is not None
+        return self.exchange.incoming_shape(num_tokens)
 
 
 def text_of(tokenizer: Any, tokens: list[int]) -> str:

@@ -52,7 +52,6 @@ from mlxpipe.worker.job import layer_range
 # state, residual-block objects, fused norms of the next rank's layer), or the
 # model runs the stack in another way than once, block by block.
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "afm7": "its KV-reuse layers read the last layer's cache",
     "deepseek_v41": "its layers pass hyper-connection streams to each other",
     "iquestloopcoder": "its model runs each block's attention itself, twice, instead of calling the blocks",
     "kimi_k3": "its layers pass attention blocks to the next layer",
@@ -98,6 +97,15 @@ class Exchange:
         # Where the hidden state keeps its tokens: (batch, tokens, ...) but for models
         # that stack several copies first (Gemma 3n's AltUp: (copies, batch, tokens, ...)).
         self.token_axis = 1
+
+
+    def incoming_shape(self, num_tokens: int) -> tuple[tuple[int, ...], Any]:
+        """The shape and dtype of what this rank receives for ``num_tokens`` tokens
+        (``incoming`` noted for other counts)."""
+        assert self.incoming is not None
+        shape, dtype = self.incoming
+        axis = 1 if self.incoming_layout is not None else self.token_axis  # packed: (batch, tokens, bytes)
+        return (*shape[:axis], num_tokens, *shape[axis + 1 :]), dtype
 
 
 @dataclass(frozen=True)
@@ -514,6 +522,23 @@ def find_layers(model: nn.Module) -> tuple[nn.Module, str]:
     )
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks in the order it runs them.
+
+    The list ``find_layers`` finds; else what ``model.layers`` returns, when
+    that joins several lists (AFM's blocks, then its KV-reuse blocks): the
+    pipeline wraps the block objects themselves, wherever they are kept.
+    """
+    try:
+        owner, key = find_layers(model)
+    except ModelError:
+        joined = getattr(model, "layers", None)
+        if _is_layer_list(joined):
+            return joined
+        raise
+    return owner[key]
+
+
 def _is_layer_list(value: Any) -> bool:
     """Whether ``value`` is a non-empty list of modules."""
     return (
@@ -548,7 +573,7 @@ def check_supported(model: nn.Module) -> None:
             f"mlxpipe cannot pipeline {model_type_of(model)}: {reason}",
             hint="run it on one machine with mlx_lm.generate",
         )
-    find_layers(model)
+    blocks_of(model)
 
 
 def has_native_pipeline(model: nn.Module) -> bool:
@@ -570,8 +595,7 @@ def check_split(split: list[int], num_layers: int, group_size: int) -> None:
 def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
     """Pipeline ``model`` in place for this rank; returns its ``[start, end)``."""
     check_supported(model)
-    owner, key = find_layers(model)
-    layers = owner[key]
+    layers = blocks_of(model)
     rank, size = group.rank(), group.size()
     check_split(split, len(layers), size)
     start, end = layer_range(split, rank)
@@ -600,8 +624,7 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
 
 def find_exchange(model: nn.Module) -> Exchange | None:
     """The ``Exchange`` of a model ``pipeline_generic`` wrapped; None for one rank or native mode."""
-    owner, key = find_layers(model)
-    for layer in owner[key]:
+    for layer in blocks_of(model):
         stage = getattr(layer, "_mlxpipe_stage", None)
         if stage is not None:
             return stage.exchange
