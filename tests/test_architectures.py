@@ -112,3 +112,15 @@ def test_metadata_finds_the_blocks(arch_root: Path, model_type: str) -> None:
     validate(meta)
     assert meta.num_layers == suite.NUM_LAYERS
     assert {meta.layer_of(t) for t in meta.tensors} - {None} == set(range(suite.NUM_LAYERS))
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("deepseek_v41", "muse_spark") if t in REFUSED])
+def test_a_refused_model_with_its_own_pipeline_points_to_native(arch_root: Path, model_type: str) -> None:
+    """The generic pipeline refuses it; mlx-lm's own pipeline (--pipeline native) is let through."""
+    from mlxpipe.worker.load import check_pipelinable
+
+    path = suite.build(model_type, arch_root)
+    with pytest.raises(ModelError) as error:
+        check_pipelinable(path)
+    assert error.value.hint == "run it with --pipeline native (mlx-lm's own pipeline for it; one request at a time)"
+    check_pipelinable(path, mode="native")

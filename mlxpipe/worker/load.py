@@ -184,8 +184,9 @@ def check_pipelinable(
         )
     except (ValueError, KeyError, TypeError) as e:
         raise ModelError(f"mlx-lm cannot build the model in {path}: {e}") from e
-    check_supported(model)
-    if mode == "native":
+    if mode != "native":
+        check_supported(model)
+    else:
         inner = model.get("model")
         if not callable(getattr(inner, "pipeline", None)):
             raise ModelError(

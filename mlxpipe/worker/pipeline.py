@@ -52,10 +52,10 @@ from mlxpipe.worker.job import layer_range
 # state, residual-block objects, fused norms of the next rank's layer), or the
 # model runs the stack in another way than once, block by block.
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "deepseek_v41": "its layers pass hyper-connection streams to each other",
+    "deepseek_v41": "its layers hand compressed-KV state to later layers through a shared dict",
     "iquestloopcoder": "its model runs each block's attention itself, twice, instead of calling the blocks",
-    "kimi_k3": "its layers pass attention blocks to the next layer",
-    "muse_spark": "its layers pass attention inputs to the next layer",
+    "kimi_k3": "its layers pass an attention-residual object, not arrays, to the next layer",
+    "muse_spark": "each block norms the next block's input with that block's weights, which the next rank holds",
     "nanbeige": "it runs the layer stack several times",
 }
 
@@ -569,9 +569,11 @@ def check_supported(model: nn.Module) -> None:
     """Raise ModelError when the generic pipeline cannot split ``model``."""
     reason = UNSUPPORTED_MODEL_TYPES.get(model_type_of(model))
     if reason is not None:
+        native = has_native_pipeline(model)
         raise ModelError(
             f"mlxpipe cannot pipeline {model_type_of(model)}: {reason}",
-            hint="run it on one machine with mlx_lm.generate",
+            hint="run it with --pipeline native (mlx-lm's own pipeline for it; one request at a time)"
+            if native else "run it on one machine with mlx_lm.generate",
         )
     blocks_of(model)
 
