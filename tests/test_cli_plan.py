@@ -368,3 +368,35 @@ def test_plan_does_not_import_mlx(model: Path) -> None:
     )
     assert json.loads(proc.stderr) == {"code": 0, "after_import": [], "after_plan": []}
     assert json.loads(proc.stdout)["split"] == [3, 3]
+
+
+# --- Layers that share KV caches -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv_shared_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny 6-layer Gemma 4 whose last two layers read layer 3's KV cache: layers 3-5 stay together."""
+    from fixtures.arch_configs import tiny_config
+    from fixtures.tiny_models import write_checkpoint
+
+    config = {**tiny_config("gemma4_text", 6), "num_kv_shared_layers": 2}
+    return write_checkpoint(config, tmp_path_factory.mktemp("kv-shared") / "gemma4", num_shards=3)
+
+
+def test_a_computed_split_keeps_kv_sharing_layers_on_one_rank(kv_shared_model: Path) -> None:
+    result = invoke("plan", "--model", str(kv_shared_model), "--hostfile", str(REPO / "hostfiles" / "local-3.json"))
+    assert result.exit_code == 0, result.output
+    # Even would cut at 2 and 4; the cut at 4 moves to 3.
+    assert rows(result.stdout) == [
+        ("0", "127.0.0.1", "3-5 (3)"), ("1", "127.0.0.1", "2-2 (1)"), ("2", "127.0.0.1", "0-1 (2)"),
+    ]
+    assert "note: layers 3-5 share KV caches: they run on one rank" in result.stdout
+
+
+def test_a_split_that_cuts_kv_sharing_layers_is_refused(kv_shared_model: Path) -> None:
+    result = invoke("plan", "--model", str(kv_shared_model), "--hostfile", str(LOCAL_2), "--split", "2,4")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == (
+        "error: --split 2,4 cuts layers 3-5, which share KV caches and must run on one rank"
+    )
+    assert "try --split 3,3" in result.stderr
