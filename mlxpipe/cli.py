@@ -620,7 +620,7 @@ def lora(
     model: Optional[str] = typer.Option(
         None, "--model", "-m", help="Hub repo id or local directory.", show_default="the -c file's, else the demo model"
     ),
-    train: bool = typer.Option(False, "--train", help="Do training."),
+    train: bool = typer.Option(False, "--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead)."),
     data: Optional[str] = typer.Option(
         None, "--data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl): mlx_lm.lora's text, "
         "completions or chat formats.", show_default="data, or the -c file's",
@@ -629,7 +629,7 @@ def lora(
     optimizer: Optional[str] = typer.Option(
         None, "--optimizer", help="adam, adamw, muon, sgd or adafactor.", show_default="adam"
     ),
-    mask_prompt: Optional[bool] = typer.Option(None, "--mask-prompt", help="Leave the prompt out of the loss.", show_default="off"),
+    mask_prompt: bool = typer.Option(False, "--mask-prompt", help="Leave the prompt out of the loss."),
     num_layers: Optional[int] = typer.Option(None, "--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per step.", show_default="4"),
     iters: Optional[int] = typer.Option(None, "--iters", help="Training steps.", show_default="1000"),
@@ -647,14 +647,14 @@ def lora(
         show_default="adapters",
     ),
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Steps between checkpoints.", show_default="100"),
-    test: Optional[bool] = typer.Option(None, "--test", help="Evaluate on test.jsonl after training.", show_default="off"),
+    test: bool = typer.Option(False, "--test", help="Evaluate on test.jsonl after training."),
     test_batches: Optional[int] = typer.Option(None, "--test-batches", help="Test batches; -1 for all.", show_default="500"),
     max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048"),
     train_config: Optional[Path] = typer.Option(
         None, "--config", "-c", help="mlx_lm.lora YAML file (lora_parameters, lr_schedule, ...); flags win over it.",
         show_default="none",
     ),
-    grad_checkpoint: Optional[bool] = typer.Option(None, "--grad-checkpoint", help="Recompute activations in the backward to save memory.", show_default="off"),
+    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute activations in the backward to save memory."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0"),
     micro_batches: Optional[int] = typer.Option(
         None, "--micro-batches", help="Micro-batches per step, flowing through the stages one behind the other; "
@@ -689,11 +689,11 @@ def lora(
 
     flags = {
         "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,
-        "mask_prompt": mask_prompt, "num_layers": num_layers, "batch_size": batch_size, "iters": iters,
+        "mask_prompt": mask_prompt or None, "num_layers": num_layers, "batch_size": batch_size, "iters": iters,
         "val_batches": val_batches, "learning_rate": learning_rate, "steps_per_report": steps_per_report,
         "steps_per_eval": steps_per_eval, "resume_adapter_file": resume_adapter_file, "adapter_path": adapter_path,
-        "save_every": save_every, "test": test, "test_batches": test_batches, "max_seq_length": max_seq_length,
-        "grad_checkpoint": grad_checkpoint, "seed": seed, "micro_batches": micro_batches, "schedule": schedule,
+        "save_every": save_every, "test": test or None, "test_batches": test_batches, "max_seq_length": max_seq_length,
+        "grad_checkpoint": grad_checkpoint or None, "seed": seed, "micro_batches": micro_batches, "schedule": schedule,
         "trust_remote_code": trust_remote_code or None,
     }
     options = training.TrainOptions.build(flags, train_config)

@@ -9,6 +9,7 @@ micro-batches and the schedule. Each launch checks several things at once.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -36,9 +37,12 @@ def _say(rng: random.Random, low: int, high: int) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama and a tiny MoE (4 layers), text data and chat data."""
+    """A tiny llama (float32, and quantized to 4 bits), a tiny MoE (4 layers), text data and chat data."""
+    from mlx_lm.convert import convert
+
     root = tmp_path_factory.mktemp("lora")
     make_tiny_checkpoint("llama", root / "llama", num_layers=4)
+    convert(str(root / "llama"), str(root / "llama-4bit"), quantize=True, q_group_size=32, q_bits=4, dtype="float32")
     make_tiny_checkpoint("qwen3_moe", root / "moe", num_layers=4)
     rng = random.Random(0)
     for name, n in (("train", 20), ("valid", 8), ("test", 8)):
@@ -158,15 +162,16 @@ def test_two_ranks_gpipe_with_micro_batches_equals_mlx_lm(workdir: Path, text_re
     check_run(lines, text_reference, out)
 
 
-def test_three_ranks_1f1b_resumed_equals_mlx_lm_resumed(workdir: Path, text_reference: dict[str, Any]) -> None:
+def test_three_ranks_1f1b_quantized_resumed_equals_mlx_lm_resumed(workdir: Path) -> None:
+    """QLoRA: a 4-bit base, resumed from the float run's checkpoint (same adapter shapes)."""
     start = workdir / "naive" / "0000002_adapters.safetensors"
     if not start.exists():
         pytest.skip("needs the two-rank run's checkpoint")
     flags = {**FLAGS, "iters": 3}
-    ref = reference(workdir / "ref-resumed", model=str(workdir / "llama"), data=str(workdir / "text"),
+    ref = reference(workdir / "ref-resumed", model=str(workdir / "llama-4bit"), data=str(workdir / "text"),
                     resume_adapter_file=str(start), **flags)
     out = workdir / "resumed"
-    lines = mlxpipe_lora("local-3.json", out, model=str(workdir / "llama"), data=str(workdir / "text"),
+    lines = mlxpipe_lora("local-3.json", out, model=str(workdir / "llama-4bit"), data=str(workdir / "text"),
                          micro_batches=4, schedule="1f1b", resume_adapter_file=str(start), **flags)
     check_run(lines, ref, out)
     # Rank 2 holds layer 0 alone, which --num-layers 3 leaves without adapters: it only runs forward.
@@ -195,3 +200,34 @@ def test_bad_flags_are_refused_before_any_rank_starts(workdir: Path) -> None:
         )
         assert result.returncode == 2, result.stderr
         assert message in result.stderr
+
+
+def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_checkpoints(workdir: Path) -> None:
+    import time
+
+    import mlx.core as mx
+
+    from fixtures import faulty_trainer
+    from fixtures.processes import local_rank_processes
+    from mlxpipe import lora
+    from mlxpipe.errors import LaunchError
+    from mlxpipe.startup import PipelineConfig
+    from mlxpipe.target import resolve_target
+
+    out = workdir / "dies"
+    target = resolve_target(str(workdir / "llama"), None, REPO / "hostfiles" / "local-2.json", None, None, None)
+    config = PipelineConfig(target, timeout=60, quiet=True, worker=faulty_trainer.worker(on_rank=1, at_step=3))
+    options = lora.TrainOptions.build({"model": str(workdir / "llama"), "train": True, "data": str(workdir / "text"),
+                                       "adapter_path": str(out), **FLAGS})
+    with pytest.raises(LaunchError) as e:
+        lora.train(config, options, lora.Reporter())
+    assert e.value.message.startswith("rank 1 on 127.0.0.1: "), e.value.message
+    assert "status 3" in e.value.message
+    # The checkpoint of step 2 was written whole before the failure, and loads.
+    weights = mx.load(str(out / "0000002_adapters.safetensors"))
+    assert sorted(weights) == sorted(mx.load(str(out / "adapters.safetensors")))
+    assert not (out / "0000004_adapters.safetensors").exists()
+    deadline = time.monotonic() + 10
+    while local_rank_processes(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert local_rank_processes(os.getpid()) == {}
