@@ -299,7 +299,8 @@ class Training:
         ident = 0
         events = self.pipe.ranks.events(self.pipe.options.step_timeout)
         while True:
-            while len(self._window) < IN_FLIGHT:
+            # Nothing is sent past a save until it is written: a rank failing later cannot lose it.
+            while len(self._window) < IN_FLIGHT and not any(r["type"] == "save" for r in self._window):
                 request = next(todo, None)
                 if request is None:
                     break
