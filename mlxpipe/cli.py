@@ -701,7 +701,7 @@ def lora(
     pipeline_config = _pipeline_config(target, backend, "generic", 2048, port, timeout, options.trust_remote_code,
                                        json_out, from_controller)
     reporter = LoraReporter(json_out)
-    result = training.train(pipeline_config, options, reporter, reporter.plan)
+    result = training.train(pipeline_config, options, reporter)
     reporter.summary(result)
 
 

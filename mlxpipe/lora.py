@@ -17,7 +17,7 @@ import time
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from mlxpipe.errors import ConfigError, LaunchError, UsageError
 from mlxpipe.worker.train_schedule import SCHEDULES
@@ -158,6 +158,16 @@ def load_datasets(options: TrainOptions, model_dir: Path) -> Datasets:
     return Datasets(CacheDataset(train), CacheDataset(valid), CacheDataset(test))
 
 
+def longest_sequence(dataset: Any) -> int:
+    """The longest tokenized sequence of ``dataset`` (mlx-lm caches the tokenization for the batches)."""
+    longest = 0
+    for i in range(len(dataset)):
+        item = dataset[i]
+        tokens = item[0] if isinstance(item, tuple) else item
+        longest = max(longest, len(tokens))
+    return longest
+
+
 def _wire(batch: Any) -> tuple[list, list]:
     tokens, lengths = batch
     return tokens.tolist(), lengths.tolist()
@@ -246,6 +256,7 @@ class TrainResult:
 class Reporter:
     """What the run tells the user; the CLI gives one (terminal lines or --json)."""
 
+    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None: ...
     def step(self, report: StepReport) -> None: ...
     def train(self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float) -> None: ...
     def val(self, it: int, loss: float, seconds: float) -> None: ...
@@ -353,8 +364,10 @@ class Training:
                 self.result.test_loss = loss
                 self.reporter.test(loss)
             else:
+                # The slowest rank's own time: with requests sent ahead, completions say little about one request.
+                took = max(float(a.get("seconds", 0.0)) for a in answers.values())
                 self.result.val_losses[int(it)] = loss
-                self.reporter.val(int(it), loss, seconds)
+                self.reporter.val(int(it), loss, took)
         elif kind == "save":
             parts = self._adapters.pop(request["id"], {})
             folder = Path(self.options.adapter_path)
@@ -375,19 +388,18 @@ class Training:
                             len(steps) / seconds, tokens / seconds, trained, max(self._peaks.values(), default=0.0))
 
 
-def train(config: Any, options: TrainOptions, reporter: Reporter,
-          on_start: Callable[[Any, Any], None] | None = None) -> TrainResult:
+def train(config: Any, options: TrainOptions, reporter: Reporter) -> TrainResult:
     """Plan, check, download, launch with LoRA on every rank, train, and write the adapters.
 
-    ``config`` is the ``PipelineConfig``; ``on_start(meta, plan)`` sees the plan before launch.
+    ``config`` is the ``PipelineConfig``; the reporter sees the plan and the memory estimate before launch.
     """
     from mlxpipe.generate import controller_model_dir
+    from mlxpipe.lora_plan import training_memory
     from mlxpipe.startup import launch, prepare
 
     meta, the_plan = prepare(config)
-    if on_start is not None:
-        on_start(meta, the_plan)
     data = load_datasets(options, controller_model_dir(meta))
+    reporter.plan(meta, the_plan, training_memory(meta, the_plan, options, longest_sequence(data.train)))
     resume = Path(options.resume_adapter_file).read_bytes() if options.resume_adapter_file else None
     if options.train:
         write_adapter_config(options, meta.source)

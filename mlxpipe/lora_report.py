@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from mlxpipe import console
+from mlxpipe.console import human_bytes
 from mlxpipe.lora import Reporter, StepReport, TrainResult
 
 
@@ -16,18 +18,27 @@ class LoraReporter(Reporter):
 
     def __init__(self, json_out: bool) -> None:
         self.json_out = json_out
+        self.memory: dict[int, Any] = {}
 
     def _line(self, data: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(data, default=str) + "\n")
         sys.stdout.flush()
 
-    def plan(self, meta: Any, the_plan: Any) -> None:
+    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None:
+        self.memory = {m.rank: m for m in memory}
         if self.json_out:
-            self._line({"type": "plan", "split": list(the_plan.split),
-                        "ranks": [{"rank": r.rank, "host": r.host, "layers": [r.start, r.end]} for r in the_plan.ranks]})
+            self._line({"type": "plan", "split": list(the_plan.split), "ranks": [
+                {"rank": r.rank, "host": r.host, "layers": [r.start, r.end], **asdict(self.memory[r.rank]),
+                 "total_bytes": self.memory[r.rank].total_bytes}
+                for r in the_plan.ranks]})
             return
         for r in the_plan.ranks:
-            console.err.print(f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}[/]")
+            m = self.memory[r.rank]
+            console.err.print(
+                f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}; training memory ~{human_bytes(m.total_bytes)}"
+                f" = frozen {human_bytes(m.frozen_bytes)} + adapters, gradients, optimizer {human_bytes(m.lora_bytes)}"
+                f" + activations of {m.micro_batches_held} micro-batch(es) {human_bytes(m.activation_bytes)}[/]"
+            )
 
     def step(self, report: StepReport) -> None:
         if self.json_out:
@@ -71,9 +82,11 @@ class LoraReporter(Reporter):
         if result.saved:
             console.out.print(f"Saved final weights to {result.saved[-1]}.")
         for r in result.ranks:
+            estimate = self.memory.get(r.rank)
+            planned = f" (estimated {estimate.total_bytes / 1e9:.3f} GB)" if estimate else ""
             console.err.print(
                 f"[dim]rank {r.rank} ({r.host}): layers {r.layers[0]}-{r.layers[1] - 1}, "
-                f"peak memory {r.peak_memory_gb:.3f} GB[/]"
+                f"peak memory {r.peak_memory_gb:.3f} GB{planned}[/]"
             )
         if result.steps:
             console.err.print(f"[dim]{len(result.steps)} steps, {result.tokens_per_second:.1f} trained tokens/s[/]")

@@ -231,3 +231,24 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
     while local_rank_processes(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert local_rank_processes(os.getpid()) == {}
+
+
+@pytest.mark.parametrize(("model", "num_layers", "keys"), [("llama", 3, None), ("llama-4bit", 2, None),
+                                                           ("moe", -1, None), ("llama", 4, ["self_attn.q_proj"])])
+def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, model: str, num_layers: int,
+                                                              keys: list[str] | None) -> None:
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    from mlxpipe.lora_plan import lora_parameters_of
+    from mlxpipe.metadata import load_local
+
+    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
+    loaded, _ = load(str(workdir / model))
+    loaded.freeze()
+    linear_to_lora_layers(loaded, num_layers, lora)
+    made = sum(v.size for _, v in tree_flatten(loaded.trainable_parameters()))
+    meta = load_local(workdir / model)
+    first = 0 if num_layers < 0 else 4 - num_layers
+    assert sum(lora_parameters_of(meta, i, 4, keys) for i in range(first, 4)) == made
