@@ -47,7 +47,7 @@ from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.pipeline import find_exchange, find_layers
-from mlxpipe.worker.serve import init_group
+from mlxpipe.worker.serve import PROGRESS_SECONDS, init_group
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
 Emit = Callable[..., None]
@@ -205,6 +205,7 @@ class Stage:
         self.backward_from = self._first_trained_stage()
         self.model.train()
         self._incoming: dict[tuple[int, ...], tuple[tuple[int, ...], Any]] = {}
+        self.on_action: Callable[[str], None] = lambda what: None  # progress, for the controller's watchdog
 
     @property
     def runs_backward(self) -> bool:
@@ -262,6 +263,7 @@ class Stage:
         loss = mx.array(0.0)
         actions = stage_actions(schedule, self.size, self.index, micro_batches, self.backward_from)
         for action in actions:
+            self.on_action(f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro + 1}/{micro_batches}")
             mb, mb_lengths = cuts[action.micro]
             if action.kind == "F":
                 done = self._forward(action, mb, mb_lengths, ntoks, params, flight)
@@ -376,6 +378,17 @@ class Trainer:
     def __init__(self, stage: Stage, emit: Emit = protocol.emit) -> None:
         self.stage, self._emit = stage, emit
         self.rank, self.host = stage.rank, socket.gethostname()
+        self._actions, self._reported = 0, time.monotonic()
+        self._request = ""
+        stage.on_action = self._progress
+
+    def _progress(self, what: str) -> None:
+        """A ``progress`` event at most every PROGRESS_SECONDS: a long step is not a stalled one."""
+        self._actions += 1
+        now = time.monotonic()
+        if now - self._reported >= PROGRESS_SECONDS:
+            self._reported = now
+            self._emit("progress", rank=self.rank, what=f"{self._request}: {what}", step=self._actions)
 
     def serve(self, stream: IO[str]) -> None:
         inbox = Inbox(stream)
@@ -391,6 +404,7 @@ class Trainer:
             if handler is None:
                 raise UsageError(f"unknown request type {kind!r} for a training rank")
             tic = time.perf_counter()
+            self._request = f"{kind} {request.get('it') or ''}".strip()
             fields = handler(request)
             self._emit("done", id=request.get("id"), kind=kind, rank=self.rank, host=self.host,
                        seconds=time.perf_counter() - tic, peak_memory=mx.get_peak_memory() / 1e9, **fields)
