@@ -11,7 +11,9 @@ The same batches (mlx_lm.lora's own ``iterate_batches``, seed 0) are trained:
   GPipe and 1F1B with M = 2, 4, 8 micro-batches.
 
 Tokens/s counts the tokens the loss counts, over the wall time of every step but
-each setup's first (a warm-up), as mlx_lm.lora's report does.
+each setup's first (a warm-up), as mlx_lm.lora's report does. A second single-process
+row trains the same number of sequences one at a time: on a CPU a small batch can
+cost less per token, which the pipeline's micro-batches profit from too.
 """
 
 from __future__ import annotations
@@ -70,25 +72,26 @@ def build(dest: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def options_for(model: Path, data: Path, out: Path, iters: int) -> Any:
+def options_for(model: Path, data: Path, out: Path, iters: int, batch: int = BATCH) -> Any:
     from mlxpipe.lora import TrainOptions
 
-    return TrainOptions.build({"model": str(model), "train": True, "data": str(data), "batch_size": BATCH,
+    return TrainOptions.build({"model": str(model), "train": True, "data": str(data), "batch_size": batch,
                                "iters": iters, "num_layers": -1, "learning_rate": 1e-5, "val_batches": 0,
                                "adapter_path": str(out), "steps_per_report": 1, "save_every": 10**6})
 
 
-def single_process(model: Path, data: Path, out: Path, iters: int) -> Row:
+def single_process(model: Path, data: Path, out: Path, iters: int, batch: int = BATCH) -> Row:
     argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model), str(data),
-            str(out), "--iters", str(iters)]
+            str(out), "--iters", str(iters), "--batch", str(batch)]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise SystemExit(result.stderr[-2000:])
     tokens, seconds = json.loads(result.stdout.strip().splitlines()[-1])
-    return Row("mlx_lm.lora, single process", 1, tokens, seconds)
+    how = "mlx_lm.lora, single process" + ("" if batch == BATCH else f", batch {batch}")
+    return Row(how, 1, tokens, seconds)
 
 
-def _single_process_main(model: str, data: str, out: str, iters: int) -> None:
+def _single_process_main(model: str, data: str, out: str, iters: int, batch: int) -> None:
     import types
 
     import numpy as np
@@ -97,7 +100,7 @@ def _single_process_main(model: str, data: str, out: str, iters: int) -> None:
     from mlx_lm.tuner.datasets import load_dataset
     from mlx_lm.utils import load
 
-    options = options_for(Path(model), Path(data), Path(out), iters)
+    options = options_for(Path(model), Path(data), Path(out), iters, batch)
     args = types.SimpleNamespace(**{**mlx_lora.CONFIG_DEFAULTS, **options.mlx_lm_args().__dict__})
     reports: list[dict[str, Any]] = []
 
@@ -148,10 +151,12 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     return rows
 
 
-def table(single: Row, rows: list[Row]) -> str:
+def table(single: Row, small: Row, rows: list[Row]) -> str:
     naive = next(r.tps for r in rows if r.micro == 1)
     lines = ["| setup | placement | M | trained tok/s | vs naive | vs single process |", "|---|---|---:|---:|---:|---:|",
-             f"| {single.how} | {placement(0)} | - | {single.tps:.1f} | - | 1.00x |"]
+             f"| {single.how} | {placement(0)} | - | {single.tps:.1f} | - | 1.00x |",
+             f"| {small.how} (M = 8's micro-batch alone) | {placement(0)} | - | {small.tps:.1f} | - | "
+             f"{small.tps / single.tps:.2f}x |"]
     for r in rows:
         lines.append(f"| 2 ranks, {r.how} | {placement(2)} | {r.micro} | {r.tps:.1f} | {r.tps / naive:.2f}x | "
                      f"{r.tps / single.tps:.2f}x |")
@@ -173,9 +178,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per setup, the first a warm-up")
     parser.add_argument("--single-process", nargs=3, metavar=("MODEL", "DATA", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--iters", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.single_process:
-        _single_process_main(*args.single_process, iters=args.iters)
+        _single_process_main(*args.single_process, iters=args.iters, batch=args.batch)
         return
     steps = 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,8 +191,11 @@ def main() -> None:
         tic = time.perf_counter()
         single = single_process(model, data, Path(tmp) / "single", steps)
         print(f"  single process: {single.tps:.1f} tok/s", file=sys.stderr)
+        # The same tokens in batches of one sequence: what a micro-batch of M = 8 costs on one core.
+        small = single_process(model, data, Path(tmp) / "single-1", steps * BATCH, batch=BATCH // 8)
+        print(f"  single process, batch {BATCH // 8}: {small.tps:.1f} tok/s", file=sys.stderr)
         rows = pipeline_rows(model, data, Path(tmp) / "pipe", steps)
-        print(table(single, rows))
+        print(table(single, small, rows))
         print()
         print(verdict(single, rows))
         print(f"(bench took {time.perf_counter() - tic:.0f} s; {len(cores())} usable cores)")

@@ -695,7 +695,7 @@ def lora(
     }
     options = training.TrainOptions.build(flags, train_config)
     target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None)
-    pipeline_config = _pipeline_config(target, backend, "generic", 2048, port, timeout, options.trust_remote_code,
+    pipeline_config = _pipeline_config(target, backend, "generic", None, port, timeout, options.trust_remote_code,
                                        json_out, from_controller)
     reporter = LoraReporter(json_out)
     result = training.train(pipeline_config, options, reporter)
