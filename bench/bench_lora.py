@@ -132,7 +132,7 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     datasets = lora.load_datasets(options, controller_model_dir(meta))
     batches = [r for r in lora.requests(options, datasets, None) if r["type"] == "step"]
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
-    rows = []
+    rows, peaks = [], {}
     try:
         pids = worker_pids(pipe.job.encode())
         for rank, core in enumerate(rank_cores(2)):
@@ -143,12 +143,34 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
             later = result.steps[1:]
             how = "naive (one micro-batch)" if micro == 1 else schedule
             rows.append(Row(how, micro, sum(s.tokens for s in later), sum(s.seconds for s in later)))
+            peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
             print(f"  {how}, M = {micro}: {rows[-1].tps:.1f} tok/s", file=sys.stderr)
     except BaseException:
         pipe.stop()
         raise
     pipe.close()
+    memory_table(meta, the_plan, options, datasets, peaks)
     return rows
+
+
+def memory_table(meta: Any, the_plan: Any, options: Any, datasets: Any, peaks: dict[int, float]) -> None:
+    """Each rank's peak memory over the whole launch against the plan's estimate for its largest setup.
+
+    The largest is GPipe with M = 8 (or the naive schedule: the same eight sequences held at once).
+    """
+    from dataclasses import replace
+
+    from mlxpipe.lora import longest_sequence
+    from mlxpipe.lora_plan import training_memory
+
+    largest = replace(options, micro_batches=8, schedule="gpipe")
+    estimate = training_memory(meta, the_plan, largest, longest_sequence(datasets.train))
+    print("| rank | layers | estimated (GPipe, M = 8) | measured peak | measured / estimated |", file=sys.stderr)
+    print("|---:|---|---:|---:|---:|", file=sys.stderr)
+    for m, r in zip(estimate, the_plan.ranks):
+        peak = peaks.get(m.rank, 0.0)
+        print(f"| {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | {peak / 1e6:.1f} MB | "
+              f"{peak / m.total_bytes:.2f} |", file=sys.stderr)
 
 
 def table(single: Row, small: Row, rows: list[Row]) -> str:

@@ -231,6 +231,7 @@ class RankMemory:
     host: str
     layers: tuple[int, int]
     peak_memory_gb: float
+    busy: float  # share of the training steps' time spent computing (the rest: waiting on sends and receives)
 
 
 @dataclass
@@ -301,6 +302,7 @@ class Training:
         self._answers: dict[int, dict[int, dict[str, Any]]] = collections.defaultdict(dict)
         self._adapters: dict[int, dict[int, bytes]] = collections.defaultdict(dict)
         self._peaks: dict[int, float] = {}
+        self._busy: dict[int, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # rank -> compute, step s
         self._since = 0.0
         self._pending: list[StepReport] = []
 
@@ -324,7 +326,8 @@ class Training:
             self._wait(self._window[0], events)
             self._finish(self._window.popleft())
         self.result.ranks = [
-            RankMemory(s.rank, s.host, (s.start, s.end), max(s.peak_memory_gb, self._peaks.get(s.rank, 0.0)))
+            RankMemory(s.rank, s.host, (s.start, s.end), max(s.peak_memory_gb, self._peaks.get(s.rank, 0.0)),
+                       self._busy[s.rank][0] / self._busy[s.rank][1] if self._busy[s.rank][1] else 0.0)
             for s in sorted(self.pipe.loaded.values(), key=lambda s: s.rank)
         ]
         return self.result
@@ -351,6 +354,9 @@ class Training:
         kind, it = request["type"], request.get("it")
         zero = answers[0]
         if kind == "step":
+            for rank, a in answers.items():
+                self._busy[rank][0] += float(a.get("compute_seconds", 0.0))
+                self._busy[rank][1] += float(a.get("seconds", 0.0))
             report = StepReport(int(it), float(zero["loss"]), int(zero["ntoks"]), float(zero["learning_rate"]), seconds)
             self.result.steps.append(report)
             self.result.train_seconds += seconds

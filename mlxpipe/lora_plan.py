@@ -72,7 +72,7 @@ def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: 
     rows = options.batch_size // options.micro_batches
     per_layer = seq * rows * hidden * (34 + 5 * heads * seq / max(hidden, 1)) * act_bytes / 2
     num_layers = meta.num_layers
-    trained_from = 0 if options.num_layers < 0 else max(num_layers - options.num_layers, 0)
+    trained_from = 0 if options.num_layers <= 0 else max(num_layers - options.num_layers, 0)  # mlx-lm: 0 and -1 mean all
     lora = options.lora_parameters
     keys = lora.get("keys")
     copies = 2 + OPTIMIZER_COPIES.get(options.optimizer, 2)  # parameters, gradients, optimizer state

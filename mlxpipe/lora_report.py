@@ -86,7 +86,7 @@ class LoraReporter(Reporter):
             planned = f" (estimated {estimate.total_bytes / 1e9:.3f} GB)" if estimate else ""
             console.err.print(
                 f"[dim]rank {r.rank} ({r.host}): layers {r.layers[0]}-{r.layers[1] - 1}, "
-                f"peak memory {r.peak_memory_gb:.3f} GB{planned}[/]"
+                f"peak memory {r.peak_memory_gb:.3f} GB{planned}, busy {r.busy:.0%} of the steps' time[/]"
             )
         if result.steps:
             console.err.print(f"[dim]{len(result.steps)} steps, {result.tokens_per_second:.1f} trained tokens/s[/]")

@@ -150,7 +150,10 @@ def test_two_ranks_naive_schedule_equals_mlx_lm_and_writes_its_format(workdir: P
     summary = lines[-1]
     assert summary["type"] == "summary" and summary["iterations"] == FLAGS["iters"]
     assert [r["layers"] for r in summary["ranks"]] == [[2, 4], [0, 2]]  # rank 0 runs the LAST layers
-    assert all(r["peak_memory_gb"] > 0 for r in summary["ranks"])
+    assert all(r["peak_memory_gb"] > 0 and 0 < r["busy"] <= 1 for r in summary["ranks"])
+    plan = lines[0]
+    assert plan["type"] == "plan" and [r["layers"] for r in plan["ranks"]] == [[2, 4], [0, 2]]
+    assert all(r["frozen_bytes"] > 0 and r["lora_bytes"] > 0 and r["activation_bytes"] > 0 for r in plan["ranks"])
     trains = [line for line in lines if line["type"] == "train"]
     assert len(trains) == FLAGS["iters"] and all(t["tokens_per_second"] > 0 for t in trains)
 

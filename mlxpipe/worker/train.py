@@ -100,7 +100,7 @@ def add_lora(model: nn.Module, config: dict[str, Any], options: dict[str, Any]) 
     model.freeze()
     owner, key = find_layers(model)
     layers = owner[key]
-    trained = layers[-max(num_layers, 0):] if num_layers != 0 else []
+    trained = layers[-max(num_layers, 0):]  # as mlx-lm slices: 0 and -1 both mean every layer
     local = [layer for layer in trained if not _is_stand_in(layer)]
     if local:
         linear_to_lora_layers(_Layers(local), len(local), params, use_dora=use_dora)
@@ -206,6 +206,7 @@ class Stage:
         self.model.train()
         self._incoming: dict[tuple[int, ...], tuple[tuple[int, ...], Any]] = {}
         self.on_action: Callable[[str], None] = lambda what: None  # progress, for the controller's watchdog
+        self.compute_seconds = 0.0  # evaluating this stage's own work, not waiting on a send or receive
 
     @property
     def runs_backward(self) -> bool:
@@ -250,6 +251,12 @@ class Stage:
     def _send(self, y: mx.array, to: int) -> None:
         mx.eval(mx.distributed.send(y, to, group=self.group))
 
+    def _compute(self, *arrays: Any) -> None:
+        """Evaluate ``arrays``, all of whose receives have been evaluated: the stage's busy time."""
+        tic = time.perf_counter()
+        mx.eval(*arrays)
+        self.compute_seconds += time.perf_counter() - tic
+
     # --- training ----------------------------------------------------------------------
 
     def train_step(self, batch: mx.array, lengths: mx.array, micro_batches: int, schedule: str) -> dict[str, Any]:
@@ -286,8 +293,11 @@ class Stage:
         """Run F of one micro-batch; keep its gradient graph for B. Rank 0 returns its loss share."""
         inputs = mb[:, :-1]
         x = self._receive_input(inputs)
+        if x is not None:
+            mx.eval(x)  # waiting for rank + 1, apart from computing
         if not self.runs_backward:
             y = self._run(inputs, x)
+            self._compute(y)
             self._send(y, self.rank - 1)
             return None
         holder: dict[str, mx.array] = {}
@@ -312,9 +322,9 @@ class Stage:
         state = _InFlight(value, aux, grads, holder.get("dy"))
         flight[action.micro] = state
         if self.last:
-            mx.eval(value)
+            self._compute(value)
             return value
-        mx.eval(aux)  # this stage's output: the forward, now
+        self._compute(aux)  # this stage's output: the forward, now
         if action.grad_first is not None:
             waiting = flight[action.grad_first].dy
             assert waiting is not None
@@ -325,11 +335,14 @@ class Stage:
     def _backward(self, state: _InFlight, grads: Any) -> Any:
         """Run B of one micro-batch: its gradients, added to ``grads``; the input's gradient sent upstream."""
         g, gx = state.grads
+        if state.dy is not None:
+            mx.eval(state.dy)  # waiting for rank - 1 (at once when received ahead)
         total = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
         if self.sends_grad and gx is not None:
-            mx.eval(mx.distributed.send(gx, self.rank + 1, group=self.group), total)
+            self._compute(total, gx)
+            self._send(gx, self.rank + 1)
         else:
-            mx.eval(total)
+            self._compute(total)
         return total
 
     # --- validation --------------------------------------------------------------------
@@ -340,13 +353,16 @@ class Stage:
         total, count = mx.array(0.0), mx.array(0)
         for batch, lengths in batches:
             inputs = batch[:, :-1]
-            out = self._run(inputs, self._receive_input(inputs))
+            x = self._receive_input(inputs)
+            if x is not None:
+                mx.eval(x)
+            out = self._run(inputs, x)
             if self.last:
                 loss_sum, n = masked_loss_sum(out, batch, lengths)
                 total, count = total + loss_sum, count + n
-                mx.eval(total, count)
+                self._compute(total, count)
             else:
-                mx.eval(out)
+                self._compute(out)
                 self._send(out, self.rank - 1)
         self.model.train()
         return {"loss_sum": total.item(), "ntoks": int(count.item())} if self.last else {}
@@ -414,7 +430,9 @@ class Trainer:
         micro = int(request.get("micro_batches", 1))
         if batch.shape[0] % micro:
             raise UsageError(f"a batch of {batch.shape[0]} cannot be cut into {micro} micro-batches")
-        return {"it": request.get("it"), **self.stage.train_step(batch, lengths, micro, request.get("schedule", "1f1b"))}
+        before = self.stage.compute_seconds
+        fields = self.stage.train_step(batch, lengths, micro, request.get("schedule", "1f1b"))
+        return {"it": request.get("it"), "compute_seconds": self.stage.compute_seconds - before, **fields}
 
     def _eval(self, request: dict[str, Any]) -> dict[str, Any]:
         batches = [(mx.array(b, mx.int32), mx.array(n, mx.int32)) for b, n in request["batches"]]
