@@ -35,6 +35,7 @@ bench: install demo-model
 	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_throughput.py
 	$(PY) bench/bench_serve.py
+	$(PY) bench/bench_lora.py
 
 # docs/cli.md: every command's --help, generated from the app (tests/test_cli_help.py checks it).
 docs: install

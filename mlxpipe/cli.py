@@ -607,6 +607,101 @@ def serve(
     raise typer.Exit(code)
 
 
+# --- lora -------------------------------------------------------------------------------
+
+
+@app.command()
+@_boundary
+@_stop_on_signals
+def lora(
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Hub repo id or local directory.", show_default="the -c file's, else the demo model"
+    ),
+    train: bool = typer.Option(False, "--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead)."),
+    data: Optional[str] = typer.Option(
+        None, "--data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl): mlx_lm.lora's text, "
+        "completions or chat formats.", show_default="data, or the -c file's",
+    ),
+    fine_tune_type: Optional[str] = typer.Option(None, "--fine-tune-type", help="lora or dora.", show_default="lora"),
+    optimizer: Optional[str] = typer.Option(
+        None, "--optimizer", help="adam, adamw, muon, sgd or adafactor.", show_default="adam"
+    ),
+    mask_prompt: bool = typer.Option(False, "--mask-prompt", help="Leave the prompt out of the loss."),
+    num_layers: Optional[int] = typer.Option(None, "--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per step.", show_default="4"),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Training steps.", show_default="1000"),
+    val_batches: Optional[int] = typer.Option(
+        None, "--val-batches", help="Validation batches; -1 for the whole validation set.", show_default="25"
+    ),
+    learning_rate: Optional[float] = typer.Option(None, "--learning-rate", help="Learning rate.", show_default="1e-5"),
+    steps_per_report: Optional[int] = typer.Option(None, "--steps-per-report", help="Steps between loss reports.", show_default="10"),
+    steps_per_eval: Optional[int] = typer.Option(None, "--steps-per-eval", help="Steps between validations.", show_default="200"),
+    resume_adapter_file: Optional[str] = typer.Option(
+        None, "--resume-adapter-file", help="Start from these adapter weights.", show_default="none"
+    ),
+    adapter_path: Optional[str] = typer.Option(
+        None, "--adapter-path", help="Where adapters.safetensors, adapter_config.json and checkpoints go (this machine).",
+        show_default="adapters",
+    ),
+    save_every: Optional[int] = typer.Option(None, "--save-every", help="Steps between checkpoints.", show_default="100"),
+    test: bool = typer.Option(False, "--test", help="Evaluate on test.jsonl after training."),
+    test_batches: Optional[int] = typer.Option(None, "--test-batches", help="Test batches; -1 for all.", show_default="500"),
+    max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048"),
+    train_config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="mlx_lm.lora YAML file (lora_parameters, lr_schedule, ...); flags win over it.",
+        show_default="none",
+    ),
+    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Recompute activations in the backward to save memory."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0"),
+    micro_batches: Optional[int] = typer.Option(
+        None, "--micro-batches", help="Micro-batches per step, flowing through the stages one behind the other; "
+        "gradients are accumulated, so the result equals one batch's.", show_default="1",
+    ),
+    schedule: Optional[str] = typer.Option(
+        None, "--schedule", help="1f1b (each stage alternates forwards and backwards, holding at most as many "
+        "micro-batches as stages after it) or gpipe (all forwards, then all backwards).", show_default="1f1b",
+    ),
+    hostfile: Optional[Path] = HostfileOpt,
+    revision: Optional[str] = RevisionOpt,
+    strategy: Optional[str] = StrategyOpt,
+    split: Optional[str] = SplitOpt,
+    backend: Optional[str] = BackendOpt,
+    port: Optional[int] = PortOpt,
+    timeout: float = TimeoutOpt,
+    trust_remote_code: bool = TrustOpt,
+    from_controller: bool = FromControllerOpt,
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per line: every step, validation, checkpoint, then a summary."),
+) -> None:
+    """Fine-tune LoRA adapters with the model pipelined across the hosts (mlx_lm.lora's flags and data).
+
+    Each rank holds its own layers (frozen; quantized bases work) and their adapters; rank 0 runs the
+    last layers and the loss. Losses and adapters equal single-process mlx_lm.lora's with the same flags.
+    The adapters are written here, in mlx-lm's format: mlx_lm.generate --adapter-path loads them.
+
+    Example: mlxpipe lora --model mlx-community/Llama-3.2-1B-Instruct-4bit --train --data data --iters 100
+    """
+    from mlxpipe import lora as training
+    from mlxpipe.lora_report import LoraReporter
+    from mlxpipe.target import resolve_target
+
+    flags = {
+        "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,
+        "mask_prompt": mask_prompt or None, "num_layers": num_layers, "batch_size": batch_size, "iters": iters,
+        "val_batches": val_batches, "learning_rate": learning_rate, "steps_per_report": steps_per_report,
+        "steps_per_eval": steps_per_eval, "resume_adapter_file": resume_adapter_file, "adapter_path": adapter_path,
+        "save_every": save_every, "test": test or None, "test_batches": test_batches, "max_seq_length": max_seq_length,
+        "grad_checkpoint": grad_checkpoint or None, "seed": seed, "micro_batches": micro_batches, "schedule": schedule,
+        "trust_remote_code": trust_remote_code or None,
+    }
+    options = training.TrainOptions.build(flags, train_config)
+    target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None)
+    pipeline_config = _pipeline_config(target, backend, "generic", None, port, timeout, options.trust_remote_code,
+                                       json_out, from_controller)
+    reporter = LoraReporter(json_out)
+    result = training.train(pipeline_config, options, reporter)
+    reporter.summary(result)
+
+
 @app.command("demo-model")
 @_boundary
 def demo_model() -> None:

@@ -8,7 +8,7 @@ and then talks to the ranks through requests (stdin) and events (stdout).
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -105,9 +105,11 @@ class Pipeline:
     """
 
     def __init__(self, meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions,
-                 worker: Sequence[str] = WORKER) -> None:
+                 worker: Sequence[str] = WORKER, train: dict[str, Any] | None = None) -> None:
         self.meta, self.plan, self.target, self.options = meta, plan, target, options
         self.job = job_spec(meta, plan, target, options)
+        if train is not None:  # the ranks fine-tune instead of serving requests (mlxpipe.lora)
+            self.job = replace(self.job, train=train)
         # Ranks get these on mlx.launch's (and ssh's) command line: never a secret here.
         env = (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
         self.spec = LaunchSpec(

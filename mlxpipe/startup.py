@@ -98,8 +98,9 @@ def require_fit(the_plan: Plan) -> None:
 
 
 def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
-           on_loaded: Callable[[RankStats], None] | None = None) -> Pipeline:
-    """Start one rank per host and wait until every rank has loaded its layers."""
+           on_loaded: Callable[[RankStats], None] | None = None, train: dict[str, Any] | None = None) -> Pipeline:
+    """Start one rank per host and wait until every rank has loaded its layers (and, with ``train``,
+    added its LoRA adapters: ``mlxpipe lora``)."""
     from mlxpipe.launch import default_port
 
     options = RunOptions(
@@ -110,7 +111,7 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         step_timeout=config.timeout,
         trust_remote_code=config.trust_remote_code,
     )
-    pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker)
+    pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
     if not config.quiet:
         console.err.print(f"[dim]starting {config.target.hostfile.size} ranks: {pipe.run_dir}/command.txt[/]")
     try:

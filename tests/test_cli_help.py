@@ -187,7 +187,7 @@ def test_the_examples_are_found() -> None:
     # The extractors themselves: each command's examples, a README line continued with a backslash,
     # a redirection dropped, an inline span.
     assert {where for where, _ in help_examples()} == {
-        "plan --help", "download --help", "generate --help", "serve --help", "doctor --help",
+        "plan --help", "download --help", "generate --help", "serve --help", "lora --help", "doctor --help",
     }
     readme = [argv for where, argv in EXAMPLES if where.startswith("README.md:")]
     assert [
@@ -389,7 +389,7 @@ def test_reference_is_up_to_date() -> None:
 def test_reference_has_every_command_plain_and_at_its_width(pages: dict[str, str]) -> None:
     text = REFERENCE.read_text()
     assert list(pages) == ["mlxpipe", "mlxpipe plan", "mlxpipe download", "mlxpipe generate", "mlxpipe chat",
-                           "mlxpipe serve", "mlxpipe demo-model", "mlxpipe doctor"]
+                           "mlxpipe serve", "mlxpipe lora", "mlxpipe demo-model", "mlxpipe doctor"]
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(pages)
     assert "\x1b" not in text  # no colour or style codes
     assert max(len(line) for page in pages.values() for line in page.splitlines()) == cli_reference.WIDTH

@@ -20,8 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
         # Imported here so that an import failure is reported as an event too.
-        from mlxpipe.worker.serve import run
+        from mlxpipe.worker.job import JobSpec
 
+        if JobSpec.decode(args.job).train is not None:
+            from mlxpipe.worker.train import run
+        else:
+            from mlxpipe.worker.serve import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller

@@ -33,6 +33,9 @@ class JobSpec:
     trust_remote_code: bool = False
     prefill_step_size: int = 2048
     max_kv_size: int | None = None
+    # LoRA fine-tuning instead of serving requests (``mlxpipe lora``): mlx_lm.lora's
+    # options as ``mlxpipe.lora.TrainOptions.for_ranks`` writes them.
+    train: dict | None = None
 
     def __post_init__(self) -> None:
         if len(self.model_paths) != len(self.split):

@@ -1,0 +1,420 @@
+"""``mlxpipe lora``: LoRA fine-tuning of a model pipelined across the hosts.
+
+mlx_lm.lora's options, data formats, batches and outputs; the model's layers
+split across the ranks (``mlxpipe.worker.train``). This machine, the
+controller, reads the data and makes every batch exactly as mlx_lm.lora does
+(``iterate_batches`` with the same seed and the same draws in the same order),
+sends each step's batch to the ranks, reports the loss rank 0 computes, and
+writes the adapters gathered from every rank in mlx-lm's format.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import os
+import time
+import types
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+from mlxpipe.errors import ConfigError, LaunchError, UsageError
+from mlxpipe.worker.train_schedule import SCHEDULES
+
+ADAPTER_FILE = "adapters.safetensors"
+CONFIG_FILE = "adapter_config.json"
+IN_FLIGHT = 2  # requests sent ahead, so a rank never waits for the controller between steps
+
+
+@dataclass
+class TrainOptions:
+    """mlx_lm.lora's options (same names and defaults) plus the pipeline's."""
+
+    model: str | None = None
+    train: bool = False
+    test: bool = False
+    data: str = "data"
+    fine_tune_type: str = "lora"
+    optimizer: str = "adam"
+    optimizer_config: dict = field(default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}})
+    mask_prompt: bool = False
+    num_layers: int = 16
+    batch_size: int = 4
+    iters: int = 1000
+    val_batches: int = 25
+    test_batches: int = 500
+    learning_rate: float = 1e-5
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    resume_adapter_file: str | None = None
+    adapter_path: str = "adapters"
+    save_every: int = 100
+    max_seq_length: int = 2048
+    grad_checkpoint: bool = False
+    lr_schedule: dict | None = None
+    lora_parameters: dict = field(default_factory=lambda: {"rank": 8, "dropout": 0.0, "scale": 20.0})
+    seed: int = 0
+    trust_remote_code: bool = False
+    # The pipeline's own.
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+
+    @classmethod
+    def build(cls, flags: dict[str, Any], config_file: Path | None = None) -> "TrainOptions":
+        """Command-line flags (None: not given) over the ``-c`` YAML file over mlx_lm.lora's defaults."""
+        values = {k: v for k, v in flags.items() if v is not None}
+        if config_file is not None:
+            for k, v in read_config(config_file).items():
+                values.setdefault(k, v)
+        options = cls(**values)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        """Raise UsageError naming the flag whose value cannot work."""
+        positive = ("batch_size", "iters", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length",
+                    "micro_batches")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise UsageError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.batch_size % self.micro_batches:
+            raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
+                             hint="each micro-batch gets the same number of sequences")
+        if self.fine_tune_type not in ("lora", "dora"):
+            raise UsageError(f"--fine-tune-type {self.fine_tune_type!r}: mlxpipe trains lora or dora adapters")
+        if not self.train and not self.test:
+            raise UsageError("give --train (and/or --test)", "mlxpipe lora --model M --train --data DIR")
+        if self.test and not self.train and self.resume_adapter_file is None:
+            raise UsageError("--test alone needs --resume-adapter-file with the adapters to test")
+        if "scale" not in self.lora_parameters or "rank" not in self.lora_parameters:
+            raise UsageError("lora_parameters needs 'rank' and 'scale' (mlx-lm's names; 'alpha' is not one)")
+        self.lora_parameters.setdefault("dropout", 0.0)
+        if self.lora_parameters.get("dropout"):
+            raise UsageError("lora_parameters dropout > 0 is not supported across ranks yet", hint="use dropout 0")
+        if self.resume_adapter_file is not None and not Path(self.resume_adapter_file).is_file():
+            raise UsageError(f"--resume-adapter-file {self.resume_adapter_file}: no such file")
+
+    def for_ranks(self) -> dict[str, Any]:
+        """What every rank needs to add its adapters and build its optimizer (JobSpec.train)."""
+        keys = ("seed", "num_layers", "lora_parameters", "fine_tune_type", "optimizer", "optimizer_config",
+                "learning_rate", "lr_schedule", "grad_checkpoint")
+        return {k: getattr(self, k) for k in keys}
+
+    def mlx_lm_args(self) -> types.SimpleNamespace:
+        """The ``args`` mlx-lm's tuner functions read (``load_dataset``)."""
+        return types.SimpleNamespace(**asdict(self))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """mlx_lm.lora's ``-c`` YAML file (with its float resolver), keys checked."""
+    import yaml
+    from mlx_lm.lora import yaml_loader
+
+    try:
+        data = yaml.load(path.read_text(), yaml_loader)
+    except OSError as e:
+        raise ConfigError(f"-c {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"-c {path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"-c {path}: expected a mapping of options")
+    known = {f.name for f in fields(TrainOptions)}
+    ignored = {"config", "report_to", "project_name", "clear_cache_threshold", "grad_accumulation_steps"}
+    unknown = sorted(set(data) - known - ignored)
+    if unknown:
+        raise ConfigError(f"-c {path}: unknown option {unknown[0]!r}", hint=f"known: {', '.join(sorted(known))}")
+    if data.get("grad_accumulation_steps", 1) not in (None, 1):
+        raise ConfigError(f"-c {path}: grad_accumulation_steps is not supported", hint="use --micro-batches")
+    return {k: v for k, v in data.items() if k in known}
+
+
+# --- data: exactly mlx_lm.lora's batches ------------------------------------------------------
+
+
+@dataclass
+class Datasets:
+    train: Any
+    valid: Any
+    test: Any
+
+
+def load_datasets(options: TrainOptions, model_dir: Path) -> Datasets:
+    """mlx-lm's ``load_dataset`` with the model's tokenizer, wrapped as mlx_lm.lora wraps them."""
+    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir, {"trust_remote_code": options.trust_remote_code})
+    try:
+        train, valid, test = load_dataset(options.mlx_lm_args(), tokenizer)
+    except ValueError as e:
+        raise UsageError(f"--data {options.data}: {e}") from e
+    return Datasets(CacheDataset(train), CacheDataset(valid), CacheDataset(test))
+
+
+def longest_sequence(dataset: Any) -> int:
+    """The longest tokenized sequence of ``dataset`` (mlx-lm caches the tokenization for the batches)."""
+    longest = 0
+    for i in range(len(dataset)):
+        item = dataset[i]
+        tokens = item[0] if isinstance(item, tuple) else item
+        longest = max(longest, len(tokens))
+    return longest
+
+
+def _wire(batch: Any) -> tuple[list, list]:
+    tokens, lengths = batch
+    return tokens.tolist(), lengths.tolist()
+
+
+def eval_batches(dataset: Any, options: TrainOptions, num_batches: int) -> list[tuple[list, list]]:
+    """The batches mlx-lm's ``evaluate`` takes, drawn the same way (one permutation, when any batch is taken)."""
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    index = iter(range(num_batches)) if num_batches != -1 else iter(int, 1)
+    batches = iterate_batches(dataset=dataset, batch_size=options.batch_size, max_seq_length=options.max_seq_length)
+    return [_wire(b) for _, b in zip(index, batches)]
+
+
+def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Iterator[dict[str, Any]]:
+    """Every request of the run, in mlx_lm.lora's order of events (so numpy's draws come in the same order)."""
+    import numpy as np
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    np.random.seed(options.seed)
+    if resume is not None:
+        yield {"type": "resume", "data": base64.b64encode(resume).decode()}
+    if options.train:
+        train = iterate_batches(dataset=data.train, batch_size=options.batch_size,
+                                max_seq_length=options.max_seq_length, loop=True)
+        for it, batch in zip(range(1, options.iters + 1), train):
+            if len(data.valid) and (it == 1 or it % options.steps_per_eval == 0 or it == options.iters):
+                yield {"type": "eval", "it": it, "what": "val",
+                       "batches": eval_batches(data.valid, options, options.val_batches)}
+            tokens, lengths = _wire(batch)
+            yield {"type": "step", "it": it, "batch": tokens, "lengths": lengths,
+                   "micro_batches": options.micro_batches, "schedule": options.schedule}
+            if it % options.save_every == 0:
+                yield {"type": "save", "it": it, "checkpoint": True}
+        yield {"type": "save", "it": options.iters, "checkpoint": False}
+    if options.test:
+        yield {"type": "eval", "it": None, "what": "test",
+               "batches": eval_batches(data.test, options, options.test_batches)}
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class StepReport:
+    """One optimizer step, as rank 0 and the clock saw it."""
+
+    iteration: int
+    loss: float
+    tokens: int
+    learning_rate: float
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "step", **asdict(self)}
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    host: str
+    layers: tuple[int, int]
+    peak_memory_gb: float
+    busy: float  # share of the training steps' time spent computing (the rest: waiting on sends and receives)
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepReport] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    test_loss: float | None = None
+    saved: list[str] = field(default_factory=list)
+    ranks: list[RankMemory] = field(default_factory=list)
+    train_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        tokens = sum(s.tokens for s in self.steps)
+        return tokens / self.train_seconds if self.train_seconds else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "summary", "iterations": len(self.steps), "val_losses": self.val_losses,
+                "test_loss": self.test_loss, "saved": self.saved, "train_seconds": self.train_seconds,
+                "tokens_per_second": self.tokens_per_second, "ranks": [asdict(r) for r in self.ranks]}
+
+
+class Reporter:
+    """What the run tells the user; the CLI gives one (terminal lines or --json)."""
+
+    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None: ...
+    def step(self, report: StepReport) -> None: ...
+    def train(self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float) -> None: ...
+    def val(self, it: int, loss: float, seconds: float) -> None: ...
+    def test(self, loss: float) -> None: ...
+    def saved(self, it: int, path: Path) -> None: ...
+
+
+def write_adapter_config(options: TrainOptions, model_path: str) -> Path:
+    """``adapter_config.json`` as mlx_lm.lora writes it (its keys, sorted), plus the pipeline's options."""
+    from mlx_lm.utils import save_config
+
+    path = Path(options.adapter_path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**asdict(options), "model": model_path, "config": None, "report_to": None, "project_name": None,
+              "grad_accumulation_steps": 1, "clear_cache_threshold": 0}
+    save_config(config, path / CONFIG_FILE)
+    return path / CONFIG_FILE
+
+
+def save_adapters(parts: dict[int, bytes], path: Path) -> None:
+    """Every rank's adapter tensors in one safetensors file, written whole (a crash leaves the old one)."""
+    import mlx.core as mx
+
+    from mlxpipe.worker.train import decode_weights
+
+    merged: dict[str, Any] = {}
+    for rank in sorted(parts, reverse=True):  # the first layers first, as in the model
+        merged.update(decode_weights(base64.b64encode(parts[rank]).decode()) if parts[rank] else {})
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), merged)
+    os.replace(tmp, path)
+
+
+class Training:
+    """Drive the ranks of a loaded pipeline through the run's requests."""
+
+    def __init__(self, pipe: Any, options: TrainOptions, reporter: Reporter) -> None:
+        self.pipe, self.options, self.reporter = pipe, options, reporter
+        self.size = pipe.ranks.size
+        self.result = TrainResult()
+        self._window: collections.deque[dict[str, Any]] = collections.deque()
+        self._answers: dict[int, dict[int, dict[str, Any]]] = collections.defaultdict(dict)
+        self._adapters: dict[int, dict[int, bytes]] = collections.defaultdict(dict)
+        self._peaks: dict[int, float] = {}
+        self._busy: dict[int, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # rank -> compute, step s
+        self._since = 0.0
+        self._pending: list[StepReport] = []
+
+    def run(self, todo: Iterator[dict[str, Any]]) -> TrainResult:
+        self._since = time.perf_counter()
+        todo = iter(todo)
+        ident = 0
+        events = self.pipe.ranks.events(self.pipe.options.step_timeout)
+        while True:
+            # Nothing is sent past a save until it is written: a rank failing later cannot lose it.
+            while len(self._window) < IN_FLIGHT and not any(r["type"] == "save" for r in self._window):
+                request = next(todo, None)
+                if request is None:
+                    break
+                ident += 1
+                request = {**request, "id": ident}
+                self.pipe.ranks.send(request)
+                self._window.append(request)
+            if not self._window:
+                break
+            self._wait(self._window[0], events)
+            self._finish(self._window.popleft())
+        self.result.ranks = [
+            RankMemory(s.rank, s.host, (s.start, s.end), max(s.peak_memory_gb, self._peaks.get(s.rank, 0.0)),
+                       self._busy[s.rank][0] / self._busy[s.rank][1] if self._busy[s.rank][1] else 0.0)
+            for s in sorted(self.pipe.loaded.values(), key=lambda s: s.rank)
+        ]
+        return self.result
+
+    def _wait(self, request: dict[str, Any], events: Iterator[dict[str, Any]]) -> None:
+        ident = request["id"]
+        while len(self._answers[ident]) < self.size:
+            event = next(events, None)
+            if event is None:
+                raise LaunchError("the ranks ended in the middle of training", f"logs: {self.pipe.run_dir}")
+            kind = event.get("event")
+            if kind == "done":
+                rank = int(event["rank"])
+                self._answers[int(event["id"])][rank] = event
+                self._peaks[rank] = max(self._peaks.get(rank, 0.0), float(event.get("peak_memory", 0.0)))
+            elif kind == "adapter":
+                data = event.get("data") or ""
+                self._adapters[int(event["id"])][int(event["rank"])] = base64.b64decode(data) if data else b""
+
+    def _finish(self, request: dict[str, Any]) -> None:
+        answers = self._answers.pop(request["id"])
+        now = time.perf_counter()
+        seconds, self._since = now - self._since, now
+        kind, it = request["type"], request.get("it")
+        zero = answers[0]
+        if kind == "step":
+            for rank, a in answers.items():
+                self._busy[rank][0] += float(a.get("compute_seconds", 0.0))
+                self._busy[rank][1] += float(a.get("seconds", 0.0))
+            report = StepReport(int(it), float(zero["loss"]), int(zero["ntoks"]), float(zero["learning_rate"]), seconds)
+            self.result.steps.append(report)
+            self.result.train_seconds += seconds
+            self.reporter.step(report)
+            self._pending.append(report)
+            if it % self.options.steps_per_report == 0 or it == self.options.iters:
+                self._report_train(it)
+        elif kind == "eval":
+            loss = float(zero["loss_sum"]) / max(int(zero["ntoks"]), 1)
+            if request.get("what") == "test":
+                self.result.test_loss = loss
+                self.reporter.test(loss)
+            else:
+                # The slowest rank's own time: with requests sent ahead, completions say little about one request.
+                took = max(float(a.get("seconds", 0.0)) for a in answers.values())
+                self.result.val_losses[int(it)] = loss
+                self.reporter.val(int(it), loss, took)
+        elif kind == "save":
+            parts = self._adapters.pop(request["id"], {})
+            folder = Path(self.options.adapter_path)
+            save_adapters(parts, folder / ADAPTER_FILE)
+            self.result.saved.append(str(folder / ADAPTER_FILE))
+            if request.get("checkpoint"):
+                checkpoint = folder / f"{int(it):07d}_{ADAPTER_FILE}"
+                save_adapters(parts, checkpoint)
+                self.result.saved.append(str(checkpoint))
+                self.reporter.saved(int(it), checkpoint)
+
+    def _report_train(self, it: int) -> None:
+        steps, self._pending = self._pending, []
+        seconds = sum(s.seconds for s in steps) or 1e-9
+        tokens = sum(s.tokens for s in steps)
+        trained = sum(s.tokens for s in self.result.steps)
+        self.reporter.train(it, sum(s.loss for s in steps) / len(steps), steps[-1].learning_rate,
+                            len(steps) / seconds, tokens / seconds, trained, max(self._peaks.values(), default=0.0))
+
+
+def train(config: Any, options: TrainOptions, reporter: Reporter) -> TrainResult:
+    """Plan, check, download, launch with LoRA on every rank, train, and write the adapters.
+
+    ``config`` is the ``PipelineConfig``; the reporter sees the plan and the memory estimate before launch.
+    """
+    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.lora_plan import training_memory
+    from mlxpipe.startup import launch, prepare
+
+    meta, the_plan = prepare(config)
+    data = load_datasets(options, controller_model_dir(meta))
+    reporter.plan(meta, the_plan, training_memory(meta, the_plan, options, longest_sequence(data.train)))
+    resume = Path(options.resume_adapter_file).read_bytes() if options.resume_adapter_file else None
+    if options.train:
+        write_adapter_config(options, meta.source)
+    pipe = launch(config, meta, the_plan, train=options.for_ranks())
+    try:
+        result = Training(pipe, options, reporter).run(requests(options, data, resume))
+    except BaseException:
+        pipe.stop()
+        raise
+    pipe.close()
+    return result
+
