@@ -33,6 +33,7 @@ class JobSpec:
     trust_remote_code: bool = False
     prefill_step_size: int = 2048
     max_kv_size: int | None = None
+    adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
 
     def __post_init__(self) -> None:
         if len(self.model_paths) != len(self.split):
