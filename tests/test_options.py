@@ -326,3 +326,29 @@ def test_adapters_give_mlx_lms_tokens(option_runs, option_model, request_id: str
     assert event["engine"][request_id]["tokens"] == expected
     assert event["alone"][request_id]["tokens"] == expected
     assert expected != reference(checkpoint, fields), "the adapters change nothing: a weak test"
+
+
+# ---------------------------------------------------------------- the command line, end to end
+
+
+@pytest.mark.ranks
+def test_flags_and_prompts_file_lines_reach_the_ranks(option_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """``generate --prompts-file`` with option flags (the lines' defaults) and a line overriding them, adapters on."""
+    import subprocess
+    import sys
+
+    checkpoint, adapters = option_model
+    flags = {"temp": 1.0, "top_k": 2, "seed": 4, "kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 10}
+    lines = [_raw(max_tokens=6), _chat(max_tokens=6, temp=0.0, top_k=0, prefill_response="Sure")]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(checkpoint), "--prompts-file",
+            str(path), "--adapter-path", str(adapters), "--json", "--prefill-step-size", str(PREFILL_STEP)]
+    for key, value in flags.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    got = [r["tokens"] for r in json.loads(result.stdout)["results"]]
+    expected = [reference(checkpoint, {**flags, **line}, adapters)
+                for line in lines]
+    assert got == expected
