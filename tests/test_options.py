@@ -1,10 +1,11 @@
 """mlx_lm.generate's options: one typed request, the same validation everywhere, and exact tokens on real ranks.
 
 Every option must give, on 2 ranks, exactly the tokens single-process mlx-lm gives with that
-option (greedy, or seeded sampling for the sampler's options), through the engine (``--prompts-file``
-and ``serve``) and through ``stream_generate`` (single requests). One ``mlx.launch`` run serves every
-option (``fixtures/option_ranks.py``): one request per option, overlapped, then each alone. The
-serve bodies' names are checked against a real server in ``test_serve.py``.
+option (greedy, or seeded sampling for the sampler's options): overlapped through the engine
+(``--prompts-file``, ``serve``), alone through it (``generate``, ``chat``), and through mlx-lm's
+``stream_generate`` (``--pipeline native``). One ``mlx.launch`` run serves every option
+(``fixtures/option_ranks.py``). The serve bodies' names are checked against a real server in
+``test_serve.py``; the flags and prompts-file lines end to end below.
 """
 
 from __future__ import annotations
@@ -283,9 +284,12 @@ def option_runs(option_model: tuple[Path, Path], tmp_path_factory: pytest.TempPa
     checkpoint, adapters = option_model
     tmp = tmp_path_factory.mktemp("option-runs")
     dirs = [str(d) for d in rank_dirs(checkpoint, SPLIT, tmp / "dirs")]
+    requests = list(_requests(checkpoint).values())
     cases = [
         {"id": "options", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP)),
-         "requests": list(_requests(checkpoint).values()), "concurrency": 3},
+         "requests": requests, "concurrency": 3},
+        {"id": "native", "job": asdict(JobSpec(dirs, SPLIT, mode="native", prefill_step_size=PREFILL_STEP)),
+         "requests": requests},
         {"id": "adapters", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP,
                                                  adapter_path=str(adapters))),
          "requests": [{"id": key, **fields} for key, fields in ADAPTER_REQUESTS.items()], "concurrency": 2},
@@ -309,7 +313,8 @@ def test_each_option_is_token_identical_to_mlx_lm(option_runs, option_model, opt
     expected = reference(checkpoint, fields)
     event = option_runs["events"][("options", 0)]
     assert event["engine"][option]["tokens"] == expected, "overlapped (--prompts-file, serve)"
-    assert event["alone"][option]["tokens"] == expected, "alone (stream_generate)"
+    assert event["alone"][option]["tokens"] == expected, "alone (generate, chat)"
+    assert option_runs["events"][("native", 0)]["alone"][option]["tokens"] == expected, "stream_generate (native)"
     if option not in UNCHANGED:
         assert expected != reference(checkpoint, _without(fields)), "the option changes nothing: a weak test"
     if option == "extra_eos":

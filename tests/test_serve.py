@@ -28,6 +28,7 @@ from fixtures.serve_process import ServeProcess
 pytestmark = pytest.mark.ranks
 
 KEY = "test-key-0123456789"
+CONTEXT = 6000  # below the demo model's 8192 positions: --context is the bound
 MAX_TOKENS = 10
 QUESTIONS = [
     "What is the capital of France?",
@@ -45,7 +46,7 @@ QUESTIONS = [
 def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     proc = ServeProcess(
         ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "4",
-         "--max-queue", "8"],
+         "--max-queue", "8", "--context", str(CONTEXT)],
         tmp_path_factory.mktemp("serve-home"), env={"MLXPIPE_API_KEY": KEY},
     )
     try:
@@ -216,6 +217,15 @@ def test_each_body_option_is_token_identical_to_mlx_lm(client: openai.OpenAI, de
         assert replies[option].choices[0].message.content == text, option
         without = {k: v for k, v in fields.items() if k in ("temp", "seed")}
         assert text != option_reference(demo_model, {**request, **without})[1], f"{option} changes nothing here"
+
+
+def test_context_bounds_the_prompt(server: ServeProcess) -> None:
+    body = {"messages": _user("word " * (CONTEXT + 100))}  # over --context, within the model's 8192 positions
+    response = httpx.post(f"{server.url}/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and f"context is {CONTEXT} tokens" in error["message"]
 
 
 BAD = [

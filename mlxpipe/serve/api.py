@@ -168,7 +168,7 @@ class _Api:
         tokens = self._tokens(body, chat, tools, request)
         if len(tokens) + 1 > self.settings.context:
             param = "messages" if chat else "prompt"
-            raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this model's context is "
+            raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                                 f"{self.settings.context} tokens", param=param, code="context_length_exceeded")
         max_tokens = min(request.max_tokens, self.settings.context - len(tokens))
         job = replace(request, id=self.engine.new_id(), tokens=tokens, max_tokens=max_tokens)

@@ -18,19 +18,19 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request
-from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter
+from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter
 from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
@@ -68,8 +68,9 @@ class Progress:
     def decode(self, tokens: int) -> None:
         self._set(self.step + 1, f"decode token {tokens}")
 
-    def tick(self, tick: int, running: int) -> None:
-        self._set(tick, f"tick {tick} with {running} requests running")
+    def tick(self, tick: int, doing: str) -> None:
+        """The engine's ticks: the same on every rank, so a lagging tick is the waiting rank."""
+        self._set(tick, f"{doing} (tick {tick})")
 
     def _set(self, step: int, what: str) -> None:
         with self._lock:
@@ -143,7 +144,8 @@ class Server:
         self.rank = group.rank()
         self.host = socket.gethostname()
         self._emit = emit
-        self._prompt_cache: _PromptCache | None = None
+        self._prompt_cache: _PromptCache | None = None  # stream_generate's chat turns
+        self._chat_cache: LRUPromptCache | None = None  # the engine's chat turns
         self.progress = Progress(emit, self.rank)
 
     def serve(self, stream: IO[str]) -> None:
@@ -172,21 +174,60 @@ class Server:
         self._emit("bye", rank=self.rank, host=self.host)
 
     def generate(self, request: Request) -> dict[str, Any]:
-        """Run one generation; emit its events and return the ``done`` fields."""
+        """Run one generation; emit its events and return the ``done`` fields.
+
+        A generic pipeline runs it through the engine, so the prompt's prefill
+        chunks flow through the stages one behind the other and every host
+        prefills at once; one rank, or the model's own ``pipeline()``, runs
+        mlx-lm's ``stream_generate``.
+        """
         tic = time.perf_counter()
         request.check()
-        tokenizer = self.loaded.tokenizer
         tokens = self.prompt_tokens(request)
+        self.progress.reset()
+        if self.job.mode == "generic" and self.group.size() > 1:
+            done = self._generate_in_engine(request, tokens)
+        else:
+            done = self._generate_stream(request, tokens, tic)
+        done = {"rank": self.rank, **done, "peak_memory": mx.get_peak_memory() / 1e9}
+        if request.id is not None:
+            done["id"] = request.id
+        self._emit("done", **done)
+        return done
+
+    def _generate_in_engine(self, request: Request, tokens: list[int]) -> dict[str, Any]:
+        """One request through the engine; a chat keeps its caches for the next turn."""
+        if not request.keep_cache:
+            self._chat_cache = None
+        elif self._chat_cache is None:
+            self._chat_cache = LRUPromptCache(max_size=1)  # the last turn: the next one extends it
+        if request.temp > 0 and request.seed is None:
+            request = replace(request, seed=self._shared_seed())
+        reporter = TextReporter(self._emit if self.rank == 0 else _no_emit, self.loaded.tokenizer, request.id)
+        engine = Engine(self, 1, reporter, prompt_cache=self._chat_cache)
+        engine.add(request, tokens)
+        engine.run()
+        state = engine.schedule.requests[0]  # the same on every rank; rank 0 adds its clock's figures
+        done = {
+            "prompt_tokens": len(state.prompt) - state.cached,  # as stream_generate: the tokens fed
+            "cached_tokens": state.cached,
+            "generation_tokens": len(state.generated),
+            "finish_reason": state.finish_reason,
+            "tokens": list(state.generated),
+        }
+        return {**done, **reporter.figures}
+
+    def _generate_stream(self, request: Request, tokens: list[int], tic: float) -> dict[str, Any]:
+        """One request through mlx-lm's ``stream_generate`` (one rank, or ``--pipeline native``)."""
+        tokenizer = self.loaded.tokenizer
         keep = request.keep_cache
         cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
         self._seed(request.seed, request.temp)
         eos = set(tokenizer.eos_token_ids)
         extra = extra_eos_ids(tokenizer, request.extra_eos_token)
-
         generated: list[int] = []
         ttft = None
         response = None
-        self.progress.reset()
         tokenizer.eos_token_ids = eos | extra  # as mlx_lm.generate's add_eos_token, for this request only
         try:
             for response in stream_generate(
@@ -215,22 +256,16 @@ class Server:
 
         # Every token stream_generate yields has been fed to the cache.
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
-        done = {
-            "rank": self.rank,
+        return {
             "prompt_tokens": response.prompt_tokens,
             "cached_tokens": cached,
             "prompt_tps": response.prompt_tps,
             "generation_tokens": response.generation_tokens,
             "generation_tps": response.generation_tps,
-            "peak_memory": mx.get_peak_memory() / 1e9,
             "ttft": ttft,
             "finish_reason": response.finish_reason,
             "tokens": generated,
         }
-        if request.id is not None:
-            done["id"] = request.id
-        self._emit("done", **done)
-        return done
 
     def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
         """Overlap a batch of requests across the stages (see ``engine``); emit ``batch_done``.
@@ -244,7 +279,7 @@ class Server:
         concurrency = int(request.get("concurrency") or self.group.size())
         if concurrency < 1:
             raise UsageError(f"concurrency must be at least 1, got {concurrency}")
-        self._prompt_cache = None  # a batch does not continue a chat
+        self._prompt_cache = self._chat_cache = None  # a batch does not continue a chat
         engine = Engine(self, concurrency, BatchReporter(self._emit))
         for r in requests:
             engine.add(r, self.prompt_tokens(r))
@@ -262,7 +297,7 @@ class Server:
         concurrency = int(request.get("concurrency") or self.group.size())
         if concurrency < 1:
             raise UsageError(f"concurrency must be at least 1, got {concurrency}")
-        self._prompt_cache = None
+        self._prompt_cache = self._chat_cache = None
         engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)))
         self._emit("serving", rank=self.rank, concurrency=concurrency)
         return engine.run(inbox)
@@ -314,10 +349,20 @@ class Server:
         if seed is None:
             if temp == 0:
                 return  # greedy: no randomness to share
-            mine = random.getrandbits(31) if self.rank == 0 else 0
-            shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
-            seed = int(shared.item())
+            seed = self._shared_seed()
         mx.random.seed(int(seed))
+
+    def _shared_seed(self) -> int:
+        """A random seed drawn by rank 0 and known to every rank."""
+        mine = random.getrandbits(31) if self.rank == 0 else 0
+        if self.group.size() == 1:
+            return mine
+        shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
+        return int(shared.item())
+
+
+def _no_emit(*args: Any, **kwargs: Any) -> None:
+    """Only rank 0 streams text."""
 
 
 def _cache_length(cache: list[Any]) -> int | None:
