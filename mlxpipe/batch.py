@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request, RequestError, parse_logit_bias
+from mlxpipe.request import Request, parse_logit_bias
 
 _NUMBER = (int, float)
 # Per-prompt options a JSONL line may set (``Request``'s fields: mlx_lm.generate's flags without
@@ -151,7 +151,7 @@ def _parse_line(path: Path, n: int, line: str) -> dict[str, Any]:
     if messages is not None and not (messages and all(_is_message(m) for m in messages)):
         raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
     if "logit_bias" in options:
-        options["logit_bias"] = _checked_bias(options["logit_bias"], where)
+        options["logit_bias"] = parse_logit_bias(options["logit_bias"], f"{where}: 'logit_bias'")
     eos = options.get("extra_eos_token")
     if eos is not None:
         eos = [eos] if isinstance(eos, str) else eos
@@ -165,19 +165,9 @@ def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
-def _checked_bias(value: dict[str, Any], where: str) -> dict[int, float]:
-    try:
-        return parse_logit_bias(value, f"{where}: 'logit_bias'")
-    except RequestError as e:
-        raise UsageError(e.message) from None
-
-
 def _checked(request: Request, where: str) -> Request:
-    """``request`` once in range (a range a line or the flags broke), else one line naming the line."""
-    try:
-        return request.check(lambda field: f"{where}: '{field}'")
-    except RequestError as e:
-        raise UsageError(e.message) from None
+    """``request`` once in range, else one line naming the line (a ``RequestError``, a usage error)."""
+    return request.check(lambda field: f"{where}: '{field}'")
 
 
 def with_seeds(requests: list[Request]) -> list[Request]:
