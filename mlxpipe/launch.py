@@ -16,11 +16,9 @@ small supervisor (``python -m mlxpipe.supervisor --lease S -- <worker args>``,
 * stops its worker when it hears no heartbeat from the controller for the
   lease, so a rank whose controller or network is gone does not run forever.
 
-The controller side (``Ranks``) follows torchrun: one failure stops every
-rank; the root cause is reported first (host, rank, exit status or
-exception). A killed rank is often observed *after* the peers that noticed
-its death ("[ring] connection to a peer was lost"), so failures are collected
-for a short grace window and one that is not such a consequence is preferred.
+The controller side (``Ranks``) owns the process, its threads and the logs,
+and feeds every event to a ``failures.FailureTracker``, which decides, as
+torchrun does, when the run has failed and which failure is the root cause.
 ``stop()`` sends SIGTERM to mlx.launch's whole process group (local ranks, and
 the ssh clients whose closed connections hang up the remote ranks), then
 SIGKILL after a grace period. ``interrupt_on_signals`` turns SIGINT, SIGTERM
@@ -34,7 +32,6 @@ mlx.launch itself printed) and ``rank-<r>.log`` (each rank's output and events).
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import queue
@@ -54,6 +51,7 @@ from typing import IO, Any, Callable, Iterator, Sequence
 
 from mlxpipe import protocol, remote
 from mlxpipe.errors import LaunchError
+from mlxpipe.failures import FailureTracker
 from mlxpipe.hostfile import Hostfile
 from mlxpipe.paths import mlxpipe_home
 from mlxpipe.supervisor import (
@@ -66,23 +64,10 @@ from mlxpipe.supervisor import (
 DEFAULT_PORT = 32323
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
-# Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
-START_TIMEOUT_SECONDS = 45.0
-# How long to keep collecting failures after the first, looking for the root cause.
-ROOT_CAUSE_GRACE_SECONDS = 2.0
 RUN_LOG = "launch.log"
 
-_NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed|completed)")
-# mlx.launch logs a rank's exit before it forwards that rank's last output.
-_EXIT_GRACE_SECONDS = 1.5
-# What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
-_COMM_ERROR = re.compile(
-    r"connection to a peer was lost|(?:send|sending|recv|receiving) failed|closed by the peer"
-    r"|too many send/recv errors|connection reset by peer|broken pipe",
-    re.IGNORECASE,
-)
+NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed|completed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_LAST_LINES = 5
 
 
 @dataclass(frozen=True)
@@ -176,22 +161,6 @@ def _port_free(port: int) -> bool:
 # --- The controller side ------------------------------------------------------------------
 
 
-@dataclass
-class RankFailure:
-    """One thing that went wrong; the root cause is chosen among these."""
-
-    rank: int | None
-    host: str | None
-    what: str
-    hint: str | None = None
-    secondary: bool = False  # a consequence of another failure (a lost peer, a stop)
-    at: float = field(default_factory=time.monotonic)
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank} on {self.host}" if self.rank is not None else "the run"
-
-
 class Ranks:
     """A running set of ranks: send requests, read events, stop them all."""
 
@@ -199,28 +168,14 @@ class Ranks:
         self.spec = spec
         self.size = spec.hostfile.size
         self.argv = launch_argv(spec)
-        self.failures: list[RankFailure] = []
-        self.root_cause: RankFailure | None = None
+        self.tracker = FailureTracker(spec.hostfile, spec.lease)
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._finished: set[int] = set()
-        self._started: dict[int, dict[str, Any]] = {}
-        self._exited: set[int] = set()
-        self._errored: set[int] = set()
-        self._seen: dict[int, float] = {}
-        self._node_exits: dict[int, tuple[str, bool, float]] = {}  # rank -> (what, secondary, deadline)
-        self._comm_errors: set[int] = set()
-        self._last_lines: dict[int, collections.deque[str]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=_LAST_LINES)
-        )
-        self._launcher_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
-        self._last_progress: dict[int, tuple[str, int | None, float]] = {}  # rank -> (what, step, when)
         self._proc: subprocess.Popen[bytes] | None = None
         self._logs: dict[int | None, IO[bytes]] = {}
         self._log_lock = threading.Lock()
         self._stdin_lock = threading.Lock()
         self._stopped = threading.Event()
         self._group_stopped = False
-        self._started_at = time.monotonic()
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle ---------------------------------------------------------------
@@ -230,7 +185,7 @@ class Ranks:
         (run_dir / "hostfile.json").write_text(json.dumps(self.spec.hostfile.to_mlx_launch(), indent=2))
         (run_dir / "command.txt").write_text(shlex.join(self.argv) + "\n")
         self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)
-        self._started_at = time.monotonic()
+        self.tracker.started_at = time.monotonic()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # stdin must be a pipe: mlx.launch crashes when it is closed, and it broadcasts it to the ranks.
         self._proc = subprocess.Popen(
@@ -259,8 +214,8 @@ class Ranks:
         while True:
             if busy is not None and not busy():
                 last_progress = time.monotonic()
-            self._check_liveness(timeout, last_progress)
-            if self.failures:
+            self.tracker.check_liveness(timeout, last_progress)
+            if self.tracker.failures:
                 raise self._fail()
             try:
                 event = self._events.get(timeout=0.2)
@@ -282,7 +237,7 @@ class Ranks:
         deadline = time.monotonic() + timeout
         try:
             for _ in self.events(timeout=max(1.0, timeout)):
-                if len(self._finished) == self.size or time.monotonic() > deadline:
+                if len(self.tracker.finished) == self.size or time.monotonic() > deadline:
                     break
             self._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -297,6 +252,7 @@ class Ranks:
         ones; a closed ssh connection hangs up (SIGHUP) the remote rank's terminal.
         """
         self._stopped.set()
+        self.tracker.stopped = True
         proc = self._proc
         if proc is None or self._group_stopped:
             return
@@ -328,16 +284,16 @@ class Ranks:
             rank = event.get("rank") if event else None
             if event is not None and isinstance(rank, int):
                 # When it arrived, not when it is read: a chat may leave events queued for minutes.
-                self._seen[rank] = time.monotonic()
+                self.tracker.heard(rank, time.monotonic())
                 self._log_event(rank, event)
                 self._events.put(event)
                 continue
             if line.strip() == HEARTBEAT_LINE:
                 continue  # a terminal's echo before mlx.launch turned it off
             self._log_line(None, line)
-            if line.strip():
-                self._launcher_lines.append(line.strip())
-            m = _NODE_EXIT.search(line)
+            m = NODE_EXIT.search(line)
+            if line.strip() and not m:
+                self.tracker.launcher_lines.append(line.strip())
             if m:
                 self._events.put({"event": "_node_exit", "rank": int(m.group(1)), "line": m.group(0),
                                   "code": None if m.group(2) is None else int(m.group(2))})
@@ -377,173 +333,38 @@ class Ranks:
         # Only once every supervisor runs: a remote terminal echoes what arrives before
         # mlx.launch's script turns echo off, and mlx.launch reads its first line as a pid file.
         while not self._stopped.wait(HEARTBEAT_SECONDS):
-            if len(self._started) == self.size:
+            if len(self.tracker.started) == self.size:
                 self._write(f"{HEARTBEAT_LINE}\n".encode())
 
-    # --- events -> state and failures ----------------------------------------------
+    # --- events -> the tracker -----------------------------------------------------
 
     def _record(self, event: dict[str, Any]) -> bool:
-        """Update the state from one event; True for the workers' own events (progress)."""
-        kind = event.get("event")
-        rank = event.get("rank")
-        if kind == "_node_exit":
-            self._on_node_exit(event)
-            return False
-        assert isinstance(rank, int)
-        if kind == "alive":
-            return False
-        if kind == "started":
-            self._started[rank] = event
-            if len(self._started) == self.size and self._proc is not None:
-                lower_priority(self._proc.pid)
-            return False
-        if kind == "log":
-            text = str(event.get("text", ""))
-            if text.strip():
-                self._last_lines[rank].append(text.strip())
-            if _COMM_ERROR.search(text):
-                self._comm_errors.add(rank)
-            return False
-        if kind != "token":  # rank 0's tokens come with its progress events, which say more
-            self._last_progress[rank] = (_describe_progress(event), event.get("step"), time.monotonic())
-        if kind == "exited":
-            self._on_exited(event)
-            return False
-        if kind == "error":
-            message = str(event.get("message"))
-            comm = bool(_COMM_ERROR.search(message))
-            self._errored.add(rank)
-            if comm:
-                self._comm_errors.add(rank)
-            self._add(rank, f"{event.get('type', 'Error')}: {message}", event.get("hint"), secondary=comm)
-            return False
-        if kind == "bye":
-            self._finished.add(rank)
-        return True
-
-    def _on_exited(self, event: dict[str, Any]) -> None:
-        rank = int(event["rank"])
-        self._exited.add(rank)
-        code = event.get("returncode")
-        stopped = event.get("stopped")
-        if event.get("finished") and code == 0:
-            return
-        if rank in self._errored:
-            return  # its error event already says what went wrong
-        if stopped == "lease":
-            self._add(rank, f"stopped its worker: no heartbeat from this controller for {self.spec.lease:g} s",
-                      "the network between this machine and that host failed for a while")
-            return
-        if stopped:
-            self._add(rank, f"stopped by {stopped}", secondary=True)
-            return
-        status = _describe_status(code)
-        if code == 0:
-            self._add(rank, f"{status} before finishing (mlx.launch would leave the other ranks waiting)")
-            return
-        last = self._last_lines.get(rank)
-        detail = f" (last output: {last[-1]})" if last and code and code > 0 else ""
-        self._add(rank, f"{status}{detail}", secondary=rank in self._comm_errors)
-
-    def _on_node_exit(self, event: dict[str, Any]) -> None:
-        """mlx.launch saw a rank's process end; its supervisor's ``exited`` normally says more."""
-        rank, code = int(event["rank"]), event.get("code")
-        if "completed" in event["line"] and rank in self._finished:
-            return
-        if "was killed" in event["line"]:
-            what, secondary = "was stopped by mlx.launch after another rank failed", True
-        elif code == 255 and not self.spec.hostfile.hosts[rank].is_local:
-            what, secondary = "its ssh connection failed (exit status 255)", False
-        else:
-            what, secondary = _describe_status(code if code is not None else 0), False
-            if code in (0, None):
-                what += " before finishing"
-        self._node_exits.setdefault(rank, (what, secondary, time.monotonic() + _EXIT_GRACE_SECONDS))
-
-    def _check_liveness(self, timeout: float, last_progress: float) -> None:
-        """The watchdogs: a silent host (no ``alive`` for the lease), no progress, lost exits."""
-        now = time.monotonic()
-        for rank, (what, secondary, deadline) in list(self._node_exits.items()):
-            if now > deadline and rank not in self._exited:
-                del self._node_exits[rank]
-                self._add(rank, what, secondary=secondary)
-        running = [r for r in self._started if r not in self._exited]
-        silent = {r: now - self._seen.get(r, now) for r in running}
-        lost = [r for r, quiet in silent.items() if quiet > self.spec.lease]
-        stalled = now - last_progress > timeout
-        if stalled and not lost:
-            lost = [r for r, quiet in silent.items() if quiet > 3 * HEARTBEAT_SECONDS]
-        unstarted = [r for r in range(self.size) if r not in self._started and r not in self._exited]
-        if lost:
-            rank = max(lost, key=lambda r: silent[r])
-            self._add(rank, f"stopped answering: nothing heard from its host for {silent[rank]:.0f} s",
-                      f"that host or the network to it may be down (its rank stops itself after "
-                      f"{self.spec.lease:g} s without word from here); check it with `mlxpipe doctor`")
-        elif unstarted and (stalled or now - self._started_at > START_TIMEOUT_SECONDS):
-            self._add(unstarted[0], f"never started: no word from it in {now - self._started_at:.0f} s",
-                      "check that host with `mlxpipe doctor`, and its log in the run directory")
-        elif stalled:
-            self._add(None, f"no progress from any rank for {timeout:g} s, though every host still answers; "
-                      f"last reported: {self._stall_report(now)}",
-                      f"{self._waiting_on()}mlx's ring has no receive timeout; raise --timeout if the model is just slow")
-
-    def _stall_report(self, now: float) -> str:
-        """Each rank's last progress and how long ago: ``rank 0 decode token 4 (5 s ago), ...``."""
-        parts = []
-        for rank in range(self.size):
-            what, _, when = self._last_progress.get(rank, ("nothing since it started", None, self._started_at))
-            parts.append(f"rank {rank} {what} ({now - when:.0f} s ago)")
-        return ", ".join(parts)
-
-    def _waiting_on(self) -> str:
-        """Which rank waits on which, when the ranks' steps say so (every rank does the same steps)."""
-        steps = {r: step for r, (_, step, _) in self._last_progress.items() if isinstance(step, int)}
-        if len(steps) < self.size or len(set(steps.values())) < 2:
-            return "a rank may be stuck in a collective; "
-        behind = min(steps.values())
-        # The earliest stage among the late ones (stages receive from rank + 1) explains the rest.
-        rank = max(r for r, step in steps.items() if step == behind)
-        if rank + 1 < self.size:
-            return (f"rank {rank} is behind (step {behind}, rank {rank + 1} at {steps[rank + 1]}): it waits for "
-                    f"rank {rank + 1}, which went on without delivering to it; ")
-        return f"rank {rank} is behind the others (step {behind}): they wait for it; "
-
-    def _add(self, rank: int | None, what: str, hint: str | None = None, *, secondary: bool = False) -> None:
-        if self._stopped.is_set():
-            return  # what the ranks report while being stopped is no failure of theirs
-        self.failures.append(RankFailure(rank, self._host(rank), what, hint, secondary))
+        """Feed one event to the tracker; True for the workers' own events (progress)."""
+        progress = self.tracker.record(event)
+        if event.get("event") == "started" and len(self.tracker.started) == self.size and self._proc is not None:
+            lower_priority(self._proc.pid)
+        return progress
 
     def _on_launch_end(self) -> None:
         """mlx.launch exited: fine if every rank said bye, else the ranks that did not failed."""
-        for rank, (what, secondary, _) in self._node_exits.items():
-            if rank not in self._exited:
-                self._add(rank, what, secondary=secondary)
-        self._node_exits.clear()
-        missing = sorted(set(range(self.size)) - self._finished)
-        if missing and not self.failures:
-            said = next((x for x in reversed(self._launcher_lines) if not _NODE_EXIT.search(x)), None)
-            self._add(missing[0], "ended before finishing: mlx.launch exited" + (f" ({said})" if said else ""))
-        if self.failures:
+        self.tracker.on_launch_end()
+        if self.tracker.failures:
             raise self._fail()
-
-    # --- the root cause -------------------------------------------------------------
 
     def _fail(self) -> LaunchError:
         """Settle on the root cause, stop every rank, and build the error to raise."""
-        if self.root_cause is None:
+        if self.tracker.root_cause is None:
             self._settle()
-            primary = [f for f in self.failures if not f.secondary]
-            self.root_cause = min(primary or self.failures, key=lambda f: f.at)
+            self.tracker.choose_root_cause()
         self.stop()
-        return self._error()
+        return self.tracker.error(self.spec.run_dir)
 
     def _settle(self) -> None:
         """Collect what else fails within the grace window, unless the root cause is plain already."""
-        deadline = min(f.at for f in self.failures) + ROOT_CAUSE_GRACE_SECONDS
+        deadline = self.tracker.grace_ends
         while time.monotonic() < deadline:
-            plain = any(not f.secondary for f in self.failures)
             try:
-                if plain:  # only what has already arrived, for the hint
+                if self.tracker.plain:  # only what has already arrived, for the hint
                     event = self._events.get_nowait()
                 else:
                     event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -551,31 +372,9 @@ class Ranks:
                 return
             if event is None:
                 self._events.put(None)
-                for rank, (what, secondary, _) in self._node_exits.items():
-                    if rank not in self._exited:
-                        self._add(rank, what, secondary=secondary)
-                self._node_exits.clear()
+                self.tracker.flush_node_exits()
                 return
             self._record(event)
-
-    def _error(self) -> LaunchError:
-        root = self.root_cause
-        assert root is not None
-        others = [f for f in self.failures if f is not root and f.rank != root.rank]
-        parts = [root.hint] if root.hint else []
-        if others:
-            first = min(others, key=lambda f: f.at)
-            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-            parts.append(f"the root cause; after it {first.where} failed ({first.what}){more}")
-        log = f" ({self.rank_log(root.rank).name})" if root.rank is not None else ""
-        parts.append(f"every rank was stopped; logs: {self.spec.run_dir}{log}")
-        message = f"{root.where}: {root.what}" if root.rank is not None else root.what
-        return LaunchError(message, "; ".join(parts))
-
-    def _host(self, rank: int | None) -> str | None:
-        if rank is None or not 0 <= rank < self.size:
-            return None
-        return self.spec.hostfile.hosts[rank].ssh
 
 
 def lower_priority(pid: int) -> None:
@@ -600,27 +399,6 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _describe_progress(event: dict[str, Any]) -> str:
-    """What a worker event says the rank was doing, for the stall report."""
-    kind = event.get("event")
-    if kind == "progress" and event.get("what"):
-        return str(event["what"])
-    return {"loaded": "loaded its layers", "done": "finished a request",
-            "result": "finished a request", "batch_done": "finished a batch"}.get(str(kind), str(kind))
-
-
-def _describe_status(code: int | None) -> str:
-    """``killed by SIGKILL (exit status -9)``, ``exited with status 3``."""
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name} (exit status {code})"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 # --- Signals to the controller -----------------------------------------------------------

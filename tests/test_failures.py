@@ -29,7 +29,8 @@ from fixtures.cluster import Cluster
 from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
-from mlxpipe.generate import Pipeline, Request, RunOptions, request_for
+from mlxpipe.failures import FailureTracker
+from mlxpipe.generate import Pipeline, Request, request_for
 
 REPO = Path(__file__).resolve().parent.parent
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
@@ -405,39 +406,53 @@ def _progress(rank: int, step: int, what: str) -> dict[str, Any]:
 @pytest.mark.parametrize("progress, report, waits", [
     # A stage that ends on a block without a cache never sent its prefill: rank 0 waits on rank 1.
     ([_progress(0, 1, "prefill 0/40 tokens"), _progress(1, 6, "decode token 2")],
-     "rank 0 prefill 0/40 tokens (0 s ago), rank 1 decode token 2 (0 s ago)",
+     "rank 0 prefill 0/40 tokens (7 s ago), rank 1 decode token 2 (7 s ago)",
      "rank 0 is behind (step 1, rank 1 at 6): it waits for rank 1, which went on without delivering to it"),
     # The first stage itself stopped: the others wait for it.
     ([_progress(0, 7, "decode token 5"), _progress(1, 6, "decode token 4"), _progress(2, 7, "decode token 5")],
-     "rank 0 decode token 5 (0 s ago), rank 1 decode token 4 (0 s ago), rank 2 decode token 5 (0 s ago)",
+     "rank 0 decode token 5 (7 s ago), rank 1 decode token 4 (7 s ago), rank 2 decode token 5 (7 s ago)",
      "rank 1 is behind (step 6, rank 2 at 7): it waits for rank 2, which went on without delivering to it"),
     ([_progress(0, 5, "decode token 3"), _progress(1, 4, "decode token 2")],
-     "rank 0 decode token 3 (0 s ago), rank 1 decode token 2 (0 s ago)",
+     "rank 0 decode token 3 (7 s ago), rank 1 decode token 2 (7 s ago)",
      "rank 1 is behind the others (step 4): they wait for it"),
     # Ranks at the same step: nothing to say about who waits.
     ([_progress(0, 3, "prefill 2/3 tokens"), _progress(1, 3, "prefill 2/3 tokens")],
-     "rank 0 prefill 2/3 tokens (0 s ago), rank 1 prefill 2/3 tokens (0 s ago)",
+     "rank 0 prefill 2/3 tokens (7 s ago), rank 1 prefill 2/3 tokens (7 s ago)",
      "a rank may be stuck in a collective"),
 ])
 def test_stall_report_says_where_each_rank_stands(progress: list[dict[str, Any]], report: str, waits: str,
                                                   tmp_path: Path) -> None:
-    from mlxpipe.hostfile import load_hostfile
-    from mlxpipe.launch import LaunchSpec, Ranks
-
-    path = tmp_path / "h.json"
-    path.write_text(json.dumps([LOCAL] * len(progress)))
-    ranks = Ranks(LaunchSpec(load_hostfile(path), ("-m", "mlxpipe.worker"), run_dir=tmp_path))
+    clock = FakeClock()
+    tracker = FailureTracker(_hostfile(tmp_path, [LOCAL] * len(progress)), lease=30.0, clock=clock)
     for rank in range(len(progress)):
-        ranks._events.put({"event": "started", "rank": rank})
+        tracker.record({"event": "started", "rank": rank})
     for event in progress:
-        ranks._events.put(event)
-    with pytest.raises(LaunchError) as e:
-        list(ranks.events(timeout=0.5))
-    # How long ago each report came depends on this machine's speed; the rest is exact.
-    assert re.sub(r"\(\d+ s ago\)", "(0 s ago)", e.value.message) == (
-        f"no progress from any rank for 0.5 s, though every host still answers; last reported: {report}"
+        tracker.record(event)
+    clock.now = 3.0
+    tracker.check_liveness(timeout=5.0, last_progress=0.0)
+    assert tracker.failures == []  # within the watchdog's bound
+    clock.now = 7.0
+    tracker.check_liveness(timeout=5.0, last_progress=0.0)
+    error = tracker.error(tmp_path)
+    assert error.message == (
+        f"no progress from any rank for 5 s, though every host still answers; last reported: {report}"
     )
-    assert str(e.value.hint).startswith(waits + "; mlx's ring has no receive timeout; raise --timeout")
+    assert str(error.hint).startswith(waits + "; mlx's ring has no receive timeout; raise --timeout")
+
+
+def test_a_silent_host_is_named_before_the_stall(tmp_path: Path) -> None:
+    clock = FakeClock()
+    tracker = FailureTracker(_hostfile(tmp_path, [LOCAL, {"ssh": "127.0.0.2", "ips": ["127.0.0.2"]}]),
+                             lease=10.0, clock=clock)
+    for rank in (0, 1):
+        tracker.record({"event": "started", "rank": rank})
+        tracker.heard(rank, 0.0)
+    clock.now = 8.0
+    tracker.heard(0, 8.0)  # rank 0's host still sends its heartbeats; rank 1's went quiet at 0
+    tracker.check_liveness(timeout=5.0, last_progress=0.0)
+    error = tracker.error(tmp_path)
+    assert error.message == "rank 1 on 127.0.0.2: stopped answering: nothing heard from its host for 8 s"
+    assert "check it with `mlxpipe doctor`" in str(error.hint)
 
 
 PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connection to a peer was lost"}
@@ -464,15 +479,31 @@ PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connec
      "rank 1 on 127.0.0.2: ModelError: no config.json in /m"),
 ])
 def test_root_cause_is_not_a_consequence(events: list[dict[str, Any]], expected: str, tmp_path: Path) -> None:
+    clock = FakeClock()
+    tracker = FailureTracker(_hostfile(tmp_path, [LOCAL, {"ssh": "127.0.0.2", "ips": ["127.0.0.2"]}]),
+                             lease=30.0, clock=clock)
+    for event in events:
+        clock.now += 0.1  # in the order they arrive
+        tracker.record(event)
+    tracker.on_launch_end()
+    error = tracker.error(tmp_path)
+    assert error.message == expected
+    assert f"logs: {tmp_path}" in str(error.hint)
+
+
+class FakeClock:
+    """The tracker's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _hostfile(tmp_path: Path, hosts: list[dict[str, Any]]) -> Any:
     from mlxpipe.hostfile import load_hostfile
-    from mlxpipe.launch import LaunchSpec, Ranks
 
     path = tmp_path / "h.json"
-    path.write_text(json.dumps([LOCAL, {"ssh": "127.0.0.2", "ips": ["127.0.0.2"]}]))
-    ranks = Ranks(LaunchSpec(load_hostfile(path), ("-m", "mlxpipe.worker"), run_dir=tmp_path))
-    for event in events:
-        ranks._events.put(event)
-    with pytest.raises(LaunchError) as e:
-        list(ranks.events(timeout=10))
-    assert e.value.message == expected
-    assert f"logs: {tmp_path}" in str(e.value.hint)
+    path.write_text(json.dumps(hosts))
+    return load_hostfile(path)

@@ -10,6 +10,7 @@ and any OpenAI client work unchanged; every error is a 4xx/5xx with OpenAI's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -31,6 +32,8 @@ from mlxpipe.serve.text import Delta, Reply, tool_calls
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STOP_STRINGS = 16
+# How often a request answered in one body checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.5
 
 
 class ApiError(Exception):
@@ -128,7 +131,7 @@ class _Api:
         if parsed.stream:
             return StreamingResponse(run.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await run.whole()
+        return await run.whole(request)
 
     # --- checks --------------------------------------------------------------------
 
@@ -277,11 +280,17 @@ class _Run:
 
     # --- one body --------------------------------------------------------------------
 
-    async def whole(self) -> Response:
-        text, reasoning, calls = "", "", []
-        async for delta in self._deltas():
-            text, reasoning = text + delta.text, reasoning + delta.reasoning
-            calls.extend(delta.tool_calls)
+    async def whole(self, request: Request) -> Response:
+        """The whole reply as one body; a client that goes away before it is ready cancels it."""
+        collect = asyncio.ensure_future(self._collect())
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_SECONDS)
+            if not collect.done() and await request.is_disconnected():
+                collect.cancel()  # _deltas cancels the request on the ranks on its way out
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+                return Response(status_code=499)  # nobody is there to read it
+        text, reasoning, calls = collect.result()
         if self.outcome is not None and self.outcome.error is not None:
             return _failure(self.outcome.error).response()
         if self.chat:
@@ -294,6 +303,13 @@ class _Run:
         else:
             choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
         return JSONResponse({**self._head(False), "choices": [choice], "usage": self.usage()})
+
+    async def _collect(self) -> tuple[str, str, list[str]]:
+        text, reasoning, calls = "", "", []
+        async for delta in self._deltas():
+            text, reasoning = text + delta.text, reasoning + delta.reasoning
+            calls.extend(delta.tool_calls)
+        return text, reasoning, calls
 
     # --- server-sent events ------------------------------------------------------------
 

@@ -1,0 +1,293 @@
+"""What went wrong in a run: each rank's state, the watchdogs' verdicts, the root cause.
+
+``launch.Ranks`` owns the processes, threads and logs; it feeds every event it
+reads to a ``FailureTracker`` and asks it, with the time, whether the run has
+failed. The tracker does no I/O and reads no clock of its own (the clock is
+passed in), so every verdict is testable from a list of events.
+
+The rules follow torchrun: one failure stops every rank, and the root cause is
+reported first (host, rank, exit status or exception). A killed rank is often
+observed *after* the peers that noticed its death ("[ring] connection to a peer
+was lost"), so failures are collected for a short grace window and one that is
+not such a consequence is preferred.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mlxpipe.errors import LaunchError
+from mlxpipe.hostfile import Hostfile
+from mlxpipe.supervisor import HEARTBEAT_SECONDS
+
+# Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
+START_TIMEOUT_SECONDS = 45.0
+# How long to keep collecting failures after the first, looking for the root cause.
+ROOT_CAUSE_GRACE_SECONDS = 2.0
+# mlx.launch logs a rank's exit before it forwards that rank's last output.
+EXIT_GRACE_SECONDS = 1.5
+# What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
+COMM_ERROR = re.compile(
+    r"connection to a peer was lost|(?:send|sending|recv|receiving) failed|closed by the peer"
+    r"|too many send/recv errors|connection reset by peer|broken pipe",
+    re.IGNORECASE,
+)
+_LAST_LINES = 5
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class RankFailure:
+    """One thing that went wrong; the root cause is chosen among these."""
+
+    rank: int | None
+    host: str | None
+    what: str
+    hint: str | None = None
+    secondary: bool = False  # a consequence of another failure (a lost peer, a stop)
+    at: float = 0.0
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} on {self.host}" if self.rank is not None else "the run"
+
+
+class FailureTracker:
+    """The state of a run's ranks, built from their events; see the module docstring."""
+
+    def __init__(self, hostfile: Hostfile, lease: float, clock: Clock = time.monotonic) -> None:
+        self.hostfile, self.size, self.lease, self.clock = hostfile, hostfile.size, lease, clock
+        self.failures: list[RankFailure] = []
+        self.root_cause: RankFailure | None = None
+        self.stopped = False  # once the ranks are being stopped, what they report is no failure
+        self.finished: set[int] = set()  # said bye
+        self.started: dict[int, dict[str, Any]] = {}
+        self.started_at = clock()
+        self._exited: set[int] = set()
+        self._errored: set[int] = set()
+        self._seen: dict[int, float] = {}
+        self._node_exits: dict[int, tuple[str, bool, float]] = {}  # rank -> (what, secondary, deadline)
+        self._comm_errors: set[int] = set()
+        self._last_lines: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=_LAST_LINES)
+        )
+        self.launcher_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)  # mlx.launch's own
+        self._last_progress: dict[int, tuple[str, int | None, float]] = {}  # rank -> (what, step, when)
+
+    # --- events in ------------------------------------------------------------------
+
+    def heard(self, rank: int, when: float) -> None:
+        """Something arrived from ``rank``'s host at ``when`` (not when it is read)."""
+        self._seen[rank] = when
+
+    def record(self, event: dict[str, Any]) -> bool:
+        """Update the state from one event; True for the workers' own events (progress)."""
+        kind = event.get("event")
+        rank = event.get("rank")
+        if kind == "_node_exit":
+            self._on_node_exit(event)
+            return False
+        assert isinstance(rank, int)
+        if kind == "alive":
+            return False
+        if kind == "started":
+            self.started[rank] = event
+            return False
+        if kind == "log":
+            text = str(event.get("text", ""))
+            if text.strip():
+                self._last_lines[rank].append(text.strip())
+            if COMM_ERROR.search(text):
+                self._comm_errors.add(rank)
+            return False
+        if kind != "token":  # rank 0's tokens come with its progress events, which say more
+            self._last_progress[rank] = (describe_progress(event), event.get("step"), self.clock())
+        if kind == "exited":
+            self._on_exited(event)
+            return False
+        if kind == "error":
+            message = str(event.get("message"))
+            comm = bool(COMM_ERROR.search(message))
+            self._errored.add(rank)
+            if comm:
+                self._comm_errors.add(rank)
+            self.add(rank, f"{event.get('type', 'Error')}: {message}", event.get("hint"), secondary=comm)
+            return False
+        if kind == "bye":
+            self.finished.add(rank)
+        return True
+
+    def _on_exited(self, event: dict[str, Any]) -> None:
+        rank = int(event["rank"])
+        self._exited.add(rank)
+        code = event.get("returncode")
+        stopped = event.get("stopped")
+        if event.get("finished") and code == 0:
+            return
+        if rank in self._errored:
+            return  # its error event already says what went wrong
+        if stopped == "lease":
+            self.add(rank, f"stopped its worker: no heartbeat from this controller for {self.lease:g} s",
+                     "the network between this machine and that host failed for a while")
+            return
+        if stopped:
+            self.add(rank, f"stopped by {stopped}", secondary=True)
+            return
+        status = describe_status(code)
+        if code == 0:
+            self.add(rank, f"{status} before finishing (mlx.launch would leave the other ranks waiting)")
+            return
+        last = self._last_lines.get(rank)
+        detail = f" (last output: {last[-1]})" if last and code and code > 0 else ""
+        self.add(rank, f"{status}{detail}", secondary=rank in self._comm_errors)
+
+    def _on_node_exit(self, event: dict[str, Any]) -> None:
+        """mlx.launch saw a rank's process end; its supervisor's ``exited`` normally says more."""
+        rank, code = int(event["rank"]), event.get("code")
+        if "completed" in event["line"] and rank in self.finished:
+            return
+        if "was killed" in event["line"]:
+            what, secondary = "was stopped by mlx.launch after another rank failed", True
+        elif code == 255 and not self.hostfile.hosts[rank].is_local:
+            what, secondary = "its ssh connection failed (exit status 255)", False
+        else:
+            what, secondary = describe_status(code if code is not None else 0), False
+            if code in (0, None):
+                what += " before finishing"
+        self._node_exits.setdefault(rank, (what, secondary, self.clock() + EXIT_GRACE_SECONDS))
+
+    # --- verdicts ---------------------------------------------------------------------
+
+    def check_liveness(self, timeout: float, last_progress: float) -> None:
+        """The watchdogs: a silent host (no ``alive`` for the lease), no progress, lost exits."""
+        now = self.clock()
+        for rank, (what, secondary, deadline) in list(self._node_exits.items()):
+            if now > deadline and rank not in self._exited:
+                del self._node_exits[rank]
+                self.add(rank, what, secondary=secondary)
+        running = [r for r in self.started if r not in self._exited]
+        silent = {r: now - self._seen.get(r, now) for r in running}
+        lost = [r for r, quiet in silent.items() if quiet > self.lease]
+        stalled = now - last_progress > timeout
+        if stalled and not lost:
+            lost = [r for r, quiet in silent.items() if quiet > 3 * HEARTBEAT_SECONDS]
+        unstarted = [r for r in range(self.size) if r not in self.started and r not in self._exited]
+        if lost:
+            rank = max(lost, key=lambda r: silent[r])
+            self.add(rank, f"stopped answering: nothing heard from its host for {silent[rank]:.0f} s",
+                     f"that host or the network to it may be down (its rank stops itself after "
+                     f"{self.lease:g} s without word from here); check it with `mlxpipe doctor`")
+        elif unstarted and (stalled or now - self.started_at > START_TIMEOUT_SECONDS):
+            self.add(unstarted[0], f"never started: no word from it in {now - self.started_at:.0f} s",
+                     "check that host with `mlxpipe doctor`, and its log in the run directory")
+        elif stalled:
+            self.add(None, f"no progress from any rank for {timeout:g} s, though every host still answers; "
+                     f"last reported: {self.stall_report(now)}",
+                     f"{self.waiting_on()}mlx's ring has no receive timeout; raise --timeout if the model is just slow")
+
+    def stall_report(self, now: float) -> str:
+        """Each rank's last progress and how long ago: ``rank 0 decode token 4 (5 s ago), ...``."""
+        parts = []
+        for rank in range(self.size):
+            what, _, when = self._last_progress.get(rank, ("nothing since it started", None, self.started_at))
+            parts.append(f"rank {rank} {what} ({now - when:.0f} s ago)")
+        return ", ".join(parts)
+
+    def waiting_on(self) -> str:
+        """Which rank waits on which, when the ranks' steps say so (every rank does the same steps)."""
+        steps = {r: step for r, (_, step, _) in self._last_progress.items() if isinstance(step, int)}
+        if len(steps) < self.size or len(set(steps.values())) < 2:
+            return "a rank may be stuck in a collective; "
+        behind = min(steps.values())
+        # The earliest stage among the late ones (stages receive from rank + 1) explains the rest.
+        rank = max(r for r, step in steps.items() if step == behind)
+        if rank + 1 < self.size:
+            return (f"rank {rank} is behind (step {behind}, rank {rank + 1} at {steps[rank + 1]}): it waits for "
+                    f"rank {rank + 1}, which went on without delivering to it; ")
+        return f"rank {rank} is behind the others (step {behind}): they wait for it; "
+
+    def add(self, rank: int | None, what: str, hint: str | None = None, *, secondary: bool = False) -> None:
+        if self.stopped:
+            return  # what the ranks report while being stopped is no failure of theirs
+        self.failures.append(RankFailure(rank, self.host(rank), what, hint, secondary, at=self.clock()))
+
+    def flush_node_exits(self) -> None:
+        """mlx.launch has ended: the exits it reported without a supervisor's word are failures now."""
+        for rank, (what, secondary, _) in self._node_exits.items():
+            if rank not in self._exited:
+                self.add(rank, what, secondary=secondary)
+        self._node_exits.clear()
+
+    def on_launch_end(self) -> None:
+        """mlx.launch exited: fine if every rank said bye, else the ranks that did not failed."""
+        self.flush_node_exits()
+        missing = sorted(set(range(self.size)) - self.finished)
+        if missing and not self.failures:
+            said = self.launcher_lines[-1] if self.launcher_lines else None
+            self.add(missing[0], "ended before finishing: mlx.launch exited" + (f" ({said})" if said else ""))
+
+    # --- the root cause -------------------------------------------------------------
+
+    @property
+    def plain(self) -> bool:
+        """A failure that is no consequence of another is known: the root cause is plain."""
+        return any(not f.secondary for f in self.failures)
+
+    @property
+    def grace_ends(self) -> float:
+        """Until when to collect more failures before choosing the root cause."""
+        return min(f.at for f in self.failures) + ROOT_CAUSE_GRACE_SECONDS
+
+    def choose_root_cause(self) -> RankFailure:
+        """The first failure that is no consequence of another (else the first of all)."""
+        if self.root_cause is None:
+            primary = [f for f in self.failures if not f.secondary]
+            self.root_cause = min(primary or self.failures, key=lambda f: f.at)
+        return self.root_cause
+
+    def error(self, run_dir: Path) -> LaunchError:
+        """The error to raise: the root cause first, then what followed it, then where the logs are."""
+        root = self.choose_root_cause()
+        others = [f for f in self.failures if f is not root and f.rank != root.rank]
+        parts = [root.hint] if root.hint else []
+        if others:
+            first = min(others, key=lambda f: f.at)
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            parts.append(f"the root cause; after it {first.where} failed ({first.what}){more}")
+        log = f" (rank-{root.rank}.log)" if root.rank is not None else ""
+        parts.append(f"every rank was stopped; logs: {run_dir}{log}")
+        message = f"{root.where}: {root.what}" if root.rank is not None else root.what
+        return LaunchError(message, "; ".join(parts))
+
+    def host(self, rank: int | None) -> str | None:
+        if rank is None or not 0 <= rank < self.size:
+            return None
+        return self.hostfile.hosts[rank].ssh
+
+
+def describe_progress(event: dict[str, Any]) -> str:
+    """What a worker event says the rank was doing, for the stall report."""
+    kind = event.get("event")
+    if kind == "progress" and event.get("what"):
+        return str(event["what"])
+    return {"loaded": "loaded its layers", "done": "finished a request",
+            "result": "finished a request", "batch_done": "finished a batch"}.get(str(kind), str(kind))
+
+
+def describe_status(code: int | None) -> str:
+    """``killed by SIGKILL (exit status -9)``, ``exited with status 3``."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit status {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
