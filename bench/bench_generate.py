@@ -155,7 +155,7 @@ def _prompt_tokens(tokenizer: Any) -> list[int]:
 
 def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int) -> tuple[list[float], int]:
     """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run."""
-    from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
+    from mlxpipe.generate import Pipeline, Request, RunOptions, request_for
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
     hostfile = REPO / "hostfiles" / f"local-{setup.ranks}.json"
@@ -169,7 +169,7 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int) -> tuple[lis
             pin(pids[rank], core)
         speeds, tokens = [], 0
         for i in range(runs + 1):
-            sampling = Sampling(max_tokens=WARMUP_TOKENS if i == 0 else max_tokens)
+            sampling = Request(max_tokens=WARMUP_TOKENS if i == 0 else max_tokens)
             answer = pipe.generate(request_for(PROMPT, None, sampling))
             if i > 0:
                 speeds.append(answer.generation_tps)

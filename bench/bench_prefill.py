@@ -93,7 +93,7 @@ def pipeline(model: Path, setup: Setup, lengths: tuple[int, ...], runs: int) -> 
     """Prompt tok/s per prompt length on local ranks, each worker pinned."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxpipe.generate import Pipeline, RunOptions, Sampling, request_for
+    from mlxpipe.generate import Pipeline, Request, RunOptions, request_for
     from mlxpipe.startup import PipelineConfig
     from mlxpipe.target import load_model_metadata, plan_target, resolve_target
 
@@ -103,7 +103,7 @@ def pipeline(model: Path, setup: Setup, lengths: tuple[int, ...], runs: int) -> 
     meta = load_model_metadata(target)
     pipe = Pipeline(meta, plan_target(target, meta), target, RunOptions(prefill_step_size=step))
     tokenizer = load_tokenizer(model)
-    sampling = Sampling(max_tokens=1, ignore_chat_template=True)
+    sampling = Request(max_tokens=1, ignore_chat_template=True)
     try:
         pipe.start()
         pids = worker_pids(pipe.job.encode())

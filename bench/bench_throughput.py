@@ -104,10 +104,10 @@ def pinned_pipeline(model: Path, ranks: int, strategy: str | None = None) -> Ite
         raise
 
 
-def _requests(texts: list[str], max_tokens: int) -> list[dict[str, Any]]:
-    from mlxpipe.generate import Sampling, request_for
+def _requests(texts: list[str], max_tokens: int) -> list[Any]:
+    from mlxpipe.generate import Request, request_for
 
-    sampling = Sampling(max_tokens=max_tokens, ignore_chat_template=True)
+    sampling = Request(max_tokens=max_tokens, ignore_chat_template=True)
     return [request_for(t, None, sampling) for t in texts]
 
 

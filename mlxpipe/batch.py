@@ -16,25 +16,46 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import check_sampling
+from mlxpipe.request import Request, parse_logit_bias
 
-# Per-prompt options a JSONL line may set, with the JSON types they take.
+_NUMBER = (int, float)
+# Per-prompt options a JSONL line may set (``Request``'s fields: mlx_lm.generate's flags without
+# the dashes), with the JSON types they take.
 _OPTIONS: dict[str, tuple[type, ...]] = {
     "id": (str, int),
     "prompt": (str,),
     "messages": (list,),
-    "max_tokens": (int,),
-    "temp": (int, float),
-    "top_p": (int, float),
-    "min_p": (int, float),
-    "seed": (int,),
     "system_prompt": (str,),
     "ignore_chat_template": (bool,),
+    "use_default_chat_template": (bool,),
+    "chat_template_config": (dict,),
+    "prefill_response": (str,),
+    "max_tokens": (int,),
+    "temp": _NUMBER,
+    "top_p": _NUMBER,
+    "min_p": _NUMBER,
+    "min_tokens_to_keep": (int,),
+    "top_k": (int,),
+    "xtc_probability": _NUMBER,
+    "xtc_threshold": _NUMBER,
+    "seed": (int,),
+    "logit_bias": (dict,),
+    "repetition_penalty": _NUMBER,
+    "repetition_context_size": (int,),
+    "presence_penalty": _NUMBER,
+    "presence_context_size": (int,),
+    "frequency_penalty": _NUMBER,
+    "frequency_context_size": (int,),
+    "extra_eos_token": (str, list),
+    "max_kv_size": (int,),
+    "kv_bits": (int,),
+    "kv_group_size": (int,),
+    "quantized_kv_start": (int,),
 }
 
 
@@ -85,7 +106,7 @@ class BatchResult:
         }
 
 
-def read_prompts(path: Path, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+def read_prompts(path: Path, defaults: Request) -> list[Request]:
     """The requests in ``path``, each ``defaults`` (the command's flags) overridden by its own options.
 
     A request's id is its JSONL ``id``, else its line number. Errors name the
@@ -102,9 +123,8 @@ def read_prompts(path: Path, defaults: dict[str, Any]) -> list[dict[str, Any]]:
     requests = []
     for n, line in numbered:
         options = _parse_line(path, n, line) if jsonl else {"prompt": line}
-        requests.append({**defaults, "id": n, **options})
-        if "messages" in options:
-            requests[-1]["prompt"] = None
+        request = replace(defaults, **{"id": n, "prompt": None, "messages": None, **options})
+        requests.append(_checked(request, f"{path}:{n}"))
     return requests
 
 
@@ -130,7 +150,14 @@ def _parse_line(path: Path, n: int, line: str) -> dict[str, Any]:
     messages = options.get("messages")
     if messages is not None and not (messages and all(_is_message(m) for m in messages)):
         raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
-    _check_ranges(where, options)
+    if "logit_bias" in options:
+        options["logit_bias"] = parse_logit_bias(options["logit_bias"], f"{where}: 'logit_bias'")
+    eos = options.get("extra_eos_token")
+    if eos is not None:
+        eos = [eos] if isinstance(eos, str) else eos
+        if not all(isinstance(t, str) for t in eos):
+            raise UsageError(f"{where}: 'extra_eos_token' must be a string or a list of strings")
+        options["extra_eos_token"] = tuple(eos)
     return options
 
 
@@ -138,16 +165,14 @@ def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
-def _check_ranges(where: str, options: dict[str, Any]) -> None:
-    check_sampling(options, lambda field: f"{where}: '{field}'")
+def _checked(request: Request, where: str) -> Request:
+    """``request`` once in range, else one line naming the line (a ``RequestError``, a usage error)."""
+    return request.check(lambda field: f"{where}: '{field}'")
 
 
-def with_seeds(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_seeds(requests: list[Request]) -> list[Request]:
     """Give every sampled request without a seed a random one, so a run can be repeated from its output."""
-    return [
-        {**r, "seed": random.randrange(2**31)} if r.get("temp", 0) > 0 and r.get("seed") is None else r
-        for r in requests
-    ]
+    return [r.with_seed(lambda: random.randrange(2**31)) for r in requests]
 
 
 def result_from_event(event: dict[str, Any]) -> RequestResult:

@@ -19,7 +19,7 @@ from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.hostfile import BACKENDS
 from mlxpipe.launch import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS, Sampling
+from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -262,13 +262,13 @@ MaxTokensOpt = typer.Option(
     None, "--max-tokens", "-n", help="Most tokens to generate.", show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}"
 )
 TempOpt = typer.Option(
-    None, "--temp", help="Sampling temperature; 0 is greedy.", show_default=f"{Sampling.temp:g}, {FROM_PRESET}"
+    None, "--temp", help="Sampling temperature; 0 is greedy.", show_default=f"{Request.temp:g}, {FROM_PRESET}"
 )
 TopPOpt = typer.Option(
-    None, "--top-p", help="Nucleus sampling threshold.", show_default=f"{Sampling.top_p:g}, {FROM_PRESET}"
+    None, "--top-p", help="Nucleus sampling threshold.", show_default=f"{Request.top_p:g}, {FROM_PRESET}"
 )
 MinPOpt = typer.Option(
-    None, "--min-p", help="Min-p sampling threshold.", show_default=f"{Sampling.min_p:g}, {FROM_PRESET}"
+    None, "--min-p", help="Min-p sampling threshold.", show_default=f"{Request.min_p:g}, {FROM_PRESET}"
 )
 SeedOpt = typer.Option(
     None, "--seed", help="Sampling seed, shared by every rank.",
@@ -278,6 +278,52 @@ SystemOpt = typer.Option(
     None, "--system-prompt", help="System message for the chat template.", show_default=f"none, {FROM_PRESET}"
 )
 NoTemplateOpt = typer.Option(False, "--ignore-chat-template", help="Feed the prompt as is, without the chat template.")
+# mlx_lm.generate's other options, by its names and with its defaults (mlxpipe.request.Request).
+TopKOpt = typer.Option(Request.top_k, "--top-k", help="Sample from the k most likely tokens only; 0 is off.")
+MinKeepOpt = typer.Option(Request.min_tokens_to_keep, "--min-tokens-to-keep", help="Tokens min-p sampling always keeps.")
+XtcProbabilityOpt = typer.Option(
+    Request.xtc_probability, "--xtc-probability", help="XTC sampling: the chance, at each token, to drop the likeliest."
+)
+XtcThresholdOpt = typer.Option(
+    Request.xtc_threshold, "--xtc-threshold", help="XTC sampling: tokens above this probability may be dropped."
+)
+ExtraEosOpt = typer.Option(
+    None, "--extra-eos-token", help="A token (or token id) that also ends the reply; repeat for several.",
+    show_default="none",
+)
+MaxKvOpt = typer.Option(
+    None, "--max-kv-size", help="Keep at most this many tokens in each KV cache (a rotating cache).",
+    show_default="none: unbounded",
+)
+KvBitsOpt = typer.Option(
+    None, "--kv-bits", help="Quantize the KV cache to these bits (2, 3, 4, 5, 6 or 8).", show_default="none: no quantization"
+)
+KvGroupOpt = typer.Option(Request.kv_group_size, "--kv-group-size", help="Group size of KV-cache quantization.")
+KvStartOpt = typer.Option(
+    Request.quantized_kv_start, "--quantized-kv-start", help="With --kv-bits: quantize once a cache holds this many tokens."
+)
+TemplateConfigOpt = typer.Option(
+    None, "--chat-template-config",
+    help="Extra arguments of the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'.",
+    show_default="none",
+)
+DefaultTemplateOpt = typer.Option(
+    False, "--use-default-chat-template",
+    help="A tokenizer without a chat template uses its default one (as mlx-lm; none in transformers >= 4.44).",
+)
+PrefillResponseOpt = typer.Option(
+    None, "--prefill-response", help="The start of the assistant's reply, which the model continues.", show_default="none"
+)
+ContextOpt = typer.Option(
+    None, "--context", help="Context length (tokens): what the fit check reserves KV cache for.",
+    show_default="4096",
+)
+AdapterOpt = typer.Option(
+    None, "--adapter-path",
+    help="LoRA adapters (mlx-lm's adapter_config.json and adapters.safetensors), at this path on every host; "
+    "each rank loads only its own layers' adapters.",
+    show_default="none",
+)
 BackendOpt = typer.Option(
     None, "--backend",
     help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), jaccl-ring (ring over Thunderbolt RDMA), "
@@ -321,30 +367,44 @@ OutputOpt = typer.Option(
 )
 
 
-def _sampling(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template) -> Any:
-    from mlxpipe.config import pick
-    from mlxpipe.request import DEFAULT_MAX_TOKENS, Sampling
+def _request(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template,
+             **options: Any) -> Request:
+    """The generation options the flags (then the preset, then mlx_lm.generate's defaults) give every request.
 
-    sampling = Sampling(
+    ``options``: the other Request fields by name (None: not given); errors name the flag.
+    """
+    from mlxpipe.config import pick
+    from mlxpipe.request import parse_chat_template_config
+
+    given = {k: v for k, v in options.items() if v is not None}
+    if "chat_template_config" in given:
+        given["chat_template_config"] = parse_chat_template_config(given["chat_template_config"],
+                                                                   "--chat-template-config")
+    if "extra_eos_token" in given:
+        given["extra_eos_token"] = tuple(given["extra_eos_token"])
+    request = Request(
         max_tokens=pick(max_tokens, preset.max_tokens, DEFAULT_MAX_TOKENS),
-        temp=pick(temp, preset.temp, 0.0),
-        top_p=pick(top_p, preset.top_p, 1.0),
-        min_p=pick(min_p, preset.min_p, 0.0),
+        temp=pick(temp, preset.temp, Request.temp),
+        top_p=pick(top_p, preset.top_p, Request.top_p),
+        min_p=pick(min_p, preset.min_p, Request.min_p),
         seed=pick(seed, preset.seed),
         system_prompt=pick(system_prompt, preset.system_prompt),
         ignore_chat_template=ignore_chat_template,
+        **given,
     )
-    return sampling.check(lambda field: "--" + field.replace("_", "-"))
+    return request.check(lambda field: "--" + field.replace("_", "-"))
 
 
 def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
-                     from_controller: bool = False) -> Any:
+                     from_controller: bool = False, context: int | None = None,
+                     adapter_path: Path | None = None) -> Any:
     """The typed config of the pipeline the flags describe (checked on construction)."""
     from mlxpipe.startup import PipelineConfig
 
     return PipelineConfig(
         target=target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill, port=port, timeout=timeout,
-        trust_remote_code=trust, from_controller=from_controller, quiet=quiet,
+        trust_remote_code=trust, from_controller=from_controller, quiet=quiet, context=context,
+        adapter_path=str(adapter_path.expanduser().resolve()) if adapter_path is not None else None,
     )
 
 
@@ -386,6 +446,20 @@ def generate(
     seed: Optional[int] = SeedOpt,
     system_prompt: Optional[str] = SystemOpt,
     ignore_chat_template: bool = NoTemplateOpt,
+    top_k: int = TopKOpt,
+    min_tokens_to_keep: int = MinKeepOpt,
+    xtc_probability: float = XtcProbabilityOpt,
+    xtc_threshold: float = XtcThresholdOpt,
+    extra_eos_token: Optional[list[str]] = ExtraEosOpt,
+    max_kv_size: Optional[int] = MaxKvOpt,
+    kv_bits: Optional[int] = KvBitsOpt,
+    kv_group_size: int = KvGroupOpt,
+    quantized_kv_start: int = KvStartOpt,
+    chat_template_config: Optional[str] = TemplateConfigOpt,
+    use_default_chat_template: bool = DefaultTemplateOpt,
+    prefill_response: Optional[str] = PrefillResponseOpt,
+    context: Optional[int] = ContextOpt,
+    adapter_path: Optional[Path] = AdapterOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
@@ -423,15 +497,21 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
-    sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template)
+    options = _request(
+        target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, ignore_chat_template,
+        top_k=top_k, min_tokens_to_keep=min_tokens_to_keep, xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold, extra_eos_token=extra_eos_token, max_kv_size=max_kv_size, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        chat_template_config=chat_template_config, use_default_chat_template=use_default_chat_template,
+        prefill_response=prefill_response,
+    )
     pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
-                                       trust_remote_code, json_out, from_controller)
+                                       trust_remote_code, json_out, from_controller, context, adapter_path)
     if prompts_file is not None:
-        _generate_batch(pipeline_config, request_for(None, None, sampling), prompts_file, concurrency, output,
-                        json_out)
+        _generate_batch(pipeline_config, options, prompts_file, concurrency, output, json_out)
         return
     with running_pipeline(pipeline_config) as pipe:
-        answer = pipe.generate(request_for(prompt, None, sampling), None if json_out else _stream_text)
+        answer = pipe.generate(request_for(prompt, None, options), None if json_out else _stream_text)
     if json_out:
         console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
     else:
@@ -439,7 +519,7 @@ def generate(
         console.err.print(answer_table(answer))
 
 
-def _generate_batch(pipeline_config: Any, defaults: dict[str, Any], prompts_file: Path,
+def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
                     concurrency: int | None, output: Path | None, json_out: bool) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
     from mlxpipe.batch import ResultsFile, read_prompts
@@ -502,6 +582,19 @@ def chat(
     min_p: Optional[float] = MinPOpt,
     seed: Optional[int] = SeedOpt,
     system_prompt: Optional[str] = SystemOpt,
+    top_k: int = TopKOpt,
+    min_tokens_to_keep: int = MinKeepOpt,
+    xtc_probability: float = XtcProbabilityOpt,
+    xtc_threshold: float = XtcThresholdOpt,
+    extra_eos_token: Optional[list[str]] = ExtraEosOpt,
+    max_kv_size: Optional[int] = MaxKvOpt,
+    kv_bits: Optional[int] = KvBitsOpt,
+    kv_group_size: int = KvGroupOpt,
+    quantized_kv_start: int = KvStartOpt,
+    chat_template_config: Optional[str] = TemplateConfigOpt,
+    use_default_chat_template: bool = DefaultTemplateOpt,
+    context: Optional[int] = ContextOpt,
+    adapter_path: Optional[Path] = AdapterOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
@@ -521,9 +614,15 @@ def chat(
     from mlxpipe.target import resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
-    sampling = _sampling(target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False)
+    options = _request(
+        target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False,
+        top_k=top_k, min_tokens_to_keep=min_tokens_to_keep, xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold, extra_eos_token=extra_eos_token, max_kv_size=max_kv_size, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        chat_template_config=chat_template_config, use_default_chat_template=use_default_chat_template,
+    )
     pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
-                                       trust_remote_code, False, from_controller)
+                                       trust_remote_code, False, from_controller, context, adapter_path)
     messages: list[dict[str, str]] = []
     with running_pipeline(pipeline_config) as pipe:
         while True:
@@ -532,7 +631,7 @@ def chat(
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            answer = pipe.generate(request_for(None, messages, sampling, keep_cache=True), _stream_text)
+            answer = pipe.generate(request_for(None, messages, options, keep_cache=True), _stream_text)
             console.out.print()
             messages.append({"role": "assistant", "content": answer.text})
             console.err.print(
@@ -568,6 +667,17 @@ def serve(
         None, "--max-tokens", "-n", help="Default max_tokens of a request.",
         show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
     ),
+    max_kv_size: Optional[int] = MaxKvOpt,
+    kv_bits: Optional[int] = KvBitsOpt,
+    kv_group_size: int = KvGroupOpt,
+    quantized_kv_start: int = KvStartOpt,
+    chat_template_config: Optional[str] = TemplateConfigOpt,
+    use_default_chat_template: bool = DefaultTemplateOpt,
+    context: Optional[int] = typer.Option(
+        None, "--context", help="Context length (tokens): the fit check's KV reserve, and the longest prompt and "
+        "reply a request may make.", show_default="the model's max_position_embeddings; 4096 for the fit check",
+    ),
+    adapter_path: Optional[Path] = AdapterOpt,
     backend: Optional[str] = BackendOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
     ring_port: Optional[int] = typer.Option(
@@ -587,22 +697,26 @@ def serve(
     Example: mlxpipe serve --port 8080
     """
     from mlxpipe import serve as server
-    from mlxpipe.config import pick
-    from mlxpipe.request import DEFAULT_MAX_TOKENS, check_sampling
+    from mlxpipe.config import Preset
     from mlxpipe.target import resolve_target
 
-    if max_tokens is not None:
-        check_sampling({"max_tokens": max_tokens}, lambda field: "--max-tokens")
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    # A request's sampling comes from its body; the preset gives only max_tokens, as before.
+    defaults = _request(
+        Preset(max_tokens=target.preset.max_tokens), max_tokens, None, None, None, None, None, False,
+        max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start, chat_template_config=chat_template_config,
+        use_default_chat_template=use_default_chat_template,
+    )
     pipeline_config = _pipeline_config(target, backend, "generic", prefill_step_size, ring_port, timeout,
-                                       trust_remote_code, False, from_controller)
+                                       trust_remote_code, False, from_controller, context, adapter_path)
     options = server.ServeOptions(
         max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size,
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
     )
     code = server.serve(
         pipeline_config, options, host=host, port=port, api_key=api_key,
-        default_max_tokens=pick(max_tokens, target.preset.max_tokens, DEFAULT_MAX_TOKENS),
+        defaults=defaults, context=context,
     )
     raise typer.Exit(code)
 

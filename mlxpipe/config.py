@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from mlxpipe.errors import ConfigError
-from mlxpipe.request import RequestError, check_sampling
+from mlxpipe.request import RequestError, check_fields
 
 DEFAULT_BACKEND = "ring"
 
@@ -74,7 +74,7 @@ def load_preset(path: str | Path | None) -> Preset:
             raise ConfigError(f"{path}: key {key!r} must be {_TYPES[key][0].__name__}, got {value!r}")
         values[key] = value
     try:  # a value out of range is the file's fault: say so, rather than blame a flag that was not given
-        check_sampling(values, lambda key: f"{path}: key {key!r}")
+        check_fields(values, lambda key: f"{path}: key {key!r}")
     except RequestError as e:
         raise ConfigError(e.message) from None
     if "split" in values:

@@ -17,7 +17,7 @@ from mlxpipe.errors import LaunchError
 from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
-from mlxpipe.request import Sampling
+from mlxpipe.request import Request
 from mlxpipe.target import Target
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class RunOptions:
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
     step_timeout: float = DEFAULT_STEP_TIMEOUT
     trust_remote_code: bool = False
+    adapter_path: str | None = None
 
 
 def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
@@ -81,6 +82,7 @@ def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOption
         mode=options.mode,
         trust_remote_code=options.trust_remote_code,
         prefill_step_size=options.prefill_step_size,
+        adapter_path=options.adapter_path,
     )
 
 
@@ -141,12 +143,11 @@ class Pipeline:
                     return
         raise LaunchError("the ranks ended before loading the model", f"logs: {self.run_dir}")
 
-    def generate(self, request: dict[str, Any], on_text: OnText | None = None) -> Answer:
+    def generate(self, request: Request, on_text: OnText | None = None) -> Answer:
         """Send one request; stream rank 0's text; return once every rank is done."""
-        if request.get("temp", 0) > 0 and request.get("seed") is None:
-            # Every rank must sample the same token: they share one seed.
-            request = {**request, "seed": random.randrange(2**31)}
-        self.ranks.send({"type": "generate", **request})
+        # Every rank must sample the same token: they share one seed.
+        request = request.with_seed(lambda: random.randrange(2**31))
+        self.ranks.send({"type": "generate", **request.to_wire()})
         answer = Answer(text="")
         done: set[int] = set()
         peaks: dict[int, float] = {}
@@ -174,7 +175,7 @@ class Pipeline:
 
     def generate_batch(
         self,
-        requests: Sequence[dict[str, Any]],
+        requests: Sequence[Request],
         concurrency: int | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
@@ -185,10 +186,11 @@ class Pipeline:
         and every request before it have finished; ``on_finished`` gets each
         the moment it finishes.
         """
-        from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
+        from mlxpipe.batch import BatchResult, InOrder, result_from_event
 
         concurrency = concurrency or self.ranks.size
-        self.ranks.send({"type": "batch", "requests": with_seeds(list(requests)), "concurrency": concurrency})
+        wire = [r.with_seed(lambda: random.randrange(2**31)).to_wire() for r in requests]
+        self.ranks.send({"type": "batch", "requests": wire, "concurrency": concurrency})
         ordered = InOrder(on_result)
         done: dict[int, dict[str, Any]] = {}
         for event in self.ranks.events(self.options.step_timeout):
@@ -241,17 +243,8 @@ def _rank_stats(event: dict[str, Any], host: str) -> RankStats:
     )
 
 
-def request_for(prompt: str | None, messages: Sequence[dict[str, str]] | None, sampling: Sampling, keep_cache: bool = False) -> dict[str, Any]:
-    """A generate request in the worker's terms."""
-    return {
-        "prompt": prompt,
-        "messages": list(messages) if messages is not None else None,
-        "system_prompt": sampling.system_prompt,
-        "ignore_chat_template": sampling.ignore_chat_template,
-        "max_tokens": sampling.max_tokens,
-        "temp": sampling.temp,
-        "top_p": sampling.top_p,
-        "min_p": sampling.min_p,
-        "seed": sampling.seed,
-        "keep_cache": keep_cache,
-    }
+def request_for(prompt: str | None, messages: Sequence[dict[str, str]] | None, options: Request,
+                keep_cache: bool = False) -> Request:
+    """``options`` (the command's flags) for this prompt or these messages."""
+    return replace(options, prompt=prompt, messages=list(messages) if messages is not None else None,
+                   keep_cache=keep_cache)

@@ -42,6 +42,8 @@ class PipelineConfig:
     trust_remote_code: bool = False
     from_controller: bool = False
     quiet: bool = False  # no progress bars or status lines (--json, servers)
+    context: int | None = None  # tokens the fit check reserves KV cache for (None: the planner's default)
+    adapter_path: str | None = None  # LoRA adapters, at this path on every host
     worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
 
     def __post_init__(self) -> None:
@@ -55,6 +57,12 @@ class PipelineConfig:
             raise UsageError(f"--port {self.port}: expected a TCP port, 1-65535")
         if self.backend is not None and self.backend not in BACKENDS:
             raise UsageError(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.context is not None and self.context < 1:
+            raise UsageError(f"--context must be at least 1, got {self.context}")
+        if self.adapter_path is not None:
+            check_adapters(self.adapter_path)
+            if self.mode != "generic":
+                raise UsageError("--adapter-path needs the generic pipeline", "drop --pipeline native")
 
     @property
     def prefill_step(self) -> int:
@@ -78,7 +86,7 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     target = config.target
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
         meta = load_model_metadata(target, progress=progress)
-    the_plan = plan_target(target, meta)
+    the_plan = plan_target(target, meta, **({"context": config.context} if config.context else {}))
     require_fit(the_plan)
     port = config.port or default_port(target.hostfile)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
@@ -86,6 +94,19 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
     check_pipelinable(meta, config.mode, config.trust_remote_code)
     return meta, the_plan
+
+
+def check_adapters(path: str) -> None:
+    """Refuse an adapter directory without mlx-lm's two files, before anything starts.
+
+    Remote hosts must hold it at the same path (a rank that does not says so, naming its host).
+    """
+    from pathlib import Path
+
+    missing = [name for name in ("adapter_config.json", "adapters.safetensors") if not (Path(path) / name).is_file()]
+    if missing:
+        raise UsageError(f"--adapter-path {path}: no {' or '.join(missing)} there",
+                         "give the directory mlx_lm.lora --adapter-path wrote")
 
 
 def require_fit(the_plan: Plan) -> None:
@@ -110,6 +131,7 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         port=config.port or default_port(config.target.hostfile),
         step_timeout=config.timeout,
         trust_remote_code=config.trust_remote_code,
+        adapter_path=config.adapter_path,
     )
     pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
     if not config.quiet:

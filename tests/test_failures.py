@@ -30,14 +30,14 @@ from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
 from mlxpipe.failures import FailureTracker
-from mlxpipe.generate import Pipeline, Sampling, request_for
+from mlxpipe.generate import Pipeline, Request, request_for
 
 REPO = Path(__file__).resolve().parent.parent
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 # A raw prompt of a few tokens: the first token comes quickly (a templated prompt takes
 # seconds to prefill on 2 busy cores) and the story goes on for longer than any test waits.
 STORY = "Once upon a time"
-STORY_SAMPLING = Sampling(max_tokens=400, ignore_chat_template=True)
+STORY_SAMPLING = Request(max_tokens=400, ignore_chat_template=True)
 LOCAL = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
 START_SECONDS = 120.0  # starting ranks on a busy 2-core machine
 OTHER_MLX = "0.29.0"

@@ -9,7 +9,7 @@ loads a model and runs the same batch with K = 1, 2 and 3 requests in flight.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from mlxpipe.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
+from mlxpipe.request import Request
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.schedule import Schedule
 
@@ -151,7 +152,7 @@ def test_results_are_handed_on_in_input_order() -> None:
 
 # ---------------------------------------------------------------- the prompts file
 
-DEFAULTS = {"prompt": None, "messages": None, "max_tokens": 16, "temp": 0.0}
+DEFAULTS = Request(max_tokens=16)
 
 
 def _result(id: Any) -> RequestResult:
@@ -197,8 +198,8 @@ def test_a_plain_file_holds_one_prompt_per_line(tmp_path: Path) -> None:
     path = tmp_path / "prompts.txt"
     path.write_text("First prompt\n\n  Second, indented\n")
     assert read_prompts(path, DEFAULTS) == [
-        {**DEFAULTS, "id": 1, "prompt": "First prompt"},
-        {**DEFAULTS, "id": 3, "prompt": "  Second, indented"},
+        replace(DEFAULTS, id=1, prompt="First prompt"),
+        replace(DEFAULTS, id=3, prompt="  Second, indented"),
     ]
 
 
@@ -209,8 +210,8 @@ def test_json_lines_carry_per_prompt_options(tmp_path: Path) -> None:
         '{"id": "x", "messages": [{"role": "user", "content": "b"}]}\n'
     )
     first, second = read_prompts(path, DEFAULTS)
-    assert first == {**DEFAULTS, "id": 1, "prompt": "a", "max_tokens": 4, "temp": 0.7, "seed": 3}
-    assert second == {**DEFAULTS, "id": "x", "messages": [{"role": "user", "content": "b"}]}
+    assert first == replace(DEFAULTS, id=1, prompt="a", max_tokens=4, temp=0.7, seed=3)
+    assert second == replace(DEFAULTS, id="x", messages=[{"role": "user", "content": "b"}])
 
 
 @pytest.mark.parametrize(

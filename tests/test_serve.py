@@ -21,12 +21,14 @@ import httpx
 import openai
 import pytest
 
+from fixtures.option_reference import reference as option_reference
 from fixtures.processes import _alive, local_rank_processes
 from fixtures.serve_process import ServeProcess
 
 pytestmark = pytest.mark.ranks
 
 KEY = "test-key-0123456789"
+CONTEXT = 6000  # below the demo model's 8192 positions: --context is the bound
 MAX_TOKENS = 10
 QUESTIONS = [
     "What is the capital of France?",
@@ -44,7 +46,7 @@ QUESTIONS = [
 def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     proc = ServeProcess(
         ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "4",
-         "--max-queue", "8"],
+         "--max-queue", "8", "--context", str(CONTEXT)],
         tmp_path_factory.mktemp("serve-home"), env={"MLXPIPE_API_KEY": KEY},
     )
     try:
@@ -192,6 +194,46 @@ def test_a_client_that_disconnects_frees_its_slot(server: ServeProcess, demo_mod
     assert log[-1]["status"] == "cancelled" and log[-1]["generation_tokens"] < 400
 
 
+# A body per option (mlx_lm.server's names), and the same request in Request's fields for mlx-lm.
+OPTION_BODIES = {
+    "top_k": ({"temperature": 1.0, "top_k": 3, "seed": 5}, {"temp": 1.0, "top_k": 3, "seed": 5}),
+    "xtc": ({"temperature": 1.0, "xtc_probability": 1.0, "xtc_threshold": 0.02, "seed": 6},
+            {"temp": 1.0, "xtc_probability": 1.0, "xtc_threshold": 0.02, "seed": 6}),
+    "logit_bias": ({"logit_bias": {"338": 6.0, "314": 4.0}}, {"logit_bias": {"338": 6.0, "314": 4.0}}),
+    "repetition_penalty": ({"repetition_penalty": 2.0, "repetition_context_size": 12},
+                           {"repetition_penalty": 2.0, "repetition_context_size": 12}),
+    "presence_frequency": ({"presence_penalty": 2.0, "frequency_penalty": 1.0},
+                           {"presence_penalty": 2.0, "frequency_penalty": 1.0}),
+}
+
+
+def test_each_body_option_is_token_identical_to_mlx_lm(client: openai.OpenAI, demo_model: Path) -> None:
+    """One request per option against the shared server, all at once, each as mlx-lm alone with that option."""
+    messages = _user(QUESTIONS[1])
+
+    def ask(body: dict[str, Any]) -> Any:
+        return client.chat.completions.create(model=str(demo_model), messages=messages, max_tokens=MAX_TOKENS,
+                                              extra_body=body, logprobs=None)
+
+    with ThreadPoolExecutor(len(OPTION_BODIES)) as pool:
+        replies = dict(zip(OPTION_BODIES, pool.map(ask, [body for body, _ in OPTION_BODIES.values()])))
+    for option, (_, fields) in OPTION_BODIES.items():
+        request = {"messages": messages, "max_tokens": MAX_TOKENS}
+        _, text = option_reference(demo_model, {**request, **fields})
+        assert replies[option].choices[0].message.content == text, option
+        without = {k: v for k, v in fields.items() if k in ("temp", "seed")}
+        assert text != option_reference(demo_model, {**request, **without})[1], f"{option} changes nothing here"
+
+
+def test_context_bounds_the_prompt(server: ServeProcess) -> None:
+    body = {"messages": _user("word " * (CONTEXT + 100))}  # over --context, within the model's 8192 positions
+    response = httpx.post(f"{server.url}/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and f"context is {CONTEXT} tokens" in error["message"]
+
+
 BAD = [
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
@@ -204,6 +246,12 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "other/model"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "xtc_threshold": 0.9}, 400, "xtc_threshold"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": [1]}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": "high"}, 400, "repetition_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
 ]
 
 

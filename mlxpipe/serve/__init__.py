@@ -20,6 +20,7 @@ import uvicorn
 
 from mlxpipe import console
 from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.request import Request
 from mlxpipe.serve.engine import RequestLog, ServeEngine, ServeOptions
 from mlxpipe.startup import PipelineConfig, prepare
 
@@ -29,8 +30,12 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
-          default_max_tokens: int) -> int:
-    """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises)."""
+          defaults: Request, context: int | None = None) -> int:
+    """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises).
+
+    ``defaults``: every request's options until its body says otherwise; ``context``: the longest prompt and
+    reply a request may make (default: the model's ``max_position_embeddings``).
+    """
     from mlxpipe.generate import controller_model_dir
     from mlxpipe.serve.api import ServerSettings, build_app
 
@@ -51,7 +56,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
     engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
     settings = ServerSettings(
-        model_id=config.target.model, api_key=api_key, context=_context(meta), default_max_tokens=default_max_tokens,
+        model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
     )
     app = build_app(engine, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",

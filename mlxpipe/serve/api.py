@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -25,7 +25,8 @@ from starlette.routing import Route
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import DEFAULT_MAX_TOKENS, RequestError, check_sampling
+from mlxpipe.request import Request as GenerationRequest
+from mlxpipe.request import RequestError, parse_logit_bias
 from mlxpipe.serve.engine import Job, Outcome, RequestLog, ServeEngine, Stream
 from mlxpipe.serve.text import Delta, Reply, tool_calls
 
@@ -55,8 +56,8 @@ class ApiError(Exception):
 class ServerSettings:
     model_id: str
     api_key: str | None
-    context: int  # the longest prompt + completion the model takes
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    context: int  # the longest prompt + completion the model takes (--context, else the model's own)
+    defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
 
 
 @dataclass
@@ -161,47 +162,55 @@ class _Api:
         n = _field(body, "n", int, 1)
         if n != 1:
             raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
-        max_tokens = _field(body, "max_completion_tokens", int, None)
-        if max_tokens is None:
-            max_tokens = _field(body, "max_tokens", int, self.settings.default_max_tokens)
-        temp = float(_field(body, "temperature", (int, float), 0.0))
-        top_p = float(_field(body, "top_p", (int, float), 1.0))
-        min_p = float(_field(body, "min_p", (int, float), 0.0))
-        openai_names = {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                        "temp": "temperature"}
-        try:
-            check_sampling({"max_tokens": max_tokens, "temp": temp, "top_p": top_p, "min_p": min_p},
-                           lambda field: f"'{openai_names.get(field, field)}'")
-        except RequestError as e:
-            raise ApiError(400, e.message, param=openai_names.get(e.field, e.field)) from None
-        seed = _field(body, "seed", int, None)
+        request = self._options(body)
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, None) or {}
         include_usage = bool(options.get("include_usage", False))
         stops = _stops(body)
         tools = _field(body, "tools", list, None) if chat else None
-        tokens = self._tokens(body, chat, tools)
+        tokens = self._tokens(body, chat, tools, request)
         if len(tokens) + 1 > self.settings.context:
             param = "messages" if chat else "prompt"
-            raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this model's context is "
+            raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                                 f"{self.settings.context} tokens", param=param, code="context_length_exceeded")
-        max_tokens = min(max_tokens, self.settings.context - len(tokens))
-        job = Job(self.engine.new_id(), tokens, max_tokens, temp, top_p, min_p, seed)
+        max_tokens = min(request.max_tokens, self.settings.context - len(tokens))
+        job = replace(request, id=self.engine.new_id(), tokens=tokens, max_tokens=max_tokens)
         return Parsed(job, stream, include_usage, stops, tools)
 
-    def _tokens(self, body: dict[str, Any], chat: bool, tools: list[Any] | None) -> list[int]:
+    def _options(self, body: dict[str, Any]) -> GenerationRequest:
+        """The body's options over the server's defaults, checked; errors name the body's field."""
+        values: dict[str, Any] = {}
+        for name, (key, types) in _BODY_OPTIONS.items():
+            value = _field(body, name, types, None)
+            if value is not None:
+                values[key] = value
+        max_tokens = _field(body, "max_completion_tokens", int, None)
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        names = {key: name for name, (key, _) in _BODY_OPTIONS.items()}
+        if max_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        try:
+            if "logit_bias" in values:
+                values["logit_bias"] = parse_logit_bias(values["logit_bias"], "'logit_bias'")
+            return replace(self.settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'")
+        except RequestError as e:
+            raise ApiError(400, e.message, param=names.get(e.field, e.field)) from None
+
+    def _tokens(self, body: dict[str, Any], chat: bool, tools: list[Any] | None,
+                options: GenerationRequest) -> list[int]:
         if chat:
             messages = _field(body, "messages", list, None)
             if not messages:
                 raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
-            request = {"messages": [_message(m, i) for i, m in enumerate(messages)]}
+            request = replace(options, messages=[_message(m, i) for i, m in enumerate(messages)])
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if not isinstance(prompt, str) or not prompt:
                 raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-            request = {"prompt": prompt, "ignore_chat_template": True}
+            request = replace(options, prompt=prompt, ignore_chat_template=True)
         try:
             tokens = prompt_tokens(self.tokenizer, request, tools)
         except UsageError as e:
@@ -363,6 +372,27 @@ class _Run:
 
 
 # --- body parsing ---------------------------------------------------------------------
+
+_NUMBER = (int, float)
+# Body field -> (Request field, JSON types): OpenAI's names, and mlx_lm.server's for the rest.
+_BODY_OPTIONS: dict[str, tuple[str, Any]] = {
+    "max_tokens": ("max_tokens", int),
+    "temperature": ("temp", _NUMBER),
+    "top_p": ("top_p", _NUMBER),
+    "min_p": ("min_p", _NUMBER),
+    "top_k": ("top_k", int),
+    "xtc_probability": ("xtc_probability", _NUMBER),
+    "xtc_threshold": ("xtc_threshold", _NUMBER),
+    "seed": ("seed", int),
+    "logit_bias": ("logit_bias", dict),
+    "repetition_penalty": ("repetition_penalty", _NUMBER),
+    "repetition_context_size": ("repetition_context_size", int),
+    "presence_penalty": ("presence_penalty", _NUMBER),
+    "presence_context_size": ("presence_context_size", int),
+    "frequency_penalty": ("frequency_penalty", _NUMBER),
+    "frequency_context_size": ("frequency_context_size", int),
+    "chat_template_kwargs": ("chat_template_config", dict),
+}
 
 
 async def _read_json(request: Request) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from mlxpipe.errors import LaunchError, MlxpipeError
 from mlxpipe.generate import Pipeline, RankStats
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
+from mlxpipe.request import Request
 from mlxpipe.startup import PipelineConfig, launch
 
 DEFAULT_MAX_QUEUE = 64
@@ -46,22 +47,8 @@ class ServeOptions:
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
 
 
-@dataclass(frozen=True)
-class Job:
-    """One request as the ranks run it: token ids and sampling."""
-
-    id: str
-    tokens: list[int]
-    max_tokens: int
-    temp: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def message(self) -> dict[str, Any]:
-        seed = self.seed if self.seed is not None or self.temp == 0 else random.randrange(2**31)
-        return {"type": "submit", "id": self.id, "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "temp": self.temp, "top_p": self.top_p, "min_p": self.min_p, "seed": seed}
+# One request as the ranks run it: its token ids (``tokens``, the chat template applied here) and every option.
+Job = Request
 
 
 @dataclass
@@ -235,7 +222,7 @@ class ServeEngine:
         stream = Stream(job, loop)
         with self._lock:
             self._streams[job.id] = stream
-        pipe.ranks.send(job.message())
+        pipe.ranks.send({"type": "submit", **job.with_seed(lambda: random.randrange(2**31)).to_wire()})
         return stream
 
     def cancel(self, request_id: str) -> None:

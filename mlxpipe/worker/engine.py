@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_MAX_TOKENS
+from mlxpipe.request import Request
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline import Exchange, find_exchange
+from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, keyed_sampler, logits_processors
 from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 if TYPE_CHECKING:
@@ -49,32 +50,6 @@ if TYPE_CHECKING:
 
 _CLEAR_CACHE_TICKS = 256
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
-
-Sampler = Callable[[mx.array], mx.array]
-
-
-def make_keyed_sampler(temp: float, top_p: float, min_p: float, seed: int | None) -> Sampler:
-    """mlx-lm's ``make_sampler`` with the request's own random key.
-
-    Requests sample in turns, so they cannot share the global key; each draws
-    from ``mx.random.key(seed)`` split as the global key would be, so a request
-    samples the same tokens as when it runs alone with ``mx.random.seed(seed)``.
-    """
-    if temp == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    key = mx.random.key(0 if seed is None else int(seed))
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p != 0.0:
-            logprobs = apply_min_p(logprobs, min_p, 1)
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
-
-    return sample
-
 
 @dataclass
 class Timing:
@@ -113,9 +88,11 @@ class Engine:
             [], [], stages=self.size, slots=slots, prefill_step=server.job.prefill_step_size,
             eos_ids=loaded.tokenizer.eos_token_ids,
         )
-        self.requests: list[dict[str, Any]] = []
+        self.requests: list[Request] = []
         self.caches: dict[int, list[Any]] = {}
         self.samplers: dict[int, Sampler] = {}
+        self.processors: dict[int, list[LogitsProcessor]] = {}
+        self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
         self.timing: dict[int, Timing] = {}
         if prompt_cache is None and prompt_cache_size > 0:
             prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
@@ -125,22 +102,23 @@ class Engine:
 
     # --- requests in ---------------------------------------------------------------
 
-    def add(self, request: dict[str, Any], prompt: list[int]) -> int:
+    def add(self, request: Request, prompt: list[int]) -> int:
         """Queue ``request`` (its prompt as tokens); it starts when a slot frees."""
-        max_tokens = int(request.get("max_tokens", DEFAULT_MAX_TOKENS))
         if not prompt:
-            raise UsageError(f"request {request.get('id', '?')}: the prompt has no tokens")
-        if max_tokens < 1:
-            raise UsageError("max_tokens must be at least 1 for every request")
-        cache, cached = self._cached(prompt)
-        index = self.schedule.add(prompt, max_tokens, cached)
+            raise UsageError(f"request {request.id if request.id is not None else '?'}: the prompt has no tokens")
+        request.check()
+        tokenizer = self.server.loaded.tokenizer
+        extra = extra_eos_ids(tokenizer, request.extra_eos_token)
+        cache, cached = self._cached(prompt, request)
+        index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra)
         self.requests.append(request)
         self.caches[index] = cache
-        if "id" in request:
-            self._by_id[request["id"]] = index
+        self.eos[index] = set(tokenizer.eos_token_ids) | extra
+        if request.id is not None:
+            self._by_id[request.id] = index
         return index
 
-    def _cached(self, prompt: list[int]) -> tuple[list[Any], int]:
+    def _cached(self, prompt: list[int], request: Request) -> tuple[list[Any], int]:
         """Caches for ``prompt`` and how many of its tokens they hold (the longest cached prefix)."""
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
@@ -149,13 +127,14 @@ class Engine:
                 rest = prompt[-1:] if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1 else prompt
             if cache is not None and len(rest) < len(prompt):
                 return cache, len(prompt) - len(rest)
-        return make_prompt_cache(self.model, max_kv_size=self.server.job.max_kv_size), 0
+        return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.server.job.max_kv_size), 0
 
     def apply(self, message: dict[str, Any] | None) -> None:
         """A message every rank applies at the same tick: submit, cancel or exit (None: end of input)."""
         kind = "exit" if message is None else message.get("type")
         if kind == "submit":
-            self.add(message, [int(t) for t in message["tokens"]])
+            request = Request.from_wire(message)
+            self.add(request, [int(t) for t in request.tokens or ()])
         elif kind == "cancel":
             index = self._by_id.get(message.get("id"))
             if index is not None and self.schedule.cancel(index):
@@ -251,12 +230,8 @@ class Engine:
         request = self.requests[index]
         self.timing[index] = Timing(admitted=time.perf_counter())
         if self.rank == 0:
-            self.samplers[index] = make_keyed_sampler(
-                float(request.get("temp", 0.0)),
-                float(request.get("top_p", 0.0)),
-                float(request.get("min_p", 0.0)),
-                request.get("seed"),
-            )
+            self.samplers[index] = keyed_sampler(request, self.server.loaded.tokenizer, self.eos[index])
+            self.processors[index] = logits_processors(request)
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
@@ -264,6 +239,8 @@ class Engine:
         if self.exchange is not None:
             self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
         logits = self.model(mx.array(batch.tokens)[None], cache=cache)
+        # As generate_step: after every forward pass (the stand-ins' caches take it too).
+        maybe_quantize_kv_cache(cache, **self.requests[batch.request].kv_kwargs())
         state = [c.state for c in cache]
         if self.rank > 0:
             assert self.exchange is not None and self.exchange.hidden_out is not None
@@ -274,6 +251,13 @@ class Engine:
             mx.eval(state)  # a prefill chunk: only the caches matter, as in generate_step
             return None
         logits = logits[:, -1, :]
+        processors = self.processors[batch.request]
+        if processors:
+            # As generate_step: the processors see every token fed so far, prompt and reply.
+            request = self.schedule.requests[batch.request]
+            history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
+            for processor in processors:
+                logits = processor(history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token = self.samplers[batch.request](logprobs)
         mx.eval(token, state)
@@ -308,6 +292,7 @@ class Engine:
         """Drop a request's caches (keeping them in the prompt cache) and report it."""
         cache = self.caches.pop(index, None)
         self.samplers.pop(index, None)
+        self.processors.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
         state = self.schedule.requests[index]
         if cache is not None and self.prompt_cache is not None and state.fed_tokens:
@@ -315,6 +300,7 @@ class Engine:
             self.prompt_cache.insert_cache(_MODEL_KEY, list(state.fed_tokens), cache)
         if self.rank == 0:
             self.reporter.finished(self, index, timing, time.perf_counter())
+        self.eos.pop(index, None)
 
     # --- shapes --------------------------------------------------------------------
 
@@ -336,11 +322,12 @@ class Engine:
         return self.exchange.incoming_shape(num_tokens)
 
 
-def text_of(tokenizer: Any, tokens: list[int]) -> str:
+def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:
     """The text ``stream_generate`` would have streamed: the end-of-sequence token is not shown."""
+    eos_ids = tokenizer.eos_token_ids if eos_ids is None else eos_ids
     detokenizer = tokenizer.detokenizer
     for token in tokens:
-        if token not in tokenizer.eos_token_ids:
+        if token not in eos_ids:
             detokenizer.add_token(token)
     detokenizer.finalize()
     return detokenizer.text
@@ -365,9 +352,9 @@ class BatchReporter:
             "result",
             rank=engine.rank,
             index=index,
-            id=request.get("id", index),
+            id=request.id if request.id is not None else index,
             tokens=tokens,
-            text=text_of(engine.server.loaded.tokenizer, tokens),
+            text=text_of(engine.server.loaded.tokenizer, tokens, engine.eos.get(index)),
             prompt_tokens=len(state.prompt),
             generation_tokens=len(tokens),
             finish_reason=state.finish_reason,
@@ -387,14 +374,14 @@ class StreamReporter:
     emit: Callable[..., None]
 
     def token(self, engine: Engine, index: int, token: int) -> None:
-        self.emit("token", rank=0, id=engine.requests[index].get("id"), token=token)
+        self.emit("token", rank=0, id=engine.requests[index].id, token=token)
 
     def finished(self, engine: Engine, index: int, timing: Timing, now: float) -> None:
         state = engine.schedule.requests[index]
         self.emit(
             "finished",
             rank=0,
-            id=engine.requests[index].get("id"),
+            id=engine.requests[index].id,
             finish_reason=state.finish_reason,
             prompt_tokens=len(state.prompt),
             cached_tokens=state.cached,
@@ -418,7 +405,7 @@ class TextReporter:
         self.figures: dict[str, Any] = {}
 
     def token(self, engine: Engine, index: int, token: int) -> None:
-        if token in self.eos_ids:
+        if token in engine.eos.get(index, self.eos_ids):  # the request's own, --extra-eos-token included
             return
         self.detokenizer.add_token(token)
         self._send(self.detokenizer.last_segment, token)

@@ -36,6 +36,7 @@ class JobSpec:
     # LoRA fine-tuning instead of serving requests (``mlxpipe lora``): mlx_lm.lora's
     # options as ``mlxpipe.lora.TrainOptions.for_ranks`` writes them.
     train: dict | None = None
+    adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
 
     def __post_init__(self) -> None:
         if len(self.model_paths) != len(self.split):

@@ -23,7 +23,7 @@ from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.metadata import kv_sharing_groups, text_config_of
 from mlxpipe.plan import check_groups
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.pipeline import check_supported, learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.pipeline import check_supported, find_layers, learn_layouts, pipeline_generic, pipeline_native
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
@@ -100,6 +100,8 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
     if recorder.loaded is not None:
         # A custom model file (trust_remote_code) bypasses the recorder.
         check_weights_loaded(model, recorder, path)
+    if job.adapter_path is not None:
+        load_local_adapters(model, Path(job.adapter_path).expanduser(), start, end, rank)
     mx.eval(model.parameters())
     if job.mode != "native":
         learn_layouts(model, group)
@@ -132,6 +134,80 @@ def check_weights_loaded(model: nn.Module, recorder: _LoadRecorder, path: Path) 
             f"{len(wrong)} weights in {path} have the wrong shape: " + _some(sorted(wrong)),
             hint="the weight files do not belong to this config.json",
         )
+
+
+class _LocalLayers:
+    """The model as ``linear_to_lora_layers`` sees it: only this rank's blocks in ``layers``."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
+        self.layers, self._model = layers, model
+
+    def named_modules(self) -> Any:
+        return self._model.named_modules()
+
+    def update_modules(self, modules: Any) -> None:
+        self._model.update_modules(modules)
+
+
+def load_local_adapters(model: nn.Module, path: Path, start: int, end: int, rank: int) -> None:
+    """mlx-lm's ``load_adapters`` for the layers ``[start, end)`` only.
+
+    mlx-lm's ``linear_to_lora_layers`` converts the local blocks among the last
+    ``num_layers`` (the stand-ins have no weights to wrap); of the adapter file,
+    only the tensors of this rank's layers (and of modules outside the blocks)
+    are loaded, so the other ranks' adapters need not be there at all.
+    """
+    import json
+    import types
+
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    if not (path / "adapter_config.json").is_file():
+        raise ModelError(f"rank {rank}: no adapter_config.json in {path}",
+                         hint="copy the adapter directory to the same path on every host")
+    config = types.SimpleNamespace(**json.loads((path / "adapter_config.json").read_text()))
+    owner, key = find_layers(model)
+    layers = owner[key]
+    num_layers = getattr(config, "num_layers", len(layers))
+    first = len(layers) - num_layers if 0 < num_layers < len(layers) else 0  # as model.layers[-num_layers:]
+    fine_tune_type = getattr(config, "fine_tune_type", "lora")
+    if fine_tune_type != "full":
+        local = [layers[i] for i in range(max(first, start), end)]
+        linear_to_lora_layers(_LocalLayers(model, local), len(local), config.lora_parameters,
+                              use_dora=fine_tune_type == "dora")
+    params = dict(tree_flatten(model.parameters()))
+    prefix = _layers_prefix(model, layers)
+    weights, wrong = [], []
+    for name, w in mx.load(str(path / "adapters.safetensors")).items():
+        index = _layer_index(name, prefix)
+        if index is not None and not start <= index < end:
+            continue  # another rank's layer
+        if name not in params or (fine_tune_type != "full" and name.rsplit(".", 1)[-1] not in ("lora_a", "lora_b", "m")):
+            wrong.append(f"{name}: not an adapter parameter of the model")
+        elif w.shape != params[name].shape:
+            wrong.append(f"{name}: shape {tuple(w.shape)}, the model's {tuple(params[name].shape)}")
+        else:
+            weights.append((name, w))
+    if wrong:
+        raise ModelError(f"the adapters in {path} do not fit this model: " + _some(wrong))
+    model.load_weights(weights, strict=False)
+
+
+def _layers_prefix(model: nn.Module, layers: list[nn.Module]) -> str:
+    """The parameter-name prefix of the blocks (``model.layers.``)."""
+    first = layers[0]
+    for name, module in model.named_modules():
+        if module is first:
+            return name.rsplit(".", 1)[0] + "."
+    raise ModelError("cannot find the model's blocks among its modules")
+
+
+def _layer_index(name: str, prefix: str) -> int | None:
+    """The block a parameter belongs to, or None outside the blocks."""
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def _some(names: list[str]) -> str:

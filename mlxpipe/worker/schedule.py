@@ -54,6 +54,7 @@ class RequestState:
     cached: int = 0  # prompt tokens already in the request's caches when it arrived
     fed_tokens: list[int] = field(default_factory=list)  # every token fed to the first stage, cached ones first
     cancelled: bool = False
+    extra_eos: frozenset[int] = frozenset()  # its own end-of-sequence ids (--extra-eos-token)
 
     @property
     def running(self) -> bool:
@@ -99,13 +100,17 @@ class Schedule:
         """Nothing waits or runs (a request ends only once its last micro-batch left): a tick would do nothing."""
         return self.done
 
-    def add(self, prompt: Sequence[int], max_tokens: int, cached: int = 0) -> int:
-        """Queue a request whose first ``cached`` prompt tokens are already in its caches; its index."""
+    def add(self, prompt: Sequence[int], max_tokens: int, cached: int = 0, extra_eos: Collection[int] = ()) -> int:
+        """Queue a request whose first ``cached`` prompt tokens are already in its caches; its index.
+
+        ``extra_eos``: ids that end this request besides the schedule's ``eos_ids``.
+        """
         if len(prompt) == 0 or max_tokens < 1:
             raise ValueError("every request needs a prompt token and max_tokens >= 1")
         if not 0 <= cached < len(prompt):
             raise ValueError("at least one prompt token must be fed")
-        request = RequestState(len(self.requests), prompt, max_tokens, fed=cached, cached=cached)
+        request = RequestState(len(self.requests), prompt, max_tokens, fed=cached, cached=cached,
+                               extra_eos=frozenset(extra_eos))
         request.fed_tokens = list(prompt[:cached])
         self.requests.append(request)
         return request.index
@@ -180,7 +185,7 @@ class Schedule:
             self._free(request, "cancelled")  # its token is dropped: nobody waits for it
             return request.index
         request.generated.append(token)
-        if token in self.eos_ids:
+        if token in self.eos_ids or token in request.extra_eos:
             self._free(request, "stop")
         elif len(request.generated) >= request.max_tokens:
             self._free(request, "length")

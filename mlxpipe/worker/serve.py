@@ -18,20 +18,20 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import DEFAULT_MAX_TOKENS
+from mlxpipe.request import Request
 from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter
+from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank, settle
@@ -160,7 +160,7 @@ class Server:
             if kind == "batch":
                 self.generate_batch(request)
             elif kind == "generate":
-                self.generate(request)
+                self.generate(Request.from_wire(request))
             elif kind == "serve":
                 self.serve_requests(request, inbox)
                 self.exit()
@@ -173,7 +173,7 @@ class Server:
         barrier(self.group)
         self._emit("bye", rank=self.rank, host=self.host)
 
-    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, request: Request) -> dict[str, Any]:
         """Run one generation; emit its events and return the ``done`` fields.
 
         A generic pipeline runs it through the engine, so the prompt's prefill
@@ -182,31 +182,28 @@ class Server:
         mlx-lm's ``stream_generate``.
         """
         tic = time.perf_counter()
+        request.check()
         tokens = self.prompt_tokens(request)
-        max_tokens = int(request.get("max_tokens", DEFAULT_MAX_TOKENS))
-        if max_tokens < 1:
-            raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
         self.progress.reset()
         if self.job.mode == "generic" and self.group.size() > 1:
             done = self._generate_in_engine(request, tokens)
         else:
-            done = self._generate_stream(request, tokens, max_tokens, tic)
+            done = self._generate_stream(request, tokens, tic)
         done = {"rank": self.rank, **done, "peak_memory": mx.get_peak_memory() / 1e9}
-        if "id" in request:
-            done["id"] = request["id"]
+        if request.id is not None:
+            done["id"] = request.id
         self._emit("done", **done)
         return done
 
-    def _generate_in_engine(self, request: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+    def _generate_in_engine(self, request: Request, tokens: list[int]) -> dict[str, Any]:
         """One request through the engine; a chat keeps its caches for the next turn."""
-        keep = bool(request.get("keep_cache", False))
-        if not keep:
+        if not request.keep_cache:
             self._chat_cache = None
         elif self._chat_cache is None:
             self._chat_cache = LRUPromptCache(max_size=1)  # the last turn: the next one extends it
-        if request.get("temp", 0.0) and request.get("seed") is None:
-            request = {**request, "seed": self._shared_seed()}
-        reporter = TextReporter(self._emit if self.rank == 0 else _no_emit, self.loaded.tokenizer, request.get("id"))
+        if request.temp > 0 and request.seed is None:
+            request = replace(request, seed=self._shared_seed())
+        reporter = TextReporter(self._emit if self.rank == 0 else _no_emit, self.loaded.tokenizer, request.id)
         engine = Engine(self, 1, reporter, prompt_cache=self._chat_cache)
         engine.add(request, tokens)
         engine.run()
@@ -220,33 +217,38 @@ class Server:
         }
         return {**done, **reporter.figures}
 
-    def _generate_stream(self, request: dict[str, Any], tokens: list[int], max_tokens: int, tic: float) -> dict[str, Any]:
+    def _generate_stream(self, request: Request, tokens: list[int], tic: float) -> dict[str, Any]:
         """One request through mlx-lm's ``stream_generate`` (one rank, or ``--pipeline native``)."""
-        keep = bool(request.get("keep_cache", False))
-        cache, cached = self._cache_for(tokens, keep)
-        temp = float(request.get("temp", 0.0))
-        self._seed(request.get("seed"), temp)
-        sampler = make_sampler(
-            temp, top_p=float(request.get("top_p", 0.0)), min_p=float(request.get("min_p", 0.0))
-        )
+        tokenizer = self.loaded.tokenizer
+        keep = request.keep_cache
+        cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
+        self._seed(request.seed, request.temp)
+        eos = set(tokenizer.eos_token_ids)
+        extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         generated: list[int] = []
         ttft = None
         response = None
-        for response in stream_generate(
-            self.loaded.model,
-            self.loaded.tokenizer,
-            mx.array(tokens[cached:]),
-            max_tokens=max_tokens,
-            sampler=sampler,
-            prompt_cache=cache,
-            prefill_step_size=self.job.prefill_step_size,
-            prompt_progress_callback=self.progress.prefill,
-        ):
-            if ttft is None:
-                ttft = time.perf_counter() - tic
-            generated.append(response.token)
-            self.progress.decode(len(generated))
-            self._emit_token(request, response)
+        tokenizer.eos_token_ids = eos | extra  # as mlx_lm.generate's add_eos_token, for this request only
+        try:
+            for response in stream_generate(
+                self.loaded.model,
+                tokenizer,
+                mx.array(tokens[cached:]),
+                max_tokens=request.max_tokens,
+                sampler=mlx_sampler(request, tokenizer, eos | extra),
+                logits_processors=logits_processors(request),
+                prompt_cache=cache,
+                prefill_step_size=self.job.prefill_step_size,
+                prompt_progress_callback=self.progress.prefill,
+                **request.kv_kwargs(),
+            ):
+                if ttft is None:
+                    ttft = time.perf_counter() - tic
+                generated.append(response.token)
+                self.progress.decode(len(generated))
+                self._emit_token(request, response)
+        finally:
+            tokenizer.eos_token_ids = eos
         assert response is not None  # stream_generate always yields once
         # generate_step computes one step ahead; let it finish before any other
         # collective (CPU-stream barriers, seeds) can interleave with its ops.
@@ -271,7 +273,7 @@ class Server:
         Rank 0 emits a ``result`` for each request as it ends; every rank ends
         with ``batch_done``.
         """
-        requests = list(request.get("requests") or [])
+        requests = [Request.from_wire(r) for r in request.get("requests") or []]
         if not requests:
             raise UsageError("a batch request needs at least one request")
         concurrency = int(request.get("concurrency") or self.group.size())
@@ -300,7 +302,7 @@ class Server:
         self._emit("serving", rank=self.rank, concurrency=concurrency)
         return engine.run(inbox)
 
-    def _emit_token(self, request: dict[str, Any], response: Any) -> None:
+    def _emit_token(self, request: Request, response: Any) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""
         if self.rank != 0:
             return
@@ -308,15 +310,15 @@ class Server:
         if stop and not response.text:
             return
         fields = {"text": response.text, "token": None if stop else response.token}
-        if "id" in request:
-            fields["id"] = request["id"]
+        if request.id is not None:
+            fields["id"] = request.id
         self._emit("token", **fields)
 
-    def prompt_tokens(self, request: dict[str, Any]) -> list[int]:
+    def prompt_tokens(self, request: Request) -> list[int]:
         """The request's prompt as token ids, through the chat template if any."""
         return prompt_tokens(self.loaded.tokenizer, request)
 
-    def _cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
+    def _cache_for(self, tokens: list[int], keep: bool, max_kv_size: int | None = None) -> tuple[list[Any], int]:
         """A cache for ``tokens`` and how many of them it already holds."""
         previous, self._prompt_cache = self._prompt_cache, None
         common = extra = 0
@@ -333,7 +335,7 @@ class Server:
         if keep and self._all_agree(usable):
             if extra == 0 or trim_prompt_cache(previous.cache, extra) == extra:
                 return previous.cache, common
-        return make_prompt_cache(self.loaded.model, max_kv_size=self.job.max_kv_size), 0
+        return make_prompt_cache(self.loaded.model, max_kv_size=max_kv_size or self.job.max_kv_size), 0
 
     def _all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a tiny collective on the CPU)."""

@@ -1,0 +1,71 @@
+"""A request's sampling on a rank, made of mlx-lm's own pieces.
+
+``make_sampler`` and ``make_logits_processors`` from ``mlx_lm.sample_utils``,
+with the arguments ``mlx_lm.generate`` gives them, so a new mlx-lm option is one
+field in ``mlxpipe.request.Request``. Overlapped requests sample in turns, so
+they cannot share MLX's global random key: each request keeps its own, which is
+made the global key around each call of mlx-lm's sampler (``mx.random.seed``
+takes any 64-bit key) and read back after, so a seeded request samples exactly
+what it samples alone after ``mx.random.seed(seed)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlxpipe.errors import UsageError
+from mlxpipe.request import Request
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def extra_eos_ids(tokenizer: Any, tokens: tuple[str, ...]) -> set[int]:
+    """The ids of ``--extra-eos-token`` values, read as ``TokenizerWrapper.add_eos_token`` reads them."""
+    ids = set()
+    for token in tokens:
+        try:
+            token_id = int(token)
+        except ValueError:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None:
+            raise UsageError(f"--extra-eos-token {token!r} is not a token of this tokenizer",
+                             hint="give a token of its vocabulary, or a token id")
+        ids.add(int(token_id))
+    return ids
+
+
+def mlx_sampler(request: Request, tokenizer: Any, eos_ids: set[int]) -> Sampler:
+    """mlx-lm's sampler for ``request``, built as mlx_lm.generate builds it (XTC spares newline and EOS)."""
+    return make_sampler(**request.sampler_kwargs(),
+                        xtc_special_tokens=list(tokenizer.encode("\n")) + sorted(eos_ids))
+
+
+def keyed_sampler(request: Request, tokenizer: Any, eos_ids: set[int]) -> Sampler:
+    """``mlx_sampler`` drawing from the request's own key (greedy needs none)."""
+    sampler = mlx_sampler(request, tokenizer, eos_ids)
+    return KeyedSampler(sampler, request.seed) if request.temp > 0 else sampler
+
+
+def logits_processors(request: Request) -> list[LogitsProcessor]:
+    return make_logits_processors(**request.logits_kwargs())
+
+
+class KeyedSampler:
+    """mlx-lm's ``sampler`` drawing from this request's own random key (see the module docstring)."""
+
+    def __init__(self, sampler: Sampler, seed: int | None) -> None:
+        self.sampler = sampler
+        self.key = int(seed or 0)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        mx.random.seed(self.key)
+        token = self.sampler(logprobs)
+        after = mx.random.state[0]
+        mx.eval(token, after)
+        high, low = after.tolist()
+        self.key = (int(high) << 32) | int(low)
+        return token
