@@ -176,8 +176,10 @@ class Pipeline:
         concurrency: int | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
+        decode_batch: int = 1,
     ) -> BatchResult:
-        """Overlap ``requests`` across the stages, ``concurrency`` at a time (default: one per stage).
+        """Overlap ``requests`` across the stages, ``concurrency`` at a time, up to ``decode_batch``
+        requests per decode micro-batch (default concurrency: ``decode_batch`` per stage).
 
         ``on_result`` gets each request's result in input order, as soon as it
         and every request before it have finished; ``on_finished`` gets each
@@ -185,8 +187,9 @@ class Pipeline:
         """
         from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
 
-        concurrency = concurrency or self.ranks.size
-        self.ranks.send({"type": "batch", "requests": with_seeds(list(requests)), "concurrency": concurrency})
+        concurrency = concurrency or self.ranks.size * decode_batch
+        self.ranks.send({"type": "batch", "requests": with_seeds(list(requests)), "concurrency": concurrency,
+                         "decode_batch": decode_batch})
         ordered = InOrder(on_result)
         done: dict[int, dict[str, Any]] = {}
         for event in self.ranks.events(self.options.step_timeout):
@@ -211,6 +214,8 @@ class Pipeline:
             seconds=float(done[0].get("seconds", 0.0)),
             concurrency=concurrency,
             ranks=self._rank_stats({r: float(e.get("peak_memory", 0.0)) for r, e in done.items()}),
+            decode_batch=int(done[0].get("decode_batch", 1)),
+            time={r: e["time"] for r, e in done.items() if "time" in e},
         )
 
     def _rank_stats(self, peaks: dict[int, float]) -> list[RankStats]:
