@@ -148,7 +148,9 @@ class Engine:
             )
         if decode_batch < 1:
             raise UsageError(f"decode_batch must be at least 1, got {decode_batch}")
-        if decode_batch > 1 and not batchable(self.model, server.job.max_kv_size):
+        if decode_batch > 1 and (
+            not batchable(self.model, server.job.max_kv_size) or getattr(server.job, "kv_bits", None) is not None
+        ):
             decode_batch = 1  # e.g. quantized caches: mlx-lm cannot batch them either
         self.decode_batch = decode_batch
         self.schedule = Schedule(
