@@ -168,6 +168,69 @@ def test_requests_join_and_leave_decode_groups_as_they_come_and_end() -> None:
     assert sorted(ended_groups + list(sched.groups)) == sorted({g for g, _ in decode})
 
 
+def test_models_whose_caches_cannot_be_batched_decode_one_request_per_micro_batch(tiny_models: TinyModels) -> None:
+    import mlx.nn as nn
+    from mlx_lm import load
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from mlxpipe.worker.engine import decode_batch_for
+
+    class Chunked(nn.Module):  # llama4's attention chunks: a cache mlx-lm cannot merge
+        def make_cache(self) -> list[Any]:
+            return [ChunkedKVCache(8)]
+
+    job = JobSpec(["x"], [1])
+    model, _ = load(str(tiny_models["qwen2"]))
+    assert decode_batch_for(model, job, 4) == 4
+    assert decode_batch_for(model, JobSpec(["x"], [1], max_kv_size=16), 3) == 3  # rotating caches merge
+    assert decode_batch_for(Chunked(), job, 4) == 1
+    with pytest.raises(UsageError, match="decode_batch must be at least 1"):
+        decode_batch_for(model, job, 0)
+
+
+def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_models: TinyModels) -> None:
+    """One process (a group of one): the engine falls back to B = 1, and tokens still match mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxpipe.worker.load import load_rank
+    from mlxpipe.worker.serve import Server
+
+    class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
+        def __getattribute__(self, name: str) -> Any:
+            if name == "merge":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    path = tiny_models["qwen2"]
+    job = JobSpec([str(path)], [sum(TINY_SPLITS["qwen2"][0])], prefill_step_size=PREFILL_STEP)
+    loaded = load_rank(job, mx.distributed.init())
+    loaded.model.make_cache = lambda: [Unmergeable() for _ in loaded.model.layers]
+    events: list[dict[str, Any]] = []
+    server = Server(loaded, mx.distributed.init(), job, emit=lambda event, **fields: events.append({"event": event, **fields}))
+    requests = [{"id": text, "prompt": text, "ignore_chat_template": True, "max_tokens": 4} for text in ("Hi", "Go", "Up")]
+    done = server.generate_batch({"type": "batch", "requests": requests, "concurrency": 3, "decode_batch": 3})
+    assert done["decode_batch"] == 1
+    results = {e["id"]: e for e in events if e["event"] == "result"}
+    for request in requests:
+        assert results[request["id"]]["tokens"] == _reference(str(path), json.dumps(request, sort_keys=True))[0]
+
+
+def test_where_the_time_goes_names_each_rank_and_hop() -> None:
+    from mlxpipe.batch import where_time_goes
+
+    def spent(compute: float, recv: float) -> dict[str, float]:
+        wall = 10.0
+        return {"compute": compute, "send": 0.5, "recv": recv, "sync": wall - compute - recv - 0.5, "idle": 0.0,
+                "wall": wall, "busy": compute / wall}
+
+    report = where_time_goes({1: spent(3.0, 0.0), 0: spent(9.0, 0.2), 2: spent(2.0, 0.0)})
+    assert [(r["rank"], r["busy"]) for r in report["ranks"]] == [(0, 0.9), (1, 0.3), (2, 0.2)]
+    assert report["hops"] == [{"from": 1, "to": 0, "wait_s": 0.2}, {"from": 2, "to": 1, "wait_s": 0.0}]
+    assert report["busiest_rank"] == 0
+    assert where_time_goes({}) == {}
+
+
 def test_a_finished_request_frees_its_slot_for_the_next() -> None:
     sched, _, _ = _simulate([[1, 2], [3, 4], [5, 6]], [6, 1, 2], stages=2, slots=2)
     first, short, waiting = sched.requests
@@ -498,7 +561,12 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
         tokens, text = _reference(str(demo_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
         assert (got["tokens"], got["text"]) == (tokens, text)
         assert got["generation_tokens"] == len(tokens) and got["latency"] >= got["ttft"] > 0
-    assert summary["requests"] == 2 and summary["concurrency"] == 2
+    # Defaults: 4 requests per decode micro-batch, 2 ranks x 4 in flight.
+    assert summary["requests"] == 2 and summary["concurrency"] == 8 and summary["decode_batch"] == 4
+    spent = summary["time"]
+    assert [r["rank"] for r in spent["ranks"]] == [0, 1]
+    assert all(0 < r["busy"] <= 1 and r["compute_s"] > 0 for r in spent["ranks"])
+    assert spent["hops"] == [{"from": 1, "to": 0, "wait_s": spent["ranks"][0]["recv_s"]}]
     assert summary["generation_tokens"] == sum(r["generation_tokens"] for r in lines)
     assert summary["aggregate_tps"] > 0
 
@@ -513,3 +581,4 @@ def test_prompts_file_prints_texts_in_order_then_the_summary(tiny_models: TinyMo
     headers = [line.split()[0] for line in result.stdout.splitlines() if line.endswith("─" * 10)]
     assert headers == ["1", "2"]
     assert "2 requests, 2 at a time" in result.stderr and "aggregate" in result.stderr
+    assert "where the time went" in result.stderr and "waiting for input" in result.stderr

@@ -108,13 +108,20 @@ class TimeSpent:
         return {**asdict(self), "wall": wall, "busy": self.compute / working if working > 0 else 0.0}
 
 
-def batchable(model: Any, max_kv_size: int | None = None) -> bool:
-    """Whether the model's caches can be batched: mlx-lm's own test (every cache has ``merge``).
+def decode_batch_for(model: Any, job: Any, requested: int) -> int:
+    """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
 
-    Quantized caches, for one, have none; mlx-lm's server then serves one
-    request at a time, and the engine one request per decode micro-batch.
+    mlx-lm's own test (its server's ``is_batchable``): every cache has
+    ``merge``. Quantized and chunked caches, for two, have none; mlx-lm's server
+    then serves one request at a time, and the engine one request per decode
+    micro-batch.
     """
-    return all(hasattr(c, "merge") for c in make_prompt_cache(model, max_kv_size=max_kv_size))
+    if requested < 1:
+        raise UsageError(f"decode_batch must be at least 1, got {requested}")
+    if requested == 1 or getattr(job, "kv_bits", None) is not None:
+        return 1
+    caches = make_prompt_cache(model, max_kv_size=job.max_kv_size)
+    return requested if all(hasattr(c, "merge") for c in caches) else 1
 
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
@@ -146,16 +153,10 @@ class Engine:
             raise UsageError(
                 "overlapped requests need the generic pipeline", hint="run without --pipeline native"
             )
-        if decode_batch < 1:
-            raise UsageError(f"decode_batch must be at least 1, got {decode_batch}")
-        if decode_batch > 1 and (
-            not batchable(self.model, server.job.max_kv_size) or getattr(server.job, "kv_bits", None) is not None
-        ):
-            decode_batch = 1  # e.g. quantized caches: mlx-lm cannot batch them either
-        self.decode_batch = decode_batch
+        self.decode_batch = decode_batch_for(self.model, server.job, decode_batch)
         self.schedule = Schedule(
             [], [], stages=self.size, slots=slots, prefill_step=server.job.prefill_step_size,
-            eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=decode_batch,
+            eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch,
         )
         self.requests: list[dict[str, Any]] = []
         self.caches: dict[int, list[Any]] = {}  # a request's own caches, until it joins a decode group
