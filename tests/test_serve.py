@@ -252,6 +252,9 @@ def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.Op
     assert [(h["from"], h["to"]) for h in spent["hops"]] == [(1, 0)] and spent["hops"][0]["wait_s"] >= 0
     assert spent["ranks"][1]["recv_s"] == 0  # the first stage receives from nobody
     assert spent["busiest_rank"] in (0, 1)
+    # The request log carries each rank's busy fraction as of each request's end.
+    busy = [record["busy"] for record in _request_log(server)]
+    assert any(len(b) == 2 for b in busy) and all(0 < x <= 1 for b in busy for x in b)
 
 
 def test_the_key_appears_in_no_log_and_no_command_line(server: ServeProcess) -> None:
