@@ -153,23 +153,56 @@ def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs:
     return rows
 
 
-def decode_batching_rows(model: Path, max_tokens: int, runs: int = 1) -> list[tuple[int, int, list[float], dict]]:
+def decode_batching_rows(model: Path, max_tokens: int, runs: int = 1,
+                         concurrency: tuple[int, ...] = BATCH_CONCURRENCY) -> list[tuple[int, int, list[float], dict]]:
     """On 2 pinned ranks: (concurrency C, B, aggregate tok/s per run, where the time went) for B = 1 and B = C / 2."""
     rows = []
     with pinned_pipeline(model, 2) as pipe:
         pipe.generate_batch(_requests(prompts(4), 4), concurrency=4, decode_batch=2)  # warm-up
-        for c in BATCH_CONCURRENCY:
+        for c in concurrency:
             requests = _requests(prompts(c), max_tokens)
-            for b in sorted({1, max(1, c // 2)}):
-                tps, spent = [], {}
-                for _ in range(runs):
+            batches = sorted({1, max(1, c // 2)})
+            tps: dict[int, list[float]] = {b: [] for b in batches}
+            spent: dict[int, dict] = {}
+            for _ in range(runs):  # B = 1 and batched alternate, so drifting load on a shared machine hits both
+                for b in batches:
                     tic = time.perf_counter()
                     result = pipe.generate_batch(requests, concurrency=c, decode_batch=b)
-                    tps.append(result.generation_tokens / (time.perf_counter() - tic))
-                    spent = result.summary()["time"]
-                rows.append((c, b, tps, spent))
-                print(f"  C = {c}, B = {b}: {statistics.median(tps):.2f} tok/s", file=sys.stderr, flush=True)
+                    tps[b].append(result.generation_tokens / (time.perf_counter() - tic))
+                    spent[b] = result.summary()["time"]
+                    print(f"  C = {c}, B = {b}: {tps[b][-1]:.2f} tok/s", file=sys.stderr, flush=True)
+            rows += [(c, b, tps[b], spent[b]) for b in batches]
     return rows
+
+
+def single_process_batching(model: Path) -> str:
+    """What batching gains in one process on one core: mlx-lm's model on B rows of merged caches vs one row."""
+    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process-batching", str(model)]
+    return subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+
+
+def _single_process_batching_main(path: str) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(path)
+
+    def cache(i: int) -> list[Any]:
+        c = make_prompt_cache(model)
+        model(mx.array([[1 + i] * (20 + i)]), cache=c)  # ragged prompts: left padding, as in the engine
+        mx.eval([x.state for x in c])
+        return c
+
+    def step(c: list[Any], b: int) -> float:
+        tic = time.perf_counter()
+        mx.eval(model(mx.array([[5]] * b), cache=c), [x.state for x in c])
+        return time.perf_counter() - tic
+
+    setups = {1: cache(0), **{b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)))]
+                              for b in (2, 4, 8)}}
+    best = {b: min(step(c, b) for _ in range(25)) for b, c in setups.items()}  # best of 25: least disturbed
+    print(" | ".join(f"B = {b}: {best[1] * b / t:.2f}x" for b, t in best.items()))
 
 
 def decode_batching_table(rows: list[tuple[int, int, list[float], dict]]) -> str:
@@ -255,14 +288,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--decode-batching", action="store_true", help="only the batched-decode table")
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batched-decode table")
-    parser.add_argument("--batch-runs", type=int, default=1, help="runs per row of the batched-decode table")
+    parser.add_argument("--batch-runs", type=int, default=3, help="runs per row of the batched-decode table")
+    parser.add_argument("--batch-concurrency", default=",".join(map(str, BATCH_CONCURRENCY)),
+                        help="concurrency levels of the batched-decode table, comma-separated")
     parser.add_argument("--single-process", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--single-process-batching", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens = 4, 8
     if args.single_process:
         _single_process_main(args.single_process, json.loads(args.prompts), args.max_tokens)
+        return
+    if args.single_process_batching:
+        _single_process_batching_main(args.single_process_batching)
         return
     texts = prompts(args.requests)
     with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
@@ -271,10 +310,13 @@ def main() -> None:
         batch_tokens = 8 if args.quick else args.batch_tokens
         if args.decode_batching:
             print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
-            batching = decode_batching_rows(model, batch_tokens, args.batch_runs)
+            levels = tuple(int(c) for c in args.batch_concurrency.split(","))
+            batching = decode_batching_rows(model, batch_tokens, args.batch_runs, levels)
             print(decode_batching_table(batching))
             print()
             print(decode_batching_verdict(batching))
+            print()
+            print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
             print()
             print(decode_batching_notes(batch_tokens))
             return
@@ -288,7 +330,7 @@ def main() -> None:
 
         splits = split_rows(ensure_demo_model(), texts, args.max_tokens, runs=1 if args.quick else 3)
         print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
-        batching = decode_batching_rows(model, batch_tokens, args.batch_runs)
+        batching = decode_batching_rows(model, batch_tokens, 1 if args.quick else args.batch_runs)
     print(table(rows))
     print()
     print(verdict(rows))
@@ -305,6 +347,8 @@ def main() -> None:
     print(decode_batching_table(batching))
     print()
     print(decode_batching_verdict(batching))
+    print()
+    print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
     print()
     print(decode_batching_notes(batch_tokens))
 
