@@ -32,6 +32,7 @@ test: install
 bench: install demo-model
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_generate.py
+	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_throughput.py
 	$(PY) bench/bench_serve.py
 

@@ -286,14 +286,11 @@ BackendOpt = typer.Option(
     show_default="the --config preset's, else the hostfile's, else ring", callback=_backend,
 )
 PipelineOpt = typer.Option("generic", "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline()).")
-PrefillOpt = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill step.")
-# Measured (README, "Serving speed"): a 600-token prompt on 2 ranks prefills at 21.8 tok/s in one 2048-token
-# chunk, 33.8 in chunks of 256 and 39.7 in chunks of 128 (single process: 24.1): chunks flow through the stages.
-SERVE_PREFILL_STEP = 128
-ServePrefillOpt = typer.Option(
-    SERVE_PREFILL_STEP, "--prefill-step-size",
-    help="Prompt tokens per prefill chunk. A prompt's chunks flow through the stages one behind the other, so "
-    "every host prefills at once: smaller chunks pipeline better, larger ones use each host better.",
+PrefillOpt = typer.Option(
+    None, "--prefill-step-size",
+    help="Prompt tokens per prefill chunk. On a pipeline a prompt's chunks flow through the stages one behind "
+    "the other, so every host prefills at once: smaller chunks pipeline better, larger ones use each host better.",
+    show_default="128 on a pipeline of 2 or more ranks, else mlx-lm's 2048",
 )
 PortOpt = typer.Option(
     None, "--port", help="First ring port.", show_default=f"{DEFAULT_PORT}; a free one when every rank is local",
@@ -398,7 +395,7 @@ def generate(
     ignore_chat_template: bool = NoTemplateOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
-    prefill_step_size: int = PrefillOpt,
+    prefill_step_size: Optional[int] = PrefillOpt,
     port: Optional[int] = PortOpt,
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
@@ -522,7 +519,7 @@ def chat(
     system_prompt: Optional[str] = SystemOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
-    prefill_step_size: int = PrefillOpt,
+    prefill_step_size: Optional[int] = PrefillOpt,
     port: Optional[int] = PortOpt,
     timeout: float = TimeoutOpt,
     trust_remote_code: bool = TrustOpt,
@@ -588,7 +585,7 @@ def serve(
         show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
     ),
     backend: Optional[str] = BackendOpt,
-    prefill_step_size: int = ServePrefillOpt,
+    prefill_step_size: Optional[int] = PrefillOpt,
     ring_port: Optional[int] = typer.Option(
         None, "--ring-port", help="First port of the ranks' ring.",
         show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=_tcp_port,

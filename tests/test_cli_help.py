@@ -102,7 +102,7 @@ def test_every_option_with_a_value_shows_its_default(pages: dict[str, str]) -> N
         ("doctor", "--port", f"[default: ({DEFAULT_PORT}; unchecked when every rank is local)]"),
         ("plan", "--hostfile", "[default: (hostfiles/local-2.json: two local ranks)]"),
         ("plan", "--context", "[default: 4096]"),
-        ("generate", "--prefill-step-size", "[default: 2048]"),
+        ("generate", "--prefill-step-size", "[default: (128 on a pipeline of 2 or more ranks, else mlx-lm's 2048)]"),
         ("generate", "--timeout", "[default: 120.0]"),
     ],
 )

@@ -278,7 +278,8 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
     # Both hosts still answer: the watchdog says so, and where each rank stood.
     message = e.value.message
     assert message.startswith("no progress from any rank for 5 s, though every host still answers; last reported: ")
-    assert "rank 1 decode token 3 (" in message and "rank 0 decode token " in message
+    # Rank 1 (the first stage) last ran the micro-batch that samples token 3, and hung once it was shared.
+    assert "rank 1 decode token 3 of request 0 (tick " in message and "rank 0 " in message
     assert "--timeout" in str(e.value.hint)
     assert site.wait_gone(site.rank_pids(os.getpid()), timeout=5) == set()
 

@@ -141,7 +141,8 @@ class Engine:
     """The overlapped requests of one rank; see the module docstring."""
 
     def __init__(
-        self, server: "Server", slots: int, reporter: Reporter, prompt_cache_size: int = 0, decode_batch: int = 1
+        self, server: "Server", slots: int, reporter: Reporter, prompt_cache_size: int = 0,
+        prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1,
     ) -> None:
         loaded, group = server.loaded, server.group
         self.server, self.reporter = server, reporter
@@ -168,7 +169,9 @@ class Engine:
         self._tic = time.perf_counter()
         self.samplers: dict[int, Sampler] = {}
         self.timing: dict[int, Timing] = {}
-        self.prompt_cache = LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size > 0 else None
+        if prompt_cache is None and prompt_cache_size > 0:
+            prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
+        self.prompt_cache = prompt_cache  # kept by the caller when it outlives the engine (chat turns)
         self._by_id: dict[Any, int] = {}
         self._exit = False
 
@@ -239,7 +242,7 @@ class Engine:
                 inbox.wait_beyond(inbox.consumed)  # nothing to compute: wait for a message
                 self.spent.idle += time.perf_counter() - waited
             hidden_in = self._tick(hidden_in, inbox)
-            progress.tick(self.schedule.tick, sum(r.running for r in self.schedule.requests))
+            progress.tick(self.schedule.tick, self._doing())
         for state in self.schedule.requests:
             if state.finish_reason is None:
                 self.schedule.cancel(state.index)  # at exit: whatever still runs ends here
@@ -283,6 +286,19 @@ class Engine:
         if self.schedule.tick % _CLEAR_CACHE_TICKS == 0:
             mx.clear_cache()
         return hidden_next
+
+    def _doing(self) -> str:
+        """What this stage ran at the last tick, for the stall watchdog's report."""
+        batch = self.schedule.at(self.stage)
+        if batch is None:
+            running = sum(r.running for r in self.schedule.requests)
+            return f"no micro-batch ({running} requests running)"
+        if batch.group is not None and len(batch.requests) > 1:
+            return f"decode a token of each of requests {', '.join(map(str, batch.requests))}"
+        request = self.schedule.requests[batch.request]
+        if batch.samples:
+            return f"decode token {len(request.generated) + 1} of request {batch.request}"
+        return f"prefill {len(batch.tokens)} of {len(request.prompt)} tokens of request {batch.request}"
 
     def _on_token(self, index: int, token: int) -> None:
         timing = self.timing[index]
@@ -516,3 +532,47 @@ class StreamReporter:
             cached_tokens=state.cached,
             generation_tokens=len(state.generated),
         )
+
+
+class TextReporter:
+    """``generate`` and ``chat``: rank 0 streams text as mlx-lm's ``stream_generate`` does.
+
+    Each token's new text goes out as a ``token`` event as soon as it is
+    sampled (the end-of-sequence token shows no text); the timing figures of
+    the one request are kept for the ``done`` event.
+    """
+
+    def __init__(self, emit: Callable[..., None], tokenizer: Any, request_id: Any = None) -> None:
+        self.emit, self.request_id = emit, request_id
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.figures: dict[str, Any] = {}
+
+    def token(self, engine: Engine, index: int, token: int) -> None:
+        if token in self.eos_ids:
+            return
+        self.detokenizer.add_token(token)
+        self._send(self.detokenizer.last_segment, token)
+
+    def finished(self, engine: Engine, index: int, timing: Timing, now: float) -> None:
+        self.detokenizer.finalize()
+        self._send(self.detokenizer.last_segment, None)
+        state = engine.schedule.requests[index]
+        first = timing.first_token or now
+        fed = len(state.prompt) - state.cached
+        self.figures = {
+            # As stream_generate: the tokens fed over the time to the first token, then
+            # every token over the time after the first.
+            "prompt_tps": fed / (first - timing.admitted) if first > timing.admitted else 0.0,
+            "generation_tps": len(state.generated) / (now - first) if now > first else 0.0,
+            "ttft": first - timing.admitted,
+        }
+
+    def _send(self, text: str, token: int | None) -> None:
+        if not text and token is None:
+            return  # every shown token gets its event; the end only when text is left
+        fields: dict[str, Any] = {"text": text, "token": token}
+        if self.request_id is not None:
+            fields["id"] = self.request_id
+        self.emit("token", **fields)

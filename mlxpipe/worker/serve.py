@@ -23,7 +23,7 @@ from typing import IO, Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import common_prefix_len
 
@@ -31,7 +31,7 @@ from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import DEFAULT_MAX_TOKENS
-from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter
+from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank, settle
@@ -68,8 +68,9 @@ class Progress:
     def decode(self, tokens: int) -> None:
         self._set(self.step + 1, f"decode token {tokens}")
 
-    def tick(self, tick: int, running: int) -> None:
-        self._set(tick, f"tick {tick} with {running} requests running")
+    def tick(self, tick: int, doing: str) -> None:
+        """The engine's ticks: the same on every rank, so a lagging tick is the waiting rank."""
+        self._set(tick, f"{doing} (tick {tick})")
 
     def _set(self, step: int, what: str) -> None:
         with self._lock:
@@ -143,7 +144,8 @@ class Server:
         self.rank = group.rank()
         self.host = socket.gethostname()
         self._emit = emit
-        self._prompt_cache: _PromptCache | None = None
+        self._prompt_cache: _PromptCache | None = None  # stream_generate's chat turns
+        self._chat_cache: LRUPromptCache | None = None  # the engine's chat turns
         self.progress = Progress(emit, self.rank)
 
     def serve(self, stream: IO[str]) -> None:
@@ -172,9 +174,54 @@ class Server:
         self._emit("bye", rank=self.rank, host=self.host)
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Run one generation; emit its events and return the ``done`` fields."""
+        """Run one generation; emit its events and return the ``done`` fields.
+
+        A generic pipeline runs it through the engine, so the prompt's prefill
+        chunks flow through the stages one behind the other and every host
+        prefills at once; one rank, or the model's own ``pipeline()``, runs
+        mlx-lm's ``stream_generate``.
+        """
         tic = time.perf_counter()
         tokens = self.prompt_tokens(request)
+        max_tokens = int(request.get("max_tokens", DEFAULT_MAX_TOKENS))
+        if max_tokens < 1:
+            raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.progress.reset()
+        if self.job.mode == "generic" and self.group.size() > 1:
+            done = self._generate_in_engine(request, tokens)
+        else:
+            done = self._generate_stream(request, tokens, max_tokens, tic)
+        done = {"rank": self.rank, **done, "peak_memory": mx.get_peak_memory() / 1e9}
+        if "id" in request:
+            done["id"] = request["id"]
+        self._emit("done", **done)
+        return done
+
+    def _generate_in_engine(self, request: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+        """One request through the engine; a chat keeps its caches for the next turn."""
+        keep = bool(request.get("keep_cache", False))
+        if not keep:
+            self._chat_cache = None
+        elif self._chat_cache is None:
+            self._chat_cache = LRUPromptCache(max_size=1)  # the last turn: the next one extends it
+        if request.get("temp", 0.0) and request.get("seed") is None:
+            request = {**request, "seed": self._shared_seed()}
+        reporter = TextReporter(self._emit if self.rank == 0 else _no_emit, self.loaded.tokenizer, request.get("id"))
+        engine = Engine(self, 1, reporter, prompt_cache=self._chat_cache)
+        engine.add(request, tokens)
+        engine.run()
+        state = engine.schedule.requests[0]  # the same on every rank; rank 0 adds its clock's figures
+        done = {
+            "prompt_tokens": len(state.prompt) - state.cached,  # as stream_generate: the tokens fed
+            "cached_tokens": state.cached,
+            "generation_tokens": len(state.generated),
+            "finish_reason": state.finish_reason,
+            "tokens": list(state.generated),
+        }
+        return {**done, **reporter.figures}
+
+    def _generate_stream(self, request: dict[str, Any], tokens: list[int], max_tokens: int, tic: float) -> dict[str, Any]:
+        """One request through mlx-lm's ``stream_generate`` (one rank, or ``--pipeline native``)."""
         keep = bool(request.get("keep_cache", False))
         cache, cached = self._cache_for(tokens, keep)
         temp = float(request.get("temp", 0.0))
@@ -182,14 +229,9 @@ class Server:
         sampler = make_sampler(
             temp, top_p=float(request.get("top_p", 0.0)), min_p=float(request.get("min_p", 0.0))
         )
-        max_tokens = int(request.get("max_tokens", DEFAULT_MAX_TOKENS))
-        if max_tokens < 1:
-            raise UsageError(f"max_tokens must be at least 1, got {max_tokens}")
-
         generated: list[int] = []
         ttft = None
         response = None
-        self.progress.reset()
         for response in stream_generate(
             self.loaded.model,
             self.loaded.tokenizer,
@@ -212,22 +254,16 @@ class Server:
 
         # Every token stream_generate yields has been fed to the cache.
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
-        done = {
-            "rank": self.rank,
+        return {
             "prompt_tokens": response.prompt_tokens,
             "cached_tokens": cached,
             "prompt_tps": response.prompt_tps,
             "generation_tokens": response.generation_tokens,
             "generation_tps": response.generation_tps,
-            "peak_memory": mx.get_peak_memory() / 1e9,
             "ttft": ttft,
             "finish_reason": response.finish_reason,
             "tokens": generated,
         }
-        if "id" in request:
-            done["id"] = request["id"]
-        self._emit("done", **done)
-        return done
 
     def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
         """Overlap a batch of requests across the stages (see ``engine``); emit ``batch_done``.
@@ -239,7 +275,7 @@ class Server:
         if not requests:
             raise UsageError("a batch request needs at least one request")
         concurrency, decode_batch = self._concurrency(request)
-        self._prompt_cache = None  # a batch does not continue a chat
+        self._prompt_cache = self._chat_cache = None  # a batch does not continue a chat
         engine = Engine(self, concurrency, BatchReporter(self._emit), decode_batch=decode_batch)
         for r in requests:
             engine.add(r, self.prompt_tokens(r))
@@ -255,7 +291,7 @@ class Server:
         rest wait for a slot.
         """
         concurrency, decode_batch = self._concurrency(request)
-        self._prompt_cache = None
+        self._prompt_cache = self._chat_cache = None
         engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
                         decode_batch=decode_batch)
         engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
@@ -317,10 +353,20 @@ class Server:
         if seed is None:
             if temp == 0:
                 return  # greedy: no randomness to share
-            mine = random.getrandbits(31) if self.rank == 0 else 0
-            shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
-            seed = int(shared.item())
+            seed = self._shared_seed()
         mx.random.seed(int(seed))
+
+    def _shared_seed(self) -> int:
+        """A random seed drawn by rank 0 and known to every rank."""
+        mine = random.getrandbits(31) if self.rank == 0 else 0
+        if self.group.size() == 1:
+            return mine
+        shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
+        return int(shared.item())
+
+
+def _no_emit(*args: Any, **kwargs: Any) -> None:
+    """Only rank 0 streams text."""
 
 
 def _cache_length(cache: list[Any]) -> int | None:
