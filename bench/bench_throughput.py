@@ -1,7 +1,9 @@
-"""Aggregate throughput of overlapped requests (issue 6): K = 1, 2, 4 in flight on 2 and 3 ranks.
+"""Aggregate throughput of overlapped requests (issue 6): K = 1, 2, 4 in flight on 2 and 3 ranks;
+then batched decode micro-batches (issue 10): concurrency 1 to 16 on 2 ranks, B = 1 vs batched.
 
-    python bench/bench_throughput.py            # what `make bench` runs (about 5 minutes)
+    python bench/bench_throughput.py            # what `make bench` runs (about 10 minutes)
     python bench/bench_throughput.py --quick    # smoke run: fewer, shorter requests
+    python bench/bench_throughput.py --decode-batching   # only the batched-decode table
 
 The same batch of greedy requests (different prompts, same length) runs:
 
@@ -16,6 +18,12 @@ Aggregate tok/s is every generated token over the wall time of the whole batch
 overlapping gives at least 1.7x the single-stream pipeline. Then the demo model under
 `--strategy even` and `--strategy balanced` (overlapped, K = 2): what weighing
 rank 0's vocabulary head gives.
+
+Batched decode: at concurrency C on 2 pinned ranks, C requests of the same
+qwen2 run once with one request per decode micro-batch (B = 1, what mlxpipe did
+before micro-batches were batched) and once with B = C / 2 (every stage runs a
+group of C / 2 requests; ``--concurrency C --decode-batch C/2``). The goal:
+batched >= 1.3x B = 1 at C = 8.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from bench_generate import (  # the same placement and checkpoints as the latenc
 
 GOAL = 1.7
 CONCURRENCY = (1, 2, 4)
+BATCH_GOAL = 1.3  # batched vs B = 1 at concurrency 8, on 2 ranks
+BATCH_CONCURRENCY = (1, 2, 4, 8, 16)
 TOPICS = ["dragons", "rivers", "clocks", "bridges", "gardens", "comets", "harbours", "lanterns"]
 
 
@@ -143,6 +153,79 @@ def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs:
     return rows
 
 
+def decode_batching_rows(model: Path, max_tokens: int, runs: int = 1,
+                         concurrency: tuple[int, ...] = BATCH_CONCURRENCY) -> list[tuple[int, int, list[float], dict]]:
+    """On 2 pinned ranks: (concurrency C, B, aggregate tok/s per run, where the time went) for B = 1 and B = C / 2."""
+    rows = []
+    with pinned_pipeline(model, 2) as pipe:
+        pipe.generate_batch(_requests(prompts(4), 4), concurrency=4, decode_batch=2)  # warm-up
+        for c in concurrency:
+            requests = _requests(prompts(c), max_tokens)
+            batches = sorted({1, max(1, c // 2)})
+            tps: dict[int, list[float]] = {b: [] for b in batches}
+            spent: dict[int, dict] = {}
+            for _ in range(runs):  # B = 1 and batched alternate, so drifting load on a shared machine hits both
+                for b in batches:
+                    tic = time.perf_counter()
+                    result = pipe.generate_batch(requests, concurrency=c, decode_batch=b)
+                    tps[b].append(result.generation_tokens / (time.perf_counter() - tic))
+                    spent[b] = result.summary()["time"]
+                    print(f"  C = {c}, B = {b}: {tps[b][-1]:.2f} tok/s", file=sys.stderr, flush=True)
+            rows += [(c, b, tps[b], spent[b]) for b in batches]
+    return rows
+
+
+def single_process_batching(model: Path) -> str:
+    """What batching gains in one process on one core: mlx-lm's model on B rows of merged caches vs one row."""
+    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process-batching", str(model)]
+    return subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+
+
+def _single_process_batching_main(path: str) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(path)
+
+    def cache(i: int) -> list[Any]:
+        c = make_prompt_cache(model)
+        model(mx.array([[1 + i] * (20 + i)]), cache=c)  # ragged prompts: left padding, as in the engine
+        mx.eval([x.state for x in c])
+        return c
+
+    def step(c: list[Any], b: int) -> float:
+        tic = time.perf_counter()
+        mx.eval(model(mx.array([[5]] * b), cache=c), [x.state for x in c])
+        return time.perf_counter() - tic
+
+    setups = {1: cache(0), **{b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)))]
+                              for b in (2, 4, 8)}}
+    best = {b: min(step(c, b) for _ in range(25)) for b, c in setups.items()}  # best of 25: least disturbed
+    print(" | ".join(f"B = {b}: {best[1] * b / t:.2f}x" for b, t in best.items()))
+
+
+def decode_batching_table(rows: list[tuple[int, int, list[float], dict]]) -> str:
+    unbatched = {c: statistics.median(t) for c, b, t, _ in rows if b == 1}
+    lines = ["| concurrency C | B | aggregate tok/s (median) | runs | vs B = 1 | busy rank 0 / rank 1 | hop 1->0 wait |",
+             "|---:|---:|---:|---|---:|---|---:|"]
+    for c, b, tps, spent in rows:
+        med = statistics.median(tps)
+        busy = " / ".join(f"{r['busy']:.0%}" for r in spent.get("ranks", []))
+        hop = spent["hops"][0]["wait_s"] if spent.get("hops") else 0.0
+        lines.append(f"| {c} | {b} | {med:.2f} | {', '.join(f'{t:.2f}' for t in tps)} | "
+                     f"{med / unbatched[c]:.2f}x | {busy} | {hop:.1f} s |")
+    return "\n".join(lines)
+
+
+def decode_batching_verdict(rows: list[tuple[int, int, list[float], dict]]) -> str:
+    at8 = {b: statistics.median(t) for c, b, t, _ in rows if c == 8}
+    if 1 not in at8 or len(at8) < 2:
+        return ""
+    ratio = max(v for b, v in at8.items() if b > 1) / at8[1]
+    return f"Goal (2 ranks, C = 8, batched >= {BATCH_GOAL}x B = 1): {ratio:.2f}x, {'met' if ratio >= BATCH_GOAL else 'NOT met'}."
+
+
 def split_table(rows: list[tuple[str, list[int], list[float]]]) -> str:
     even = statistics.median(rows[0][2])
     lines = ["| strategy | split (rank 0, rank 1) | aggregate tok/s, K = 2 (median) | runs | vs even |",
@@ -203,7 +286,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 requests of 8 tokens (smoke run)")
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--decode-batching", action="store_true", help="only the batched-decode table")
+    parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batched-decode table")
+    parser.add_argument("--batch-runs", type=int, default=3, help="runs per row of the batched-decode table")
+    parser.add_argument("--batch-concurrency", default=",".join(map(str, BATCH_CONCURRENCY)),
+                        help="concurrency levels of the batched-decode table, comma-separated")
     parser.add_argument("--single-process", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--single-process-batching", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -211,10 +300,26 @@ def main() -> None:
     if args.single_process:
         _single_process_main(args.single_process, json.loads(args.prompts), args.max_tokens)
         return
+    if args.single_process_batching:
+        _single_process_batching_main(args.single_process_batching)
+        return
     texts = prompts(args.requests)
     with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
         os.environ.setdefault("MLXPIPE_HOME", str(Path(tmp) / "home"))
         model = build_qwen2(Path(tmp) / "qwen2-bench")
+        batch_tokens = 8 if args.quick else args.batch_tokens
+        if args.decode_batching:
+            print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
+            levels = tuple(int(c) for c in args.batch_concurrency.split(","))
+            batching = decode_batching_rows(model, batch_tokens, args.batch_runs, levels)
+            print(decode_batching_table(batching))
+            print()
+            print(decode_batching_verdict(batching))
+            print()
+            print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
+            print()
+            print(decode_batching_notes(batch_tokens))
+            return
         print("measuring single-process mlx-lm...", file=sys.stderr, flush=True)
         rows = [single_process(model, texts, args.max_tokens)]
         for ranks in (2, 3):
@@ -224,6 +329,8 @@ def main() -> None:
         from mlxpipe.demo_model import ensure_demo_model
 
         splits = split_rows(ensure_demo_model(), texts, args.max_tokens, runs=1 if args.quick else 3)
+        print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
+        batching = decode_batching_rows(model, batch_tokens, 1 if args.quick else args.batch_runs)
     print(table(rows))
     print()
     print(verdict(rows))
@@ -234,6 +341,27 @@ def main() -> None:
     print("4-bit layers in bytes) with `--strategy even` and `--strategy balanced`, the same batch, 2 pinned ranks:")
     print()
     print(split_table(splits))
+    print()
+    print("Batched decode micro-batches, 2 pinned ranks, the same qwen2:")
+    print()
+    print(decode_batching_table(batching))
+    print()
+    print(decode_batching_verdict(batching))
+    print()
+    print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
+    print()
+    print(decode_batching_notes(batch_tokens))
+
+
+def decode_batching_notes(max_tokens: int) -> str:
+    return "\n".join([
+        f"- C greedy requests (one-line prompts of ~10 tokens, no chat template), {max_tokens} tokens each, all "
+        "admitted at once; aggregate tok/s = generated tokens / wall time of the batch (prefill included, small).",
+        "- B = 1: one request per decode micro-batch (C above 2 only waits); B = C / 2: each of the 2 stages "
+        "runs a group of C / 2 requests with batched KV caches.",
+        "- busy: the share of each rank's time spent computing its stage; hop wait: rank 0's time waiting for "
+        "rank 1's hidden states.",
+    ])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, TypeVar
 import typer
 
 from mlxpipe import console
+from mlxpipe.batch import DEFAULT_DECODE_BATCH
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.hostfile import BACKENDS
 from mlxpipe.launch import DEFAULT_PORT
@@ -357,7 +358,13 @@ PromptsFileOpt = typer.Option(
     show_default="none: one --prompt",
 )
 ConcurrencyOpt = typer.Option(
-    None, "--concurrency", help="With --prompts-file: requests in flight at once.", show_default="the number of ranks"
+    None, "--concurrency", help="With --prompts-file: requests in flight at once.",
+    show_default="ranks x --decode-batch",
+)
+DecodeBatchOpt = typer.Option(
+    DEFAULT_DECODE_BATCH, "--decode-batch",
+    help="Requests whose decode steps share one micro-batch (batched KV caches), so ranks x this many requests "
+    "are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
 )
 OutputOpt = typer.Option(
     None, "--output", "-o",
@@ -470,6 +477,7 @@ def generate(
     prompts_file: Optional[Path] = PromptsFileOpt,
     concurrency: Optional[int] = ConcurrencyOpt,
     output: Optional[Path] = OutputOpt,
+    decode_batch: int = DecodeBatchOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Run the model as a pipeline across the hosts and stream the answer.
@@ -508,7 +516,7 @@ def generate(
     pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
                                        trust_remote_code, json_out, from_controller, context, adapter_path)
     if prompts_file is not None:
-        _generate_batch(pipeline_config, options, prompts_file, concurrency, output, json_out)
+        _generate_batch(pipeline_config, options, prompts_file, concurrency, output, json_out, decode_batch)
         return
     with running_pipeline(pipeline_config) as pipe:
         answer = pipe.generate(request_for(prompt, None, options), None if json_out else _stream_text)
@@ -520,7 +528,7 @@ def generate(
 
 
 def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
-                    concurrency: int | None, output: Path | None, json_out: bool) -> None:
+                    concurrency: int | None, output: Path | None, json_out: bool, decode_batch: int) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
     from mlxpipe.batch import ResultsFile, read_prompts
     from mlxpipe.render import batch_table
@@ -530,6 +538,7 @@ def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
         raise UsageError("--prompts-file overlaps requests with the generic pipeline", "drop --pipeline native")
     if concurrency is not None and concurrency < 1:
         raise UsageError(f"--concurrency must be at least 1, got {concurrency}")
+    _check_decode_batch(decode_batch)
     if output is not None and not output.parent.is_dir():
         raise UsageError(f"--output {output}: no directory {output.parent}")
     requests = read_prompts(prompts_file, defaults)
@@ -537,7 +546,8 @@ def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
     try:
         with running_pipeline(pipeline_config) as pipe:
             on_result = None if json_out or output else _print_result
-            result = pipe.generate_batch(requests, concurrency, on_result, saved.add if saved else None)
+            result = pipe.generate_batch(requests, concurrency, on_result, saved.add if saved else None,
+                                         decode_batch=decode_batch)
     except BaseException as e:
         kept = saved.abandon() if saved else None
         if kept and isinstance(e, MlxpipeError):
@@ -552,6 +562,11 @@ def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
         console.print_json({**results, "summary": result.summary(), "run_dir": str(pipe.run_dir)})
     else:
         console.err.print(batch_table(result))
+
+
+def _check_decode_batch(decode_batch: int) -> None:
+    if decode_batch < 1:
+        raise UsageError(f"--decode-batch must be at least 1, got {decode_batch}")
 
 
 def _print_result(result: Any) -> None:
@@ -657,9 +672,10 @@ def serve(
         show_default="none: no key asked",
     ),
     max_concurrency: Optional[int] = typer.Option(
-        None, "--max-concurrency", help="Requests computed at once, each at its own stage.",
-        show_default="the number of ranks",
+        None, "--max-concurrency", help="Requests computed at once: --decode-batch of them at each stage.",
+        show_default="ranks x --decode-batch",
     ),
+    decode_batch: int = DecodeBatchOpt,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; beyond them, 429."),
     max_restarts: int = typer.Option(3, "--max-restarts", help="Relaunches after a rank fails before the server gives up."),
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."),
@@ -710,9 +726,11 @@ def serve(
     )
     pipeline_config = _pipeline_config(target, backend, "generic", prefill_step_size, ring_port, timeout,
                                        trust_remote_code, False, from_controller, context, adapter_path)
+    _check_decode_batch(decode_batch)
     options = server.ServeOptions(
-        max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size,
+        max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size * decode_batch,
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
+        decode_batch=decode_batch,
     )
     code = server.serve(
         pipeline_config, options, host=host, port=port, api_key=api_key,

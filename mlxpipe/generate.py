@@ -179,18 +179,21 @@ class Pipeline:
         concurrency: int | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
+        decode_batch: int = 1,
     ) -> BatchResult:
-        """Overlap ``requests`` across the stages, ``concurrency`` at a time (default: one per stage).
+        """Overlap ``requests`` across the stages, ``concurrency`` at a time, up to ``decode_batch``
+        requests per decode micro-batch (default concurrency: ``decode_batch`` per stage).
 
         ``on_result`` gets each request's result in input order, as soon as it
         and every request before it have finished; ``on_finished`` gets each
         the moment it finishes.
         """
-        from mlxpipe.batch import BatchResult, InOrder, result_from_event
+        from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
 
-        concurrency = concurrency or self.ranks.size
-        wire = [r.with_seed(lambda: random.randrange(2**31)).to_wire() for r in requests]
-        self.ranks.send({"type": "batch", "requests": wire, "concurrency": concurrency})
+        concurrency = concurrency or self.ranks.size * decode_batch
+        wire = [r.to_wire() for r in with_seeds(list(requests))]
+        self.ranks.send({"type": "batch", "requests": wire, "concurrency": concurrency,
+                         "decode_batch": decode_batch})
         ordered = InOrder(on_result)
         done: dict[int, dict[str, Any]] = {}
         for event in self.ranks.events(self.options.step_timeout):
@@ -215,6 +218,8 @@ class Pipeline:
             seconds=float(done[0].get("seconds", 0.0)),
             concurrency=concurrency,
             ranks=self._rank_stats({r: float(e.get("peak_memory", 0.0)) for r, e in done.items()}),
+            decode_batch=int(done[0].get("decode_batch", 1)),
+            time={r: e["time"] for r, e in done.items() if "time" in e},
         )
 
     def _rank_stats(self, peaks: dict[int, float]) -> list[RankStats]:

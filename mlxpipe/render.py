@@ -161,7 +161,22 @@ def batch_table(result: Any) -> RenderableType:
             str(r.id), str(r.prompt_tokens), str(r.generation_tokens), r.finish_reason or "-",
             f"{r.ttft:.2f} s", f"{r.latency:.2f} s", f"{r.tps:.1f}",
         )
-    return titled(title, t)
+    spent = time_table(result.summary()["time"])
+    return Group(titled(title, t), spent) if spent is not None else titled(title, t)
+
+
+def time_table(report: dict[str, Any]) -> RenderableType | None:
+    """Where each rank's time went (``batch.where_time_goes``): busy computing, or waiting on what."""
+    if not report:
+        return None
+    t = Table()
+    for name in ("rank", "busy", "computing", "waiting for input", "sending", "waiting for tokens"):
+        t.add_column(name, justify="right")
+    for r in report["ranks"]:
+        hop = f"{r['recv_s']:.2f} s (from rank {r['rank'] + 1})" if r["recv_s"] > 0 else "-"
+        t.add_row(str(r["rank"]), f"{r['busy']:.0%}", f"{r['compute_s']:.2f} s", hop,
+                  f"{r['send_s']:.2f} s", f"{r['sync_s']:.2f} s")
+    return titled(f"where the time went  ·  busiest: rank {report['busiest_rank']}", t)
 
 
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}

@@ -3,7 +3,9 @@
 Every request of an overlapped batch must generate exactly the tokens
 single-process ``mlx_lm.stream_generate`` gives it alone. One ``mlx.launch``
 run per rank count serves every case (``fixtures/batch_ranks.py``): each case
-loads a model and runs the same batch with K = 1, 2 and 3 requests in flight.
+loads a model and runs the same batch with K = 1, 2 and 3 requests in flight,
+one request per decode micro-batch, then K = 4 and 6 with B = 2 and 3 requests
+per decode micro-batch (batched caches).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from mlxpipe.worker.schedule import Schedule
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
 QUESTION = "Tell me about pipelines across several machines, please."
 CONCURRENCY = [1, 2, 3]
+BATCHED = [(4, 2), (6, 3)]  # (K in flight, B requests per decode micro-batch)
+RUNS: list[tuple[int, int]] = [(k, 1) for k in CONCURRENCY] + BATCHED
+LONG_PROMPT = " ".join(f"step {i}," for i in range(40))  # ~300 byte tokens: 37 prefill chunks
 
 # Different lengths: a long chat (9 prefill chunks), a 2-token prompt, templated
 # and raw prompts, one that ends early (its slot goes to the next), one sampled.
@@ -38,6 +43,8 @@ TINY_REQUESTS: list[dict[str, Any]] = [
     {"id": "templated", "prompt": "Pipelines?", "max_tokens": 5},
     {"id": "raw", "prompt": "Stage after stage, token by token.", "ignore_chat_template": True, "max_tokens": 7},
     {"id": "sampled", "prompt": QUESTION, "temp": 0.9, "top_p": 0.95, "seed": 11, "max_tokens": 4},
+    {"id": "long", "prompt": LONG_PROMPT, "ignore_chat_template": True, "max_tokens": 5},
+    {"id": "one", "prompt": "Go", "ignore_chat_template": True, "max_tokens": 1},
 ]
 DEMO_REQUESTS: list[dict[str, Any]] = [
     {"id": "france", "prompt": "What is the capital of France?", "max_tokens": 8},
@@ -58,44 +65,47 @@ CASES = {
     n: {**{arch: splits[n - 2] for arch, splits in TINY_SPLITS.items()}, "demo": DEMO_SPLITS[n - 2]}
     for n in (2, 3)
 }
-_TIMEOUT = 180.0
+_TIMEOUT = 900.0  # one launch runs every case and run; a ceiling for a loaded machine
 
 
 # ---------------------------------------------------------------- the schedule
 
 
 def _simulate(prompts: list[list[int]], max_tokens: list[int], stages: int, slots: int,
-              eos: int | None = None) -> tuple[Schedule, list[list[tuple[int, ...]]], list[int]]:
+              eos: int | None = None, decode_batch: int = 1) -> tuple[Schedule, list[list[tuple[int, ...]]], list[int]]:
     """Run a schedule with a fake model whose next token is 100 * request + position.
 
     Returns the schedule, what each request fed to the first stage in order,
-    and how many stages were busy at each tick.
+    and how many requests each stage ran at each tick, summed over the stages.
     """
     sched = Schedule(prompts, max_tokens, stages=stages, slots=slots, prefill_step=3,
-                     eos_ids={eos} if eos is not None else set())
+                     eos_ids={eos} if eos is not None else set(), decode_batch=decode_batch)
     fed: list[list[tuple[int, ...]]] = [[] for _ in prompts]
     busy = []
     while not sched.done:
         sched.begin_tick()
         entered = sched.at(0)
         if entered is not None:
-            fed[entered.request].append(entered.tokens)
-        busy.append(sum(sched.at(s) is not None for s in range(stages)))
+            assert len(entered.requests) <= decode_batch and len({len(r) for r in entered.rows}) == 1
+            for index, row in zip(entered.requests, entered.rows):
+                fed[index].append(row)
+        busy.append(sum(len(b.requests) for s in range(stages) if (b := sched.at(s)) is not None))
         sampling = sched.sampling
-        token = None
+        tokens = None
         if sampling is not None:
-            token = 100 * sampling.request + len(sched.requests[sampling.request].generated)
-        sched.end_tick(token)
+            tokens = [100 * i + len(sched.requests[i].generated) for i in sampling.requests]
+        sched.end_tick(tokens)
         assert sched.tick < 10_000
     return sched, fed, busy
 
 
+@pytest.mark.parametrize("decode_batch", [1, 2, 3])
 @pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("slots", [1, 2, 3, 4])
-def test_each_request_is_fed_as_generate_step_feeds_it(stages: int, slots: int) -> None:
-    prompts = [list(range(1, 9)), [7], list(range(20, 25)), [3, 4]]
-    max_tokens = [4, 3, 1, 5]
-    sched, fed, _ = _simulate(prompts, max_tokens, stages, slots)
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 6])
+def test_each_request_is_fed_as_generate_step_feeds_it(stages: int, slots: int, decode_batch: int) -> None:
+    prompts = [list(range(1, 9)), [7], list(range(20, 25)), [3, 4], [5, 6, 7], [8]]
+    max_tokens = [4, 3, 1, 5, 6, 2]
+    sched, fed, _ = _simulate(prompts, max_tokens, stages, slots, decode_batch=decode_batch)
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         generated = [100 * i + k for k in range(n)]
         assert sched.requests[i].generated == generated
@@ -117,6 +127,132 @@ def test_concurrency_equal_to_stages_keeps_every_stage_busy(stages: int) -> None
     assert max(alone) == 1
 
 
+@pytest.mark.parametrize("stages, decode_batch", [(2, 2), (2, 4), (3, 3)])
+def test_batched_decode_keeps_every_stage_busy_with_decode_batch_requests(stages: int, decode_batch: int) -> None:
+    slots = stages * decode_batch
+    prompts = [[1, 2]] * (2 * slots)
+    sched, _, busy = _simulate(prompts, [20] * len(prompts), stages, slots, decode_batch=decode_batch)
+    steady = busy[2 * slots : len(busy) // 3]
+    assert steady and all(b == stages * decode_batch for b in steady)
+    assert sched.max_groups == stages
+    # Unbatched, the same requests take about decode_batch times as many ticks.
+    unbatched, _, _ = _simulate(prompts, [20] * len(prompts), stages, slots, decode_batch=1)
+    assert unbatched.tick > 0.8 * decode_batch * sched.tick
+
+
+def test_requests_join_and_leave_decode_groups_as_they_come_and_end() -> None:
+    sched = Schedule([[1, 2, 3, 4, 5, 6, 7], [8], [9, 10], [11]], [2, 6, 1, 4], stages=2, slots=4,
+                     prefill_step=3, eos_ids=set(), decode_batch=2)
+    groups_seen: list[tuple[int | None, tuple[int, ...]]] = []
+    ended_groups: list[int] = []
+    while not sched.done:
+        sched.begin_tick()
+        ended_groups += sched.ended_groups
+        entered = sched.at(0)
+        if entered is not None:
+            groups_seen.append((entered.group, entered.requests))
+            assert entered.group is not None or (len(entered.requests) == 1 and not entered.samples)
+        sampling = sched.sampling
+        sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    decode = [(g, r) for g, r in groups_seen if g is not None]
+    assert max(len(r) for _, r in decode) == 2 and len({g for g, _ in decode}) >= 2
+    # The 7-token prompt prefills in chunks, one request per micro-batch, then joins a group.
+    assert sorted(r for g, r in groups_seen if g is None) == [(0,), (0,), (2,)]
+    for g in {g for g, _ in decode}:  # each step's rows: the members that stayed, in order, then newcomers
+        steps = [r for h, r in decode if h == g]
+        for before, after in zip(steps, steps[1:]):
+            kept = tuple(r for r in before if r in after)
+            assert after[: len(kept)] == kept
+    assert [r.generated for r in sched.requests] == [[100] * n for n in (2, 6, 1, 4)]
+    # Emptied groups end (at the next tick's start, every stage done with them).
+    assert all(not g.members for g in sched.groups.values())
+    assert sorted(ended_groups + list(sched.groups)) == sorted({g for g, _ in decode})
+
+
+def test_only_requests_with_caches_of_one_kind_share_a_decode_group() -> None:
+    # Requests 0, 1: plain caches; 2, 3: rotating (another kind); 4, 5: quantized (no merge).
+    keys = [(None,), (None,), (64,), (64,), None, None]
+    sched = Schedule([], [], stages=2, slots=6, prefill_step=3, eos_ids=set(), decode_batch=4)
+    for key in keys:
+        sched.add([1, 2], 6, batch_key=key)
+    rows_seen = set()
+    while not sched.done:
+        sched.begin_tick()
+        entered = sched.at(0)
+        if entered is not None and entered.samples:
+            rows_seen.add(entered.requests)
+        sampling = sched.sampling
+        sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    for rows in rows_seen:
+        assert len({keys[i] for i in rows}) == 1, rows  # one kind per micro-batch
+        assert len(rows) == 1 or keys[rows[0]] is not None, rows  # quantized: alone
+    assert any(len(rows) == 2 for rows in rows_seen)  # the others did share
+    assert [r.generated for r in sched.requests] == [[100] * 6] * 6
+
+
+def test_models_whose_caches_cannot_be_batched_decode_one_request_per_micro_batch(tiny_models: TinyModels) -> None:
+    import mlx.nn as nn
+    from mlx_lm import load
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from mlxpipe.worker.engine import decode_batch_for
+
+    class Chunked(nn.Module):  # llama4's attention chunks: a cache mlx-lm cannot merge
+        def make_cache(self) -> list[Any]:
+            return [ChunkedKVCache(8)]
+
+    job = JobSpec(["x"], [1])
+    model, _ = load(str(tiny_models["qwen2"]))
+    assert decode_batch_for(model, job, 4) == 4
+    assert decode_batch_for(model, JobSpec(["x"], [1], max_kv_size=16), 3) == 3  # rotating caches merge
+    assert decode_batch_for(Chunked(), job, 4) == 1
+    with pytest.raises(UsageError, match="decode_batch must be at least 1"):
+        decode_batch_for(model, job, 0)
+
+
+def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_models: TinyModels) -> None:
+    """One process (a group of one): the engine falls back to B = 1, and tokens still match mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxpipe.worker.load import load_rank
+    from mlxpipe.worker.serve import Server
+
+    class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
+        def __getattribute__(self, name: str) -> Any:
+            if name == "merge":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    path = tiny_models["qwen2"]
+    job = JobSpec([str(path)], [sum(TINY_SPLITS["qwen2"][0])], prefill_step_size=PREFILL_STEP)
+    loaded = load_rank(job, mx.distributed.init())
+    loaded.model.make_cache = lambda: [Unmergeable() for _ in loaded.model.layers]
+    events: list[dict[str, Any]] = []
+    server = Server(loaded, mx.distributed.init(), job, emit=lambda event, **fields: events.append({"event": event, **fields}))
+    requests = [{"id": text, "prompt": text, "ignore_chat_template": True, "max_tokens": 4} for text in ("Hi", "Go", "Up")]
+    done = server.generate_batch({"type": "batch", "requests": requests, "concurrency": 3, "decode_batch": 3})
+    assert done["decode_batch"] == 1
+    results = {e["id"]: e for e in events if e["event"] == "result"}
+    for request in requests:
+        assert results[request["id"]]["tokens"] == _reference(str(path), json.dumps(request, sort_keys=True))[0]
+
+
+def test_where_the_time_goes_names_each_rank_and_hop() -> None:
+    from mlxpipe.batch import where_time_goes
+
+    def spent(compute: float, recv: float) -> dict[str, float]:
+        wall = 10.0
+        return {"compute": compute, "send": 0.5, "recv": recv, "sync": wall - compute - recv - 0.5, "idle": 0.0,
+                "wall": wall, "busy": compute / wall}
+
+    report = where_time_goes({1: spent(3.0, 0.0), 0: spent(9.0, 0.2), 2: spent(2.0, 0.0)})
+    assert [(r["rank"], r["busy"]) for r in report["ranks"]] == [(0, 0.9), (1, 0.3), (2, 0.2)]
+    assert report["hops"] == [{"from": 1, "to": 0, "wait_s": 0.2}, {"from": 2, "to": 1, "wait_s": 0.0}]
+    assert report["busiest_rank"] == 0
+    assert where_time_goes({}) == {}
+
+
 def test_a_finished_request_frees_its_slot_for_the_next() -> None:
     sched, _, _ = _simulate([[1, 2], [3, 4], [5, 6]], [6, 1, 2], stages=2, slots=2)
     first, short, waiting = sched.requests
@@ -136,6 +272,8 @@ def test_schedule_refuses_a_missing_or_unexpected_token() -> None:
     sched.begin_tick()
     with pytest.raises(ValueError, match="expected"):
         sched.end_tick(None)
+    with pytest.raises(ValueError, match="1 tokens expected, got 2"):
+        sched.end_tick([5, 6])
     with pytest.raises(ValueError, match="prompt token"):
         Schedule([[]], [2], stages=1, slots=1, prefill_step=4, eos_ids=set())
 
@@ -310,7 +448,7 @@ def _run_batches(num_ranks: int, tiny_models: TinyModels, demo_model: Path, tmp:
     for case, split in CASES[num_ranks].items():
         dirs = rank_dirs(_checkpoint(case, tiny_models, demo_model), split, tmp / case)
         job = JobSpec([str(d) for d in dirs], split, prefill_step_size=PREFILL_STEP)
-        cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": CONCURRENCY})
+        cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": RUNS})
     cases_file = tmp / "cases.json"
     cases_file.write_text(json.dumps(cases))
     driver = str(Path(__file__).parent / "fixtures" / "batch_ranks.py")
@@ -327,15 +465,17 @@ def _runs(batch_runs, num_ranks: int, case: str) -> list[dict[str, Any]]:
     return events  # type: ignore[return-value]
 
 
-def _results(event: dict[str, Any], k: int) -> dict[Any, dict[str, Any]]:
-    """Rank 0's ``result`` events of the run with concurrency ``k``, by request id."""
-    run = next(r for r in event["runs"] if r["concurrency"] == k)
-    return {e["id"]: e for e in run["events"] if e["event"] == "result"}
+def _run(event: dict[str, Any], k: int, b: int = 1) -> dict[str, Any]:
+    return next(r for r in event["runs"] if (r["concurrency"], r["decode_batch"]) == (k, b))
 
 
-def _done(event: dict[str, Any], k: int) -> dict[str, Any]:
-    run = next(r for r in event["runs"] if r["concurrency"] == k)
-    return next(e for e in run["events"] if e["event"] == "batch_done")
+def _results(event: dict[str, Any], k: int, b: int = 1) -> dict[Any, dict[str, Any]]:
+    """Rank 0's ``result`` events of the run with concurrency ``k`` and ``b`` per decode micro-batch, by request id."""
+    return {e["id"]: e for e in _run(event, k, b)["events"] if e["event"] == "result"}
+
+
+def _done(event: dict[str, Any], k: int, b: int = 1) -> dict[str, Any]:
+    return next(e for e in _run(event, k, b)["events"] if e["event"] == "batch_done")
 
 
 @lru_cache(maxsize=None)
@@ -368,14 +508,16 @@ def _reference(path: str, request_json: str) -> tuple[list[int], str]:
     return [r.token for r in responses], "".join(r.text for r in responses)
 
 
-PARAMS = [(n, case, k) for n in (2, 3) for case in CASES[n] for k in CONCURRENCY]
+PARAMS = [(n, case, k, b) for n in (2, 3) for case in CASES[n] for k, b in RUNS]
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("num_ranks, case, k", PARAMS, ids=[f"{n}ranks-{c}-K{k}" for n, c, k in PARAMS])
-def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, demo_model, num_ranks: int, case: str, k: int) -> None:
+@pytest.mark.parametrize("num_ranks, case, k, b", PARAMS,
+                         ids=[f"{n}ranks-{c}-K{k}" + (f"B{b}" if b > 1 else "") for n, c, k, b in PARAMS])
+def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, demo_model, num_ranks: int, case: str,
+                                                k: int, b: int) -> None:
     events = _runs(batch_runs, num_ranks, case)
-    results = _results(events[0], k)
+    results = _results(events[0], k, b)
     path = str(_checkpoint(case, tiny_models, demo_model))
     for request in _requests(case):
         tokens, text = _reference(path, json.dumps(request, sort_keys=True))
@@ -383,9 +525,10 @@ def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, demo_mo
         assert got["tokens"] == tokens, request["id"]
         assert got["text"] == text
         assert got["finish_reason"] == ("stop" if tokens[-1] in _eos(path) else "length")
-    dones = [_done(e, k) for e in events]
+    dones = [_done(e, k, b) for e in events]
     assert len({(d["ticks"], d["generation_tokens"]) for d in dones}) == 1, "ranks disagree on the schedule"
-    assert all(_results(e, k) == {} for e in events[1:]), "only rank 0 reports results"
+    assert all(d["decode_batch"] == b for d in dones)
+    assert all(_results(e, k, b) == {} for e in events[1:]), "only rank 0 reports results"
 
 
 def _eos(path: str) -> set[int]:
@@ -440,7 +583,12 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
         tokens, text = _reference(str(demo_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
         assert (got["tokens"], got["text"]) == (tokens, text)
         assert got["generation_tokens"] == len(tokens) and got["latency"] >= got["ttft"] > 0
-    assert summary["requests"] == 2 and summary["concurrency"] == 2
+    # Defaults: 4 requests per decode micro-batch, 2 ranks x 4 in flight.
+    assert summary["requests"] == 2 and summary["concurrency"] == 8 and summary["decode_batch"] == 4
+    spent = summary["time"]
+    assert [r["rank"] for r in spent["ranks"]] == [0, 1]
+    assert all(0 < r["busy"] <= 1 and r["compute_s"] > 0 for r in spent["ranks"])
+    assert spent["hops"] == [{"from": 1, "to": 0, "wait_s": spent["ranks"][0]["recv_s"]}]
     assert summary["generation_tokens"] == sum(r["generation_tokens"] for r in lines)
     assert summary["aggregate_tps"] > 0
 
@@ -455,3 +603,4 @@ def test_prompts_file_prints_texts_in_order_then_the_summary(tiny_models: TinyMo
     headers = [line.split()[0] for line in result.stdout.splitlines() if line.endswith("─" * 10)]
     assert headers == ["1", "2"]
     assert "2 requests, 2 at a time" in result.stderr and "aggregate" in result.stderr
+    assert "where the time went" in result.stderr and "waiting for input" in result.stderr

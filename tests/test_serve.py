@@ -3,7 +3,8 @@
 One server (the demo model, an API key) serves every test that is not about
 starting, breaking or stopping one; a second, small one is broken on purpose
 (a rank killed, SIGTERM). Greedy output must equal single-process mlx-lm's,
-whatever else is in flight.
+whatever else is in flight: the main server batches up to 3 requests' decode
+steps per micro-batch, so concurrent streams share batched caches.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     proc = ServeProcess(
-        ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "4",
+        ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "6", "--decode-batch", "3",
          "--max-queue", "8", "--context", str(CONTEXT)],
         tmp_path_factory.mktemp("serve-home"), env={"MLXPIPE_API_KEY": KEY},
     )
@@ -293,6 +294,21 @@ def test_health_names_every_rank(server: ServeProcess) -> None:
     assert health["status"] == "ready"
     assert [(r["rank"], r["layers"], r["state"]) for r in health["ranks"]] == [(0, [15, 30], "ready"),
                                                                                (1, [0, 15], "ready")]
+
+
+def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.OpenAI) -> None:
+    _stream_text(client, _user(QUESTIONS[1]))  # a request has ended: every rank has reported
+    health = server.health()
+    assert health["decode_batch"] == 3
+    spent = health["time"]
+    assert [r["rank"] for r in spent["ranks"]] == [0, 1]
+    assert all(0 < r["busy"] <= 1 and r["compute_s"] > 0 for r in spent["ranks"])
+    assert [(h["from"], h["to"]) for h in spent["hops"]] == [(1, 0)] and spent["hops"][0]["wait_s"] >= 0
+    assert spent["ranks"][1]["recv_s"] == 0  # the first stage receives from nobody
+    assert spent["busiest_rank"] in (0, 1)
+    # The request log carries each rank's busy fraction as of each request's end.
+    busy = [record["busy"] for record in _request_log(server)]
+    assert any(len(b) == 2 for b in busy) and all(0 < x <= 1 for b in busy for x in b)
 
 
 def test_the_key_appears_in_no_log_and_no_command_line(server: ServeProcess) -> None:

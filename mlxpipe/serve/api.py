@@ -362,12 +362,16 @@ class _Run:
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,
+            # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
+            "busy": [round(t["busy"], 3) for _, t in sorted(self.api.engine.time.items())],
         }
         self.api.log.write(record)
         ttft_text = f"{ttft:.2f} s" if ttft is not None else "-"
+        busy = "/".join(f"{b:.0%}" for b in record["busy"])
         console.err.print(
             f"[dim]{record['id']}: {status}, prompt {record['prompt_tokens']} ({record['cached_tokens']} cached), "
-            f"{tokens} tokens, ttft {ttft_text}, {record['tps']:.1f} tok/s[/]"
+            f"{tokens} tokens, ttft {ttft_text}, {record['tps']:.1f} tok/s"
+            + (f", ranks busy {busy}" if busy else "") + "[/]"
         )
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from mlxpipe.batch import where_time_goes
 from mlxpipe.errors import LaunchError, MlxpipeError
 from mlxpipe.generate import Pipeline, RankStats
 from mlxpipe.metadata import ModelMetadata
@@ -45,6 +46,7 @@ class ServeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_restarts: int = DEFAULT_MAX_RESTARTS
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+    decode_batch: int = 1  # requests per decode micro-batch
 
 
 # One request as the ranks run it: its token ids (``tokens``, the chat template applied here) and every option.
@@ -108,6 +110,7 @@ class ServeEngine:
         self.error: MlxpipeError | None = None  # the root cause, once the server gave up
         self.restarts = 0
         self.ranks = [RankState(r.rank, r.host, (r.start, r.end)) for r in plan.ranks]
+        self.time: dict[int, dict[str, float]] = {}  # rank -> its latest engine.TimeSpent report
         self.run_dir: Path | None = None
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}
@@ -156,13 +159,15 @@ class ServeEngine:
             self.finished.set()
 
     def _serve_once(self) -> None:
+        self.time = {}
         for r in self.ranks:
             r.state = "loading"
         pipe = launch(self.config, self.meta, self.plan, on_loaded=self._loaded)
         self._pipe, self.run_dir = pipe, pipe.run_dir
         try:
             pipe.ranks.send({"type": "serve", "concurrency": self.options.max_concurrency,
-                             "prompt_cache_size": self.options.prompt_cache_size})
+                             "prompt_cache_size": self.options.prompt_cache_size,
+                             "decode_batch": self.options.decode_batch})
             for event in pipe.ranks.events(self.config.timeout, busy=lambda: bool(self._streams)):
                 self._dispatch(event)
         finally:
@@ -174,6 +179,9 @@ class ServeEngine:
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        if kind == "time":
+            self.time[int(event["rank"])] = {k: float(v) for k, v in event.items() if k not in ("event", "rank")}
+            return
         if kind == "serving":
             self.ranks[int(event["rank"])].state = "ready"
             if all(r.state == "ready" for r in self.ranks):
@@ -245,8 +253,12 @@ class ServeEngine:
             "model": self.meta.source,
             "restarts": self.restarts,
             "in_flight": self.in_flight,
+            "decode_batch": self.options.decode_batch,
             "ranks": [{"rank": r.rank, "host": r.host, "layers": list(r.layers), "state": r.state} for r in self.ranks],
         }
+        time = dict(self.time)
+        if time:
+            out["time"] = where_time_goes(time)  # since the pipeline (re)started, when a request last ended
         if self.error is not None:
             out["error"] = self.error.message
         return out

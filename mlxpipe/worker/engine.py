@@ -2,15 +2,20 @@
 
 With one request, a pipeline of N ranks has one rank busy at a time. Here
 requests run in lockstep ticks (see ``schedule.Schedule``): at each tick every
-stage runs one micro-batch of a different request, so all stages compute at
-once. One tick on this rank, in an order every rank shares so that no socket
-carries two messages out of turn:
+stage runs one micro-batch, so all stages compute at once. A micro-batch is
+one request's prefill chunk, or the decode step of a group of up to
+``decode_batch`` requests, whose caches on every stage are one of mlx-lm's
+batch caches (``BatchKVCache``, ``BatchRotatingKVCache``...: per-request
+offsets, left padding and masks), merged from the requests' own caches as they
+join and filtered as they leave, as mlx-lm's ``BatchGenerator`` does. One tick
+on this rank, in an order every rank shares so that no socket carries two
+messages out of turn:
 
-1. run this stage's micro-batch (if any) through the model with the request's
-   own caches, and send the hidden state on to rank - 1 (rank 0 instead
-   samples the token when the micro-batch asks for one);
+1. run this stage's micro-batch (if any) through the model with its caches,
+   and send the hidden state on to rank - 1 (rank 0 instead samples each
+   row's token, with that request's own sampler, when the micro-batch asks);
 2. receive from rank + 1 the hidden state of the next tick's micro-batch;
-3. one small collective: rank 0's token reaches every rank (the first stage
+3. one small collective: rank 0's tokens reach every rank (the first stage
    embeds it next, and every rank applies it to the same schedule, so all learn
    together that a request ended and its slot is free), and, when the loop
    serves a stream of requests, the ranks agree how many messages (new
@@ -26,12 +31,15 @@ bookkeeping; each request has its own caches on every rank, made with mlx-lm's
 ``make_prompt_cache`` or taken from mlx-lm's ``LRUPromptCache`` (the longest
 cached prefix of its prompt: every rank makes the same choice, since every rank
 inserts and looks up the same token sequences in the same order).
+
+Each rank also times where its ticks go (``TimeSpent``): computing, sending,
+waiting for its input, waiting in the collective, idle without requests.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import mlx.core as mx
@@ -59,6 +67,43 @@ class Timing:
     first_token: float | None = None
 
 
+@dataclass
+class TimeSpent:
+    """Where one rank's time goes, in seconds, over a ``run``."""
+
+    compute: float = 0.0  # this stage's layers on its micro-batches (and sampling, on rank 0)
+    send: float = 0.0  # handing hidden states to rank - 1 (blocks while it cannot take them)
+    recv: float = 0.0  # waiting for hidden states from rank + 1: the hop into this rank
+    sync: float = 0.0  # the per-tick collective: waiting for rank 0's tokens (and the others)
+    idle: float = 0.0  # serving with nothing to compute: waiting for requests
+
+    def report(self, wall: float) -> dict[str, float]:
+        """The figures, and ``busy``: the share of the time with work in the pipeline spent computing."""
+        working = wall - self.idle
+        return {**asdict(self), "wall": wall, "busy": self.compute / working if working > 0 else 0.0}
+
+
+def decode_batch_for(model: Any, job: Any, requested: int) -> int:
+    """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
+
+    mlx-lm's own test (its server's ``is_batchable``): every cache has
+    ``merge``. Quantized and chunked caches, for two, have none; mlx-lm's server
+    then serves one request at a time, and the engine one request per decode
+    micro-batch.
+    """
+    if requested < 1:
+        raise UsageError(f"decode_batch must be at least 1, got {requested}")
+    if requested == 1:
+        return 1
+    caches = make_prompt_cache(model, max_kv_size=job.max_kv_size)
+    return requested if all(hasattr(c, "merge") for c in caches) else 1
+
+
+def merge_caches(caches: list[list[Any]]) -> list[Any]:
+    """Requests' own caches as one batch cache per layer (as ``BatchGenerator`` merges them)."""
+    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
+
+
 class Reporter(Protocol):
     """What rank 0 tells the controller about requests (the other ranks report nothing)."""
 
@@ -72,7 +117,7 @@ class Engine:
 
     def __init__(
         self, server: "Server", slots: int, reporter: Reporter, prompt_cache_size: int = 0,
-        prompt_cache: LRUPromptCache | None = None,
+        prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1,
     ) -> None:
         loaded, group = server.loaded, server.group
         self.server, self.reporter = server, reporter
@@ -84,12 +129,19 @@ class Engine:
             raise UsageError(
                 "overlapped requests need the generic pipeline", hint="run without --pipeline native"
             )
+        self.decode_batch = decode_batch_for(self.model, server.job, decode_batch)
         self.schedule = Schedule(
             [], [], stages=self.size, slots=slots, prefill_step=server.job.prefill_step_size,
-            eos_ids=loaded.tokenizer.eos_token_ids,
+            eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch,
         )
         self.requests: list[Request] = []
-        self.caches: dict[int, list[Any]] = {}
+        self.caches: dict[int, list[Any]] = {}  # a request's own caches, until it joins a decode group
+        # group -> (its requests in row order, their batch caches) as this stage last ran it
+        self.group_caches: dict[int, tuple[list[int], list[Any]]] = {}
+        self.spent = TimeSpent()
+        # Serving: called on every rank with its time figures whenever a request ends.
+        self.on_time: Callable[[dict[str, float]], None] | None = None
+        self._tic = time.perf_counter()
         self.samplers: dict[int, Sampler] = {}
         self.processors: dict[int, list[LogitsProcessor]] = {}
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
@@ -110,7 +162,10 @@ class Engine:
         tokenizer = self.server.loaded.tokenizer
         extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         cache, cached = self._cached(prompt, request)
-        index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra)
+        # Decode groups merge their members' caches: quantized ones cannot merge (mlx-lm's
+        # is_batchable), and caches of one kind only, so requests group by their cache settings.
+        key = None if request.kv_bits is not None else (request.max_kv_size or self.server.job.max_kv_size,)
+        index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra, batch_key=key)
         self.requests.append(request)
         self.caches[index] = cache
         self.eos[index] = set(tokenizer.eos_token_ids) | extra
@@ -158,28 +213,34 @@ class Engine:
                 self.exchange.hidden_in = self.exchange.hidden_out = None
 
     def _run(self, inbox: Inbox | None) -> dict[str, Any]:
-        tic = time.perf_counter()
+        tic = self._tic = time.perf_counter()
         self._probe_incoming()
         hidden_in = None
         progress = self.server.progress
         progress.reset()
         while not self._exit and (inbox is not None or not self.schedule.done):
             if inbox is not None and self.schedule.idle:
+                waited = time.perf_counter()
                 inbox.wait_beyond(inbox.consumed)  # nothing to compute: wait for a message
+                self.spent.idle += time.perf_counter() - waited
             hidden_in = self._tick(hidden_in, inbox)
             progress.tick(self.schedule.tick, self._doing())
-        for index in list(self.caches):
-            self.schedule.cancel(index)  # at exit: whatever still runs ends here
-            self._finish(index)
+        for state in self.schedule.requests:
+            if state.finish_reason is None:
+                self.schedule.cancel(state.index)  # at exit: whatever still runs ends here
+                self._finish(state.index)
         mx.synchronize()
+        seconds = time.perf_counter() - tic
         return {
             "rank": self.rank,
             "requests": len(self.requests),
             "concurrency": len(self.schedule.slots),
             "ticks": self.schedule.tick + 1,
             "generation_tokens": sum(len(r.generated) for r in self.schedule.requests),
-            "seconds": time.perf_counter() - tic,
+            "seconds": seconds,
             "peak_memory": mx.get_peak_memory() / 1e9,
+            "decode_batch": self.decode_batch,
+            "time": self.spent.report(seconds),
         }
 
     def _tick(self, hidden_in: mx.array | None, inbox: Inbox | None) -> mx.array | None:
@@ -188,17 +249,19 @@ class Engine:
             self._admit(index)
         for index in self.schedule.ended:
             self._finish(index)
+        for group in self.schedule.ended_groups:
+            self.group_caches.pop(group, None)
         batch = self.schedule.at(self.stage)
         sampled = self._run_stage(batch, hidden_in) if batch is not None else None
         hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
         sampling = self.schedule.sampling
-        token, agreed = self._share(sampled, sampling is not None, inbox)
-        if sampling is not None and token is not None:
-            if not self.schedule.requests[sampling.request].cancelled:
-                self._on_token(sampling.request, token)
-        finished = self.schedule.end_tick(token)
-        if finished is not None:
-            self._finish(finished)
+        tokens, agreed = self._share(sampled, sampling, inbox)
+        if sampling is not None and tokens is not None:
+            for index, token in zip(sampling.requests, tokens):
+                if not self.schedule.requests[index].cancelled:
+                    self._on_token(index, token)
+        for index in self.schedule.end_tick(tokens):
+            self._finish(index)
         if inbox is not None:
             for message in inbox.take(agreed):
                 self.apply(message)
@@ -212,6 +275,8 @@ class Engine:
         if batch is None:
             running = sum(r.running for r in self.schedule.requests)
             return f"no micro-batch ({running} requests running)"
+        if batch.group is not None and len(batch.requests) > 1:
+            return f"decode a token of each of requests {', '.join(map(str, batch.requests))}"
         request = self.schedule.requests[batch.request]
         if batch.samples:
             return f"decode token {len(request.generated) + 1} of request {batch.request}"
@@ -235,62 +300,126 @@ class Engine:
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
-        cache = self.caches[batch.request]
+        tic = time.perf_counter()
+        cache = self._caches_for(batch)
         if self.exchange is not None:
             self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
-        logits = self.model(mx.array(batch.tokens)[None], cache=cache)
-        # As generate_step: after every forward pass (the stand-ins' caches take it too).
-        maybe_quantize_kv_cache(cache, **self.requests[batch.request].kv_kwargs())
+        logits = self.model(mx.array(batch.rows), cache=cache)
+        if len(batch.requests) == 1:
+            # As generate_step: after every forward pass (the stand-ins' caches take it too). A request
+            # with quantized caches decodes alone (its batch_key), so a group never needs it.
+            maybe_quantize_kv_cache(cache, **self.requests[batch.request].kv_kwargs())
         state = [c.state for c in cache]
         if self.rank > 0:
             assert self.exchange is not None and self.exchange.hidden_out is not None
-            sent = mx.distributed.send(self.exchange.hidden_out, self.rank - 1, group=self.server.group)
-            mx.eval(sent, state)
+            hidden_out = self.exchange.hidden_out
+            mx.eval(hidden_out, state)
+            sending = time.perf_counter()
+            self.spent.compute += sending - tic
+            mx.eval(mx.distributed.send(hidden_out, self.rank - 1, group=self.server.group))
+            self.spent.send += time.perf_counter() - sending
             return None
         if not batch.samples:
             mx.eval(state)  # a prefill chunk: only the caches matter, as in generate_step
+            self.spent.compute += time.perf_counter() - tic
             return None
         logits = logits[:, -1, :]
-        processors = self.processors[batch.request]
-        if processors:
-            # As generate_step: the processors see every token fed so far, prompt and reply.
-            request = self.schedule.requests[batch.request]
-            history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
-            for processor in processors:
-                logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token = self.samplers[batch.request](logprobs)
-        mx.eval(token, state)
-        return token
+        # Each request samples its own row: its logits processors (which see every token
+        # fed so far, prompt and reply, as in generate_step), its sampler, its random key.
+        tokens = []
+        for row, index in enumerate(batch.requests):
+            row_logits = logits[row : row + 1]
+            processors = self.processors[index]
+            if processors:
+                request = self.schedule.requests[index]
+                history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
+                for processor in processors:
+                    row_logits = processor(history, row_logits)
+            logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+            tokens.append(self.samplers[index](logprobs))
+        sampled = mx.concatenate(tokens)
+        mx.eval(sampled, state)
+        self.spent.compute += time.perf_counter() - tic
+        return sampled
+
+    def _caches_for(self, batch: MicroBatch) -> list[Any]:
+        """The caches ``batch`` runs with on this stage: its request's own, or its group's batch caches.
+
+        A group's batch caches follow its members: requests that left are
+        filtered out, requests that joined (at the end of the rows) have their
+        own caches merged in, as ``BatchGenerator`` extends its batch.
+        """
+        if batch.group is None or self.decode_batch == 1 or self.schedule.requests[batch.requests[0]].batch_key is None:
+            return self.caches[batch.request]  # a prefill chunk, or a request that decodes alone
+        rows, cache = self.group_caches.get(batch.group, ([], []))
+        wanted = list(batch.requests)
+        keep = [i for i, index in enumerate(rows) if index in wanted]
+        if len(keep) < len(rows):
+            if keep:
+                for c in cache:
+                    c.filter(keep)
+            else:
+                cache = []
+        rows = [rows[i] for i in keep]
+        if wanted[: len(rows)] != rows:
+            raise RuntimeError(f"group {batch.group}: rows {wanted} do not extend {rows}")
+        joining = wanted[len(rows) :]
+        if joining:
+            merged = merge_caches([self.caches.pop(index) for index in joining])
+            if cache:
+                for c, new in zip(cache, merged):
+                    c.extend(new)
+            else:
+                cache = merged
+        self.group_caches[batch.group] = (wanted, cache)
+        return cache
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
         """Step 2: the hidden state of the next tick's micro-batch, from rank + 1."""
         if batch is None:
             return None
-        shape, dtype = self._incoming_shape(len(batch.tokens))
+        tic = time.perf_counter()
+        shape, dtype = self._incoming_shape(len(batch.requests), batch.width)
         hidden = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.server.group)
         mx.eval(hidden)
+        self.spent.recv += time.perf_counter() - tic
         return hidden
 
-    def _share(self, sampled: mx.array | None, sampling: bool, inbox: Inbox | None) -> tuple[int | None, int]:
-        """Step 3: rank 0's token on every rank and, with an inbox, the messages every rank has."""
+    def _share(
+        self, sampled: mx.array | None, sampling: MicroBatch | None, inbox: Inbox | None
+    ) -> tuple[list[int] | None, int]:
+        """Step 3: rank 0's tokens on every rank and, with an inbox, the messages every rank has."""
+        tic = time.perf_counter()
+        try:
+            return self._share_now(sampled, sampling, inbox)
+        finally:
+            self.spent.sync += time.perf_counter() - tic
+
+    def _share_now(
+        self, sampled: mx.array | None, sampling: MicroBatch | None, inbox: Inbox | None
+    ) -> tuple[list[int] | None, int]:
         received = inbox.received if inbox is not None else 0
+        rows = len(sampling.requests) if sampling is not None else 1
         if self.size == 1:
-            return (int(sampled.item()) if sampling and sampled is not None else None), received
+            return (sampled.tolist() if sampling is not None and sampled is not None else None), received
         if inbox is None:
-            if not sampling:
+            if sampling is None:
                 return None, 0
-            mine = sampled.reshape(1).astype(mx.int32) if self.rank == 0 else mx.zeros((1,), mx.int32)
-            return int(mx.distributed.all_sum(mine, group=self.server.group, stream=mx.cpu).item()), 0
-        token = sampled.reshape(1).astype(mx.int32) if self.rank == 0 and sampled is not None else mx.array([-1])
-        mine = mx.concatenate([token.astype(mx.int32), mx.array([received], mx.int32)])
-        every = mx.distributed.all_gather(mine, group=self.server.group, stream=mx.cpu).reshape(self.size, 2)
+            mine = sampled.astype(mx.int32) if self.rank == 0 else mx.zeros((rows,), mx.int32)
+            return mx.distributed.all_sum(mine, group=self.server.group, stream=mx.cpu).tolist(), 0
+        tokens = (
+            sampled.astype(mx.int32) if self.rank == 0 and sampled is not None else mx.full((rows,), -1, mx.int32)
+        )
+        mine = mx.concatenate([tokens, mx.array([received], mx.int32)])
+        every = mx.distributed.all_gather(mine, group=self.server.group, stream=mx.cpu).reshape(self.size, rows + 1)
         values = every.tolist()
-        return (int(values[0][0]) if sampling else None), min(int(v[1]) for v in values)
+        return (values[0][:rows] if sampling is not None else None), min(int(v[rows]) for v in values)
 
     def _finish(self, index: int) -> None:
         """Drop a request's caches (keeping them in the prompt cache) and report it."""
         cache = self.caches.pop(index, None)
+        if cache is None and self.prompt_cache is not None:
+            cache = self._extract(index)
         self.samplers.pop(index, None)
         self.processors.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
@@ -301,6 +430,15 @@ class Engine:
         if self.rank == 0:
             self.reporter.finished(self, index, timing, time.perf_counter())
         self.eos.pop(index, None)
+        if self.on_time is not None:
+            self.on_time(self.spent.report(time.perf_counter() - self._tic))
+
+    def _extract(self, index: int) -> list[Any] | None:
+        """A grouped request's own caches, out of its group's batch caches (None when in none)."""
+        for rows, cache in self.group_caches.values():
+            if index in rows:
+                return [c.extract(rows.index(index)) for c in cache]
+        return None
 
     # --- shapes --------------------------------------------------------------------
 
@@ -317,9 +455,10 @@ class Engine:
         if self.exchange.incoming is None:
             raise RuntimeError("the pipeline's first local layer was never called")
 
-    def _incoming_shape(self, num_tokens: int) -> tuple[tuple[int, ...], Any]:
+    def _incoming_shape(self, rows: int, num_tokens: int) -> tuple[tuple[int, ...], Any]:
         assert self.exchange is not None
-        return self.exchange.incoming_shape(num_tokens)
+        shape, dtype = self.exchange.incoming_shape(num_tokens)
+        return (rows, *shape[1:]), dtype
 
 
 def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:

@@ -12,6 +12,9 @@ mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
   A stand-in feeds its cache zero-width keys and values, so the cache's own
   code advances its offset and rotation exactly as for the real layer: masks
   built from ``cache[0]`` or any other layer's cache stay right on every rank.
+  mlx-lm's batch caches (``BatchKVCache``, ``BatchRotatingKVCache``) advance
+  the same way, per-request offsets and left padding included, and merge,
+  filter and extend like the real layers' (zero-width rows).
 * The first local layer receives the hidden state from rank + 1; the last
   local layer sends it to rank - 1 and ties the send into its cache, because
   mlx-lm's prefill evaluates only the caches.

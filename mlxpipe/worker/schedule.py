@@ -14,6 +14,17 @@ can only enter once the one before it has been sampled at the last stage, so
 with ``slots`` (the concurrency) at least the number of stages, every stage is
 busy with a different request at every tick.
 
+Decode steps travel in *groups* of up to ``decode_batch`` requests: one
+micro-batch carries one token of every member, and the members' caches are
+one batched cache on every stage (mlx-lm's ``BatchKVCache``). A request joins a
+group with its last prompt token, once its prefill chunks (one request per
+micro-batch) have entered; it leaves when it ends. At most ``max(stages,
+ceil(slots / decode_batch))`` groups exist, so with ``slots = stages *
+decode_batch`` every stage runs a group of ``decode_batch`` requests at every
+tick. A new group opens while fewer exist, so the first requests spread over
+the stages; later ones join the next group with room to enter. With
+``decode_batch`` 1 every request is its own group, as before groups existed.
+
 Requests may join at any tick (``add``), in the order every rank applies them,
 and leave early (``cancel``): a cancelled request stops entering at once and
 frees its slot once its last micro-batch has left the last stage, so no stage
@@ -22,7 +33,8 @@ ever runs a micro-batch whose caches are gone.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 _NEVER = 1 << 62  # ready_at of a request waiting for its token
@@ -30,11 +42,43 @@ _NEVER = 1 << 62  # ready_at of a request waiting for its token
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """The tokens of one request that one tick feeds to the first stage."""
+    """What one tick feeds to the first stage: one row of tokens per request.
 
-    request: int  # index in the batch
-    tokens: tuple[int, ...]
-    samples: bool  # the last stage samples the request's next token from it
+    A prefill chunk is one request's row (``group`` None); a decode step is a
+    group's rows, one token each, in the order of the group's batched caches.
+    """
+
+    requests: tuple[int, ...]  # indices in the batch, one per row
+    rows: tuple[tuple[int, ...], ...]  # each row's tokens; every row has the same length
+    samples: bool  # the last stage samples each row's next token
+    group: int | None = None
+
+    @property
+    def request(self) -> int:
+        """The request of a one-row micro-batch (a prefill chunk)."""
+        if len(self.requests) != 1:
+            raise ValueError("a micro-batch of several requests has no single request")
+        return self.requests[0]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens of a one-row micro-batch."""
+        return self.rows[self.requests.index(self.request)]
+
+    @property
+    def width(self) -> int:
+        """Tokens per row."""
+        return len(self.rows[0])
+
+
+@dataclass
+class Group:
+    """Requests whose decode steps travel as one micro-batch."""
+
+    id: int
+    members: list[int] = field(default_factory=list)  # request indices, in the batched caches' row order
+    ready_at: int = 0
+    key: Hashable = None  # its members' ``batch_key``
 
 
 @dataclass
@@ -55,6 +99,9 @@ class RequestState:
     fed_tokens: list[int] = field(default_factory=list)  # every token fed to the first stage, cached ones first
     cancelled: bool = False
     extra_eos: frozenset[int] = frozenset()  # its own end-of-sequence ids (--extra-eos-token)
+    group: int | None = None  # the decode group it belongs to, once it joined one
+    # Requests share a decode group only with equal keys (caches of one kind); None: a group of its own.
+    batch_key: Hashable = ()
 
     @property
     def running(self) -> bool:
@@ -73,11 +120,12 @@ class Schedule:
         slots: int,
         prefill_step: int,
         eos_ids: Collection[int],
+        decode_batch: int = 1,
     ) -> None:
         if len(prompts) != len(max_tokens):
             raise ValueError("one max_tokens per prompt")
-        if stages < 1 or slots < 1 or prefill_step < 1:
-            raise ValueError("stages, slots and prefill_step must be positive")
+        if stages < 1 or slots < 1 or prefill_step < 1 or decode_batch < 1:
+            raise ValueError("stages, slots, prefill_step and decode_batch must be positive")
         self.requests: list[RequestState] = []
         for prompt, most in zip(prompts, max_tokens):
             self.add(prompt, most)
@@ -85,8 +133,13 @@ class Schedule:
         self.slots: list[int | None] = [None] * slots  # slot -> request index
         self.prefill_step = prefill_step
         self.eos_ids = frozenset(eos_ids)
+        self.decode_batch = decode_batch
+        self.max_groups = max(stages, math.ceil(slots / decode_batch))
+        self.groups: dict[int, Group] = {}
         self.tick = -1
         self.ended: list[int] = []
+        self.ended_groups: list[int] = []  # groups that ended at this tick: no stage runs them again
+        self._next_group = 0
         self._pending = 0  # the next request to admit
         self._entries: dict[int, MicroBatch] = {}  # tick -> what entered stage 0 then
 
@@ -100,17 +153,20 @@ class Schedule:
         """Nothing waits or runs (a request ends only once its last micro-batch left): a tick would do nothing."""
         return self.done
 
-    def add(self, prompt: Sequence[int], max_tokens: int, cached: int = 0, extra_eos: Collection[int] = ()) -> int:
+    def add(self, prompt: Sequence[int], max_tokens: int, cached: int = 0, extra_eos: Collection[int] = (),
+            batch_key: Hashable = ()) -> int:
         """Queue a request whose first ``cached`` prompt tokens are already in its caches; its index.
 
         ``extra_eos``: ids that end this request besides the schedule's ``eos_ids``.
+        ``batch_key``: requests share a decode group only with equal keys (their
+        caches must merge); None keeps the request in a group of its own.
         """
         if len(prompt) == 0 or max_tokens < 1:
             raise ValueError("every request needs a prompt token and max_tokens >= 1")
         if not 0 <= cached < len(prompt):
             raise ValueError("at least one prompt token must be fed")
         request = RequestState(len(self.requests), prompt, max_tokens, fed=cached, cached=cached,
-                               extra_eos=frozenset(extra_eos))
+                               extra_eos=frozenset(extra_eos), batch_key=batch_key)
         request.fed_tokens = list(prompt[:cached])
         self.requests.append(request)
         return request.index
@@ -137,7 +193,7 @@ class Schedule:
         """
         self.tick += 1
         self._entries.pop(self.tick - self.stages, None)
-        in_flight = {entry.request for entry in self._entries.values()}
+        in_flight = {index for entry in self._entries.values() for index in entry.requests}
         self.ended = [r.index for r in self._running() if r.cancelled and r.index not in in_flight]
         for index in self.ended:
             self._free(self.requests[index], "cancelled")
@@ -151,11 +207,63 @@ class Schedule:
                 self.slots[slot] = request.index
                 admitted.append(request.index)
                 self._pending += 1
-        ready = [r for r in self._running() if r.ready_at <= self.tick]
-        if ready:
-            chosen = min(ready, key=lambda r: (r.ready_at, r.slot))
-            self._entries[self.tick] = self._next_micro_batch(chosen)
+        self._drop_empty_groups()
+        entry = self._choose()
+        if entry is not None:
+            self._entries[self.tick] = entry
         return admitted
+
+    def _choose(self) -> MicroBatch | None:
+        """What enters stage 0 now: whatever has waited longest (prefill chunk or group), slot order breaking ties."""
+        candidates: list[tuple[tuple[int, int], RequestState | Group]] = []
+        joiners = []
+        for r in self._running():
+            if r.ready_at > self.tick or r.cancelled:
+                continue
+            if len(r.prompt) - r.fed > 1:
+                candidates.append(((r.ready_at, r.slot or 0), r))
+            elif r.group is None:
+                joiners.append(r)
+        joiners.sort(key=lambda r: (r.ready_at, r.slot))
+        for g in self.groups.values():
+            if g.ready_at <= self.tick:
+                candidates.append(((g.ready_at, min(self.requests[m].slot or 0 for m in g.members)), g))
+        if joiners and len(self.groups) < self.max_groups:
+            first = joiners[0]
+            candidates.append(((first.ready_at, first.slot or 0), Group(-1)))  # a group yet to open
+        if not candidates:
+            return None
+        _, chosen = min(candidates, key=lambda c: c[0])
+        if isinstance(chosen, RequestState):
+            return self._next_micro_batch(chosen)
+        if chosen.id < 0:
+            chosen = Group(self._next_group, key=joiners[0].batch_key)
+            self.groups[chosen.id] = chosen
+            self._next_group += 1
+        return self._enter_group(chosen, joiners)
+
+    def _enter_group(self, group: Group, joiners: list[RequestState]) -> MicroBatch:
+        """The group's next decode step, taking in waiting requests while it has room."""
+        for r in joiners:
+            full = len(group.members) >= self.decode_batch
+            alone = group.key is None and group.members
+            if full or alone:
+                break
+            if r.batch_key != group.key:
+                continue
+            group.members.append(r.index)
+            r.group = group.id
+        rows = []
+        for index in group.members:
+            request = self.requests[index]
+            rows.append(self._next_micro_batch(request).rows[0])
+        group.ready_at = _NEVER
+        return MicroBatch(tuple(group.members), tuple(rows), samples=True, group=group.id)
+
+    def _drop_empty_groups(self) -> None:
+        self.ended_groups = [g for g, group in self.groups.items() if not group.members]
+        for g in self.ended_groups:
+            del self.groups[g]
 
     def at(self, stage: int) -> MicroBatch | None:
         """What ``stage`` runs at this tick."""
@@ -169,36 +277,47 @@ class Schedule:
 
     @property
     def sampling(self) -> MicroBatch | None:
-        """The micro-batch from which the last stage samples a token at this tick, if any."""
+        """The micro-batch from which the last stage samples tokens at this tick, if any."""
         last = self.at(self.stages - 1)
         return last if last is not None and last.samples else None
 
-    def end_tick(self, token: int | None) -> int | None:
-        """End the tick with the token sampled at it (if any); the request that finished, if one did."""
+    def end_tick(self, tokens: Sequence[int] | None) -> list[int]:
+        """End the tick with the tokens sampled at it, one per row (if any); the requests that finished."""
         sampled = self.sampling
-        if (sampled is None) != (token is None):
+        if (sampled is None) != (tokens is None):
             raise ValueError(f"tick {self.tick}: a token {'was' if sampled else 'was not'} expected")
-        if sampled is None or token is None:
-            return None
-        request = self.requests[sampled.request]
-        if request.cancelled:
-            self._free(request, "cancelled")  # its token is dropped: nobody waits for it
-            return request.index
-        request.generated.append(token)
-        if token in self.eos_ids or token in request.extra_eos:
-            self._free(request, "stop")
-        elif len(request.generated) >= request.max_tokens:
-            self._free(request, "length")
-        else:
-            request.ready_at = self.tick + 1
-            return None
-        return request.index
+        if sampled is None or tokens is None:
+            return []
+        if len(tokens) != len(sampled.requests):
+            raise ValueError(f"tick {self.tick}: {len(sampled.requests)} tokens expected, got {len(tokens)}")
+        finished = []
+        for index, token in zip(sampled.requests, tokens):
+            request = self.requests[index]
+            if request.finish_reason is not None:
+                continue  # already ended (cancelled and freed)
+            if request.cancelled:
+                self._free(request, "cancelled")  # its token is dropped: nobody waits for it
+            else:
+                request.generated.append(token)
+                if token in self.eos_ids or token in request.extra_eos:
+                    self._free(request, "stop")
+                elif len(request.generated) >= request.max_tokens:
+                    self._free(request, "length")
+                else:
+                    request.ready_at = self.tick + 1
+                    continue
+            finished.append(index)
+        if sampled.group is not None and sampled.group in self.groups:
+            self.groups[sampled.group].ready_at = self.tick + 1
+        return finished
 
     def _free(self, request: RequestState, reason: str) -> None:
         assert request.slot is not None
         self.slots[request.slot] = None
         request.finish_reason = reason
         request.finished_tick = self.tick
+        if request.group is not None and request.group in self.groups:
+            self.groups[request.group].members.remove(request.index)
 
     def _running(self) -> list[RequestState]:
         return [self.requests[i] for i in self.slots if i is not None]
@@ -212,7 +331,7 @@ class Schedule:
             request.fed += n
             request.ready_at = self.tick + 1
             request.fed_tokens.extend(tokens)
-            return MicroBatch(request.index, tokens, samples=False)
+            return MicroBatch((request.index,), (tokens,), samples=False)
         if remaining == 1:
             tokens = (request.prompt[-1],)
             request.fed += 1
@@ -220,4 +339,4 @@ class Schedule:
             tokens = (request.generated[-1],)
         request.ready_at = _NEVER  # until its token is sampled
         request.fed_tokens.extend(tokens)
-        return MicroBatch(request.index, tokens, samples=True)
+        return MicroBatch((request.index,), (tokens,), samples=True)

@@ -276,11 +276,9 @@ class Server:
         requests = [Request.from_wire(r) for r in request.get("requests") or []]
         if not requests:
             raise UsageError("a batch request needs at least one request")
-        concurrency = int(request.get("concurrency") or self.group.size())
-        if concurrency < 1:
-            raise UsageError(f"concurrency must be at least 1, got {concurrency}")
+        concurrency, decode_batch = self._concurrency(request)
         self._prompt_cache = self._chat_cache = None  # a batch does not continue a chat
-        engine = Engine(self, concurrency, BatchReporter(self._emit))
+        engine = Engine(self, concurrency, BatchReporter(self._emit), decode_batch=decode_batch)
         for r in requests:
             engine.add(r, self.prompt_tokens(r))
         done = engine.run()
@@ -294,13 +292,21 @@ class Server:
         rank 0 streams each sampled token. Up to ``concurrency`` run at once, the
         rest wait for a slot.
         """
-        concurrency = int(request.get("concurrency") or self.group.size())
-        if concurrency < 1:
-            raise UsageError(f"concurrency must be at least 1, got {concurrency}")
+        concurrency, decode_batch = self._concurrency(request)
         self._prompt_cache = self._chat_cache = None
-        engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)))
-        self._emit("serving", rank=self.rank, concurrency=concurrency)
+        engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
+                        decode_batch=decode_batch)
+        engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
+        self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
         return engine.run(inbox)
+
+    def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
+        """A batch or serve request's concurrency and requests per decode micro-batch."""
+        decode_batch = int(request.get("decode_batch") or 1)
+        concurrency = int(request.get("concurrency") or self.group.size() * decode_batch)
+        if concurrency < 1 or decode_batch < 1:
+            raise UsageError(f"concurrency and decode_batch must be at least 1, got {concurrency} and {decode_batch}")
+        return concurrency, decode_batch
 
     def _emit_token(self, request: Request, response: Any) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""
