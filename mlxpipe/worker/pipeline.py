@@ -362,7 +362,11 @@ def learn_layouts(model: nn.Module, group: Any) -> None:
     rank, size = group.rank(), group.size()
     if rank < size - 1:
         header = mx.distributed.recv((_HEADER_BYTES,), mx.uint8, rank + 1, group=group, stream=mx.cpu)
-        exchange.incoming_layout = json.loads(bytes(np.array(header)).rstrip(b"\0") or b"null")
+        try:
+            exchange.incoming_layout = json.loads(bytes(np.array(header)).rstrip(b"\0") or b"null")
+        except ValueError:  # UnicodeDecodeError included: the ring hands over what it got
+            # A peer that died before sending leaves garbage here: a consequence, not the root cause.
+            raise RuntimeError(f"no layout from rank {rank + 1}: connection to a peer was lost") from None
     exchange.probing = True
     try:
         model(mx.zeros((1, _PROBE_TOKENS), mx.int32), cache=make_prompt_cache(model))
