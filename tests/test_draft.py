@@ -203,3 +203,19 @@ def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models,
     with pytest.raises(ModelError, match="^--draft-model: speculative decoding trims rejected drafts from the KV "
                                          "caches, and this model's ArraysCache cannot be trimmed$"):
         check_draft(str(models["draft"]), meta)
+
+
+@pytest.mark.ranks
+def test_the_flags_reach_the_ranks(models) -> None:
+    """``mlxpipe generate --draft-model`` end to end: mlx-lm's tokens, and how many were drafted."""
+    import subprocess
+    import sys
+
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
+            "--draft-model", str(models["draft"]), "--num-draft-tokens", "2", "--prompt", LONG,
+            "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["tokens"] == _expected(models, _raw(), k=2)
+    assert 0 < answer["draft_tokens"] < len(answer["tokens"])
