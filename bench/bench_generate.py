@@ -20,6 +20,7 @@ reports it, the median of --runs generations after one warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,7 +30,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the tiny-checkpoint builder lives with the test fixtures
@@ -160,23 +161,30 @@ def _prompt_tokens(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+@contextlib.contextmanager
+def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
+    """A loaded pipeline of ``ranks`` local ranks started as the CLI starts one (``running_pipeline``),
+    each worker pinned to a core of its own; ``config``: more ``PipelineConfig`` fields."""
+    from mlxpipe.startup import PipelineConfig, running_pipeline
+    from mlxpipe.target import resolve_target
+
+    strategy = config.pop("strategy", None)
+    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
+    with running_pipeline(PipelineConfig(target=target, quiet=True, **config)) as pipe:
+        pids = worker_pids(pipe.job.encode())
+        for rank, core in enumerate(rank_cores(ranks)):
+            pin(pids[rank], core)
+        yield pipe
+
+
 def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path | None = None,
              drafted: list[int] | None = None) -> tuple[list[float], int]:
     """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run
     (``drafted`` gets each run's accepted draft tokens)."""
-    from mlxpipe.generate import Pipeline, Request, RunOptions, request_for
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.generate import Request, request_for
 
-    hostfile = REPO / "hostfiles" / f"local-{setup.ranks}.json"
-    target = resolve_target(str(model), None, hostfile, None, None, None)
-    meta = load_model_metadata(target)
-    options = RunOptions(mode=setup.mode, draft_model=str(draft) if draft else None, num_draft_tokens=NUM_DRAFT_TOKENS)
-    pipe = Pipeline(meta, plan_target(target, meta), target, options)
-    try:
-        pipe.start()
-        pids = worker_pids(pipe.job.encode())
-        for rank, core in enumerate(rank_cores(setup.ranks)):
-            pin(pids[rank], core)
+    drafting = {"draft_model": str(draft), "num_draft_tokens": NUM_DRAFT_TOKENS} if draft else {}
+    with pinned_pipeline(model, setup.ranks, mode=setup.mode, **drafting) as pipe:
         speeds, tokens = [], 0
         for i in range(runs + 1):
             sampling = Request(max_tokens=WARMUP_TOKENS if i == 0 else max_tokens)
@@ -186,11 +194,7 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path 
                 tokens = answer.generation_tokens
                 if drafted is not None and answer.draft_tokens is not None:
                     drafted.append(answer.draft_tokens)
-        pipe.close()
-        return speeds, tokens
-    except BaseException:
-        pipe.stop()
-        raise
+    return speeds, tokens
 
 
 def build_qwen2(dest: Path) -> Path:

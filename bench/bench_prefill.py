@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_generate import _cpu_name, cores, pin, placement, rank_cores, worker_pids  # noqa: E402
+from bench_generate import _cpu_name, cores, pinned_pipeline, placement  # noqa: E402
 
 QWEN2_PREFILL = {
     "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
@@ -93,34 +93,19 @@ def pipeline(model: Path, setup: Setup, lengths: tuple[int, ...], runs: int) -> 
     """Prompt tok/s per prompt length on local ranks, each worker pinned."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxpipe.generate import Pipeline, Request, RunOptions, request_for
-    from mlxpipe.startup import PipelineConfig
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.generate import Request, request_for
 
-    hostfile = REPO / "hostfiles" / f"local-{setup.ranks}.json"
-    target = resolve_target(str(model), None, hostfile, None, None, None)
-    step = PipelineConfig(target=target, prefill_step_size=setup.prefill_step).prefill_step
-    meta = load_model_metadata(target)
-    pipe = Pipeline(meta, plan_target(target, meta), target, RunOptions(prefill_step_size=step))
     tokenizer = load_tokenizer(model)
     sampling = Request(max_tokens=1, ignore_chat_template=True)
-    try:
-        pipe.start()
-        pids = worker_pids(pipe.job.encode())
-        for rank, core in enumerate(rank_cores(setup.ranks)):
-            pin(pids[rank], core)
-        speeds: dict[int, list[float]] = {}
+    speeds: dict[int, list[float]] = {}
+    with pinned_pipeline(model, setup.ranks, prefill_step_size=setup.prefill_step) as pipe:
         for length in lengths:
             prompt = prompt_text(tokenizer, length)
             for i in range(runs + 1):
                 answer = pipe.generate(request_for(prompt, None, sampling))
                 if i > 0:
                     speeds.setdefault(length, []).append(answer.prompt_tps)
-        pipe.close()
-        return speeds
-    except BaseException:
-        pipe.stop()
-        raise
+    return speeds
 
 
 def main() -> None:

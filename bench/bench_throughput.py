@@ -29,7 +29,6 @@ batched >= 1.3x B = 1 at C = 8.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -39,10 +38,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from bench_generate import (  # the same placement and checkpoints as the latency benchmark
-    QWEN2_LAYERS, REPO, build_qwen2, cores, pin, placement, rank_cores, worker_pids,
+    QWEN2_LAYERS, REPO, build_qwen2, cores, pinned_pipeline, placement,
 )
 
 GOAL = 1.7
@@ -93,27 +92,6 @@ def _single_process_main(model: str, texts: list[str], max_tokens: int) -> None:
     print(json.dumps([tokens, time.perf_counter() - tic]))
 
 
-@contextlib.contextmanager
-def pinned_pipeline(model: Path, ranks: int, strategy: str | None = None) -> Iterator[Any]:
-    """A started pipeline of ``ranks`` local ranks, each worker pinned to its own core; closed after."""
-    from mlxpipe.generate import Pipeline, RunOptions
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
-
-    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
-    meta = load_model_metadata(target)
-    pipe = Pipeline(meta, plan_target(target, meta), target, RunOptions())
-    try:
-        pipe.start()
-        pids = worker_pids(pipe.job.encode())
-        for rank, core in enumerate(rank_cores(ranks)):
-            pin(pids[rank], core)
-        yield pipe
-        pipe.close()
-    except BaseException:
-        pipe.stop()
-        raise
-
-
 def _requests(texts: list[str], max_tokens: int) -> list[Any]:
     from mlxpipe.generate import Request, request_for
 
@@ -142,7 +120,7 @@ def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs:
     requests = _requests(texts, max_tokens)
     rows = []
     for strategy in ("even", "balanced"):
-        with pinned_pipeline(model, 2, strategy) as pipe:
+        with pinned_pipeline(model, 2, strategy=strategy) as pipe:
             pipe.generate_batch(requests[:k], concurrency=k)  # warm-up
             tps = []
             for _ in range(runs):

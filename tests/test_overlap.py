@@ -26,7 +26,7 @@ from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
 from mlxpipe.request import Request
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.schedule import Schedule
+from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
 QUESTION = "Tell me about pipelines across several machines, please."
@@ -167,6 +167,29 @@ def test_requests_join_and_leave_decode_groups_as_they_come_and_end() -> None:
     # Emptied groups end (at the next tick's start, every stage done with them).
     assert all(not g.members for g in sched.groups.values())
     assert sorted(ended_groups + list(sched.groups)) == sorted({g for g, _ in decode})
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_long_prefill_does_not_freeze_the_streams_in_decode(stages: int) -> None:
+    # Request 0 decodes; request 1's prompt (40 chunks of 3) arrives once it has started.
+    sched = Schedule([[1, 2]], [60], stages=stages, slots=2, prefill_step=3, eos_ids=set())
+    entries: list[tuple[int, MicroBatch]] = []
+    while not sched.done:
+        sched.begin_tick()
+        if sched.tick == 2 * stages:
+            sched.add(list(range(121)), 1)
+        if (entered := sched.at(0)) is not None:
+            entries.append((sched.tick, entered))
+        sampling = sched.sampling
+        sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    chunks = [t for t, e in entries if not e.samples and e.requests == (1,)]
+    decode = [t for t, e in entries if e.samples and e.requests == (0,)]
+    assert len(chunks) == 40
+    during = [t for t in decode if chunks[0] <= t <= chunks[-1]]
+    # While the long prompt prefills, request 0 still gets a token every time it is ready
+    # (its token back from the last stage, plus at most one chunk ahead of it).
+    assert during and all(b - a <= stages + 1 for a, b in zip(during, during[1:]))
+    assert sched.requests[0].generated == [100] * 60
 
 
 def test_only_requests_with_caches_of_one_kind_share_a_decode_group() -> None:

@@ -458,7 +458,10 @@ class Engine:
     def _incoming_shape(self, rows: int, num_tokens: int) -> tuple[tuple[int, ...], Any]:
         assert self.exchange is not None
         shape, dtype = self.exchange.incoming_shape(num_tokens)
-        return (rows, *shape[1:]), dtype
+        # The batch axis comes just before the tokens' (gemma3n's AltUp streams lead: (4, batch,
+        # tokens, hidden)); a packed message is (batch, tokens, bytes).
+        axis = 0 if self.exchange.incoming_layout is not None else self.exchange.token_axis - 1
+        return (*shape[:axis], rows, *shape[axis + 1 :]), dtype
 
 
 def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:
