@@ -219,3 +219,20 @@ def test_the_flags_reach_the_ranks(models) -> None:
     answer = json.loads(result.stdout)
     assert answer["tokens"] == _expected(models, _raw(), k=2)
     assert 0 < answer["draft_tokens"] < len(answer["tokens"])
+
+
+@pytest.mark.ranks
+def test_chat_takes_a_draft_model(models) -> None:
+    """``mlxpipe chat --draft-model``: two turns, the second on the first's trimmed caches, mlx-lm's replies."""
+    import subprocess
+    import sys
+
+    turns = _turns(models["target"])
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "chat", "--model", str(models["target"]),
+            "--draft-model", str(models["draft"]), "--max-tokens", "8", "--prefill-step-size", str(PREFILL_STEP)]
+    result = subprocess.run(args, input=f"{QUESTION}\nAnd then?\n\n", capture_output=True, text=True,
+                            timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    replies = [mlx_lm_reference(models["target"], {"messages": t["messages"], "max_tokens": 8},
+                                prefill_step_size=PREFILL_STEP, draft=models["draft"])[1] for t in turns]
+    assert result.stdout == "".join(f"{reply}\n" for reply in replies)
