@@ -2,6 +2,7 @@
 
     python bench/bench_generate.py            # what `make bench` runs (about 3 minutes)
     python bench/bench_generate.py --quick    # smoke run: one short generation per setup
+    python bench/bench_generate.py --draft    # speculative decoding (--draft-model) on 2 ranks instead
 
 Two checkpoints, each measured the same ways in one run:
 
@@ -41,6 +42,8 @@ QWEN2_BENCH = {
 }
 QWEN2_LAYERS = 20
 WARMUP_TOKENS = 8
+DRAFT_LAYERS = 8  # --draft: a cheap draft made of the demo model's first layers
+NUM_DRAFT_TOKENS = 3  # mlx_lm.generate's default
 
 
 @dataclass(frozen=True)
@@ -126,23 +129,27 @@ def pin(pid: int, core: int) -> None:
 # --- measurements ---------------------------------------------------------------------
 
 
-def single_process(model: Path, runs: int, max_tokens: int) -> list[float]:
+def single_process(model: Path, runs: int, max_tokens: int, draft: Path | None = None) -> list[float]:
     """Generation tok/s of single-process mlx-lm, pinned to the first core, in a subprocess."""
     argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
             "--runs", str(runs), "--max-tokens", str(max_tokens)]
+    if draft is not None:
+        argv += ["--draft-model", str(draft)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _single_process_main(model: str, runs: int, max_tokens: int) -> None:
+def _single_process_main(model: str, runs: int, max_tokens: int, draft: str | None = None) -> None:
     from mlx_lm import load, stream_generate
 
     loaded, tokenizer = load(model)
+    drafting = {"draft_model": load(draft)[0], "num_draft_tokens": NUM_DRAFT_TOKENS} if draft else {}
     prompt = _prompt_tokens(tokenizer)
     speeds = []
     for i in range(runs + 1):
         response = None
-        for response in stream_generate(loaded, tokenizer, prompt, max_tokens=WARMUP_TOKENS if i == 0 else max_tokens):
+        for response in stream_generate(loaded, tokenizer, prompt, max_tokens=WARMUP_TOKENS if i == 0 else max_tokens,
+                                        **drafting):
             pass
         if i > 0:
             speeds.append(response.generation_tps)
@@ -170,11 +177,14 @@ def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
         yield pipe
 
 
-def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int) -> tuple[list[float], int]:
-    """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run."""
+def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path | None = None,
+             drafted: list[int] | None = None) -> tuple[list[float], int]:
+    """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run
+    (``drafted`` gets each run's accepted draft tokens)."""
     from mlxpipe.generate import Request, request_for
 
-    with pinned_pipeline(model, setup.ranks, mode=setup.mode) as pipe:
+    drafting = {"draft_model": str(draft), "num_draft_tokens": NUM_DRAFT_TOKENS} if draft else {}
+    with pinned_pipeline(model, setup.ranks, mode=setup.mode, **drafting) as pipe:
         speeds, tokens = [], 0
         for i in range(runs + 1):
             sampling = Request(max_tokens=WARMUP_TOKENS if i == 0 else max_tokens)
@@ -182,6 +192,8 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int) -> tuple[lis
             if i > 0:
                 speeds.append(answer.generation_tps)
                 tokens = answer.generation_tokens
+                if drafted is not None and answer.draft_tokens is not None:
+                    drafted.append(answer.draft_tokens)
     return speeds, tokens
 
 
@@ -189,6 +201,56 @@ def build_qwen2(dest: Path) -> Path:
     from fixtures.tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint("qwen2", dest, num_layers=QWEN2_LAYERS, num_shards=10, overrides=QWEN2_BENCH)
+
+
+def build_short_draft(model: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:
+    """A draft model made of ``model``'s first ``layers`` blocks (same tokenizer, same quantization)."""
+    import shutil
+
+    import mlx.core as mx
+
+    dest.mkdir(parents=True, exist_ok=True)
+    weights: dict[str, Any] = {}
+    for f in model.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    kept = {k: v for k, v in weights.items() if not (".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= layers)}
+    mx.save_safetensors(str(dest / "model.safetensors"), kept, metadata={"format": "mlx"})
+    config = json.loads((model / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    for f in model.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json") and f.is_file():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def draft_main(runs: int, max_tokens: int) -> None:
+    """Speculative decoding: generation tok/s without a draft and with two drafts, single process and 2 ranks."""
+    from mlxpipe.demo_model import ensure_demo_model
+
+    demo = ensure_demo_model()
+    with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
+        os.environ.setdefault("MLXPIPE_HOME", str(Path(tmp) / "home"))
+        drafts = {
+            "none": None,
+            "the demo model itself (every draft accepted: an upper bound on acceptance)": demo,
+            f"the demo model's first {DRAFT_LAYERS} of 30 layers (a poor draft: nearly every draft rejected)":
+                build_short_draft(demo, Path(tmp) / "short"),
+        }
+        lines = ["| draft model (k = 3) | mlx-lm, single process | mlxpipe, 2 ranks | drafted tokens accepted |",
+                 "|---|---:|---:|---:|"]
+        for label, draft in drafts.items():
+            print(f"measuring draft {label}...", file=sys.stderr, flush=True)
+            single = statistics.median(single_process(demo, runs, max_tokens, draft))
+            drafted: list[int] = []
+            speeds, tokens = pipeline(demo, Setup("mlxpipe generic", 2), runs, max_tokens, draft, drafted)
+            accepted = f"{statistics.median(drafted)} of {tokens}" if drafted else "-"
+            lines.append(f"| {label} | {single:.2f} | {statistics.median(speeds):.2f} "
+                         f"(runs {', '.join(f'{t:.1f}' for t in speeds)}) | {accepted} |")
+    print("\n".join(lines))
+    print()
+    print(f"- {_cpu_name()}, {len(cores())} usable cores; demo model (SmolLM2-135M 4-bit) as the target; greedy, "
+          f"{max_tokens} tokens after a chat-templated prompt, median of {runs} runs after a warm-up; "
+          "single process pinned to one core, each rank to its own.")
 
 
 # --- the table ------------------------------------------------------------------------
@@ -254,12 +316,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one 12-token generation per setup (smoke run)")
     parser.add_argument("--runs", type=int, default=3, help="timed generations per setup")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per timed generation")
+    parser.add_argument("--draft", action="store_true", help="speculative decoding (--draft-model) on 2 ranks instead")
     parser.add_argument("--single-process", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--draft-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.runs, args.max_tokens = 1, 12
     if args.single_process:
-        _single_process_main(args.single_process, args.runs, args.max_tokens)
+        _single_process_main(args.single_process, args.runs, args.max_tokens, args.draft_model)
+        return
+    if args.draft:
+        draft_main(args.runs, args.max_tokens)
         return
 
     from mlx_lm.utils import load_tokenizer

@@ -20,7 +20,7 @@ from mlxpipe.batch import DEFAULT_DECODE_BATCH
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.hostfile import BACKENDS
 from mlxpipe.launch import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
+from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -325,6 +325,16 @@ AdapterOpt = typer.Option(
     "each rank loads only its own layers' adapters.",
     show_default="none",
 )
+DraftModelOpt = typer.Option(
+    None, "--draft-model",
+    help="Speculative decoding: a small model with the same tokenizer drafts tokens, the pipeline verifies "
+    "--num-draft-tokens of them in one pass through the stages. A local model directory, at this path on every "
+    "host (each rank loads all of it).",
+    show_default="none: no draft model",
+)
+NumDraftOpt = typer.Option(
+    DEFAULT_NUM_DRAFT_TOKENS, "--num-draft-tokens", help="With --draft-model: tokens drafted per verification pass."
+)
 BackendOpt = typer.Option(
     None, "--backend",
     help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), jaccl-ring (ring over Thunderbolt RDMA), "
@@ -404,7 +414,8 @@ def _request(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, i
 
 def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout, trust, quiet: bool,
                      from_controller: bool = False, context: int | None = None,
-                     adapter_path: Path | None = None) -> Any:
+                     adapter_path: Path | None = None, draft_model: str | None = None,
+                     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> Any:
     """The typed config of the pipeline the flags describe (checked on construction)."""
     from mlxpipe.startup import PipelineConfig
 
@@ -412,7 +423,19 @@ def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout
         target=target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill, port=port, timeout=timeout,
         trust_remote_code=trust, from_controller=from_controller, quiet=quiet, context=context,
         adapter_path=str(adapter_path.expanduser().resolve()) if adapter_path is not None else None,
+        draft_model=str(Path(draft_model).expanduser().resolve()) if draft_model is not None else None,
+        num_draft_tokens=num_draft_tokens,
     )
+
+
+def _check_draft_flags(draft_model: str | None, num_draft_tokens: int, max_kv_size: int | None) -> None:
+    """Flag combinations speculative decoding does not take, refused before anything starts."""
+    if num_draft_tokens < 1:
+        raise UsageError(f"--num-draft-tokens must be at least 1, got {num_draft_tokens}")
+    if draft_model is not None and max_kv_size is not None:
+        # mlx-lm's speculative decoding silently drops max_kv_size; say so instead.
+        raise UsageError("--max-kv-size does not work with --draft-model (speculative decoding trims whole caches)",
+                         "drop one of them")
 
 
 def _stop_on_signals(fn: F) -> F:
@@ -467,6 +490,8 @@ def generate(
     prefill_response: Optional[str] = PrefillResponseOpt,
     context: Optional[int] = ContextOpt,
     adapter_path: Optional[Path] = AdapterOpt,
+    draft_model: Optional[str] = DraftModelOpt,
+    num_draft_tokens: int = NumDraftOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
@@ -502,6 +527,9 @@ def generate(
         raise UsageError("--concurrency and --output go with --prompts-file")
     if prompts_file is None and prompt is None:
         raise UsageError("--prompt is required ('-' reads standard input)", 'mlxpipe generate --prompt "Hello"')
+    if prompts_file is not None and draft_model is not None:
+        raise UsageError("--draft-model works with a single prompt; drop --prompts-file")
+    _check_draft_flags(draft_model, num_draft_tokens, max_kv_size)
     if prompt == "-":
         prompt = sys.stdin.read()
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
@@ -514,7 +542,8 @@ def generate(
         prefill_response=prefill_response,
     )
     pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
-                                       trust_remote_code, json_out, from_controller, context, adapter_path)
+                                       trust_remote_code, json_out, from_controller, context, adapter_path,
+                                       draft_model, num_draft_tokens)
     if prompts_file is not None:
         _generate_batch(pipeline_config, options, prompts_file, concurrency, output, json_out, decode_batch)
         return
@@ -610,6 +639,8 @@ def chat(
     use_default_chat_template: bool = DefaultTemplateOpt,
     context: Optional[int] = ContextOpt,
     adapter_path: Optional[Path] = AdapterOpt,
+    draft_model: Optional[str] = DraftModelOpt,
+    num_draft_tokens: int = NumDraftOpt,
     backend: Optional[str] = BackendOpt,
     pipeline_mode: str = PipelineOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
@@ -628,6 +659,7 @@ def chat(
     from mlxpipe.startup import running_pipeline
     from mlxpipe.target import resolve_target
 
+    _check_draft_flags(draft_model, num_draft_tokens, max_kv_size)
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     options = _request(
         target.preset, max_tokens, temp, top_p, min_p, seed, system_prompt, False,
@@ -637,7 +669,8 @@ def chat(
         chat_template_config=chat_template_config, use_default_chat_template=use_default_chat_template,
     )
     pipeline_config = _pipeline_config(target, backend, pipeline_mode, prefill_step_size, port, timeout,
-                                       trust_remote_code, False, from_controller, context, adapter_path)
+                                       trust_remote_code, False, from_controller, context, adapter_path,
+                                       draft_model, num_draft_tokens)
     messages: list[dict[str, str]] = []
     with running_pipeline(pipeline_config) as pipe:
         while True:

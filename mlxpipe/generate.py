@@ -17,7 +17,7 @@ from mlxpipe.errors import LaunchError
 from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
-from mlxpipe.request import Request
+from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 from mlxpipe.target import Target
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class Answer:
     generation_tps: float = 0.0
     ttft: float | None = None
     finish_reason: str | None = None
+    draft_tokens: int | None = None  # --draft-model: generated tokens that were the draft's, accepted
     tokens: list[int] = field(default_factory=list)
     ranks: list[RankStats] = field(default_factory=list)
 
@@ -69,6 +70,8 @@ class RunOptions:
     step_timeout: float = DEFAULT_STEP_TIMEOUT
     trust_remote_code: bool = False
     adapter_path: str | None = None
+    draft_model: str | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
 
 def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
@@ -83,6 +86,8 @@ def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOption
         trust_remote_code=options.trust_remote_code,
         prefill_step_size=options.prefill_step_size,
         adapter_path=options.adapter_path,
+        draft_model=options.draft_model,
+        num_draft_tokens=options.num_draft_tokens,
     )
 
 
@@ -163,7 +168,8 @@ class Pipeline:
                 peaks[rank] = float(event.get("peak_memory", 0.0))
                 if rank == 0:
                     answer.tokens = [int(t) for t in event.get("tokens", [])]
-                    for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason"):
+                    for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason",
+                                "draft_tokens"):
                         if key in event:
                             setattr(answer, key, event[key])
                 if len(done) == self.ranks.size:

@@ -137,6 +137,8 @@ def answer_table(answer: Any) -> RenderableType:
         f"generation {answer.generation_tokens} tok @ {answer.generation_tps:.1f} tok/s  ·  "
         f"first token {ttft}"
     )
+    if answer.draft_tokens is not None:
+        title += f"  ·  {answer.draft_tokens} of {answer.generation_tokens} drafted"
     t = Table()
     for name in ("rank", "host", "layers", "peak memory", "load"):
         t.add_column(name, justify="right" if name in ("rank", "peak memory", "load") else "left")

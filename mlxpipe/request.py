@@ -21,6 +21,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_XTC_THRESHOLD = 0.1
 DEFAULT_KV_GROUP_SIZE = 64
 DEFAULT_QUANTIZED_KV_START = 5000
+DEFAULT_NUM_DRAFT_TOKENS = 3  # speculative decoding's tokens per draft
 DEFAULT_CONTEXT_SIZE = 20  # mlx-lm's repetition/presence/frequency context
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 KV_GROUP_SIZES = (32, 64, 128)

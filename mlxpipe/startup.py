@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mlxpipe import console
@@ -19,6 +20,7 @@ from mlxpipe.generate import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipel
 from mlxpipe.hostfile import BACKENDS
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
+from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
 from mlxpipe.target import Target, load_model_metadata, plan_target
 
 
@@ -44,6 +46,8 @@ class PipelineConfig:
     quiet: bool = False  # no progress bars or status lines (--json, servers)
     context: int | None = None  # tokens the fit check reserves KV cache for (None: the planner's default)
     adapter_path: str | None = None  # LoRA adapters, at this path on every host
+    draft_model: str | None = None  # speculative decoding: a model directory, at this path on every host
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
 
     def __post_init__(self) -> None:
@@ -63,6 +67,10 @@ class PipelineConfig:
             check_adapters(self.adapter_path)
             if self.mode != "generic":
                 raise UsageError("--adapter-path needs the generic pipeline", "drop --pipeline native")
+        if self.num_draft_tokens < 1:
+            raise UsageError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
+        if self.draft_model is not None:
+            check_draft_dir(self.draft_model)
 
     @property
     def prefill_step(self) -> int:
@@ -93,6 +101,8 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
         require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=config.chosen_backend))
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
     check_pipelinable(meta, config.mode, config.trust_remote_code)
+    if config.draft_model is not None:
+        check_draft(config.draft_model, meta, config.trust_remote_code)
     return meta, the_plan
 
 
@@ -101,12 +111,37 @@ def check_adapters(path: str) -> None:
 
     Remote hosts must hold it at the same path (a rank that does not says so, naming its host).
     """
-    from pathlib import Path
-
     missing = [name for name in ("adapter_config.json", "adapters.safetensors") if not (Path(path) / name).is_file()]
     if missing:
         raise UsageError(f"--adapter-path {path}: no {' or '.join(missing)} there",
                          "give the directory mlx_lm.lora --adapter-path wrote")
+
+
+def check_draft_dir(path: str) -> None:
+    """Refuse a draft model that is not a local model directory, before anything starts.
+
+    Every rank loads the whole draft model from this path: remote hosts must hold it there too.
+    """
+    if not Path(path).is_dir():
+        raise UsageError(f"--draft-model {path}: not a directory; give a local model directory "
+                         "(a hub id is not fetched for the draft model)",
+                         "download it to a directory (hf download ID --local-dir DIR) at the same path on every host")
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(f"--draft-model {path}: no config.json there", "give the directory of an mlx-lm model")
+
+
+def check_draft(path: str, meta: ModelMetadata, trust: bool = False) -> None:
+    """Refuse, before launch, a model whose caches cannot be trimmed and a draft model whose tokenizer
+    is not the model's (mlx_lm.generate's checks)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.worker.load import build_without_weights, check_draft_vocab, check_trimmable
+
+    model_dir = controller_model_dir(meta)
+    check_trimmable(build_without_weights(model_dir, trust))
+    model_vocab = load_tokenizer(model_dir).vocab_size
+    check_draft_vocab(load_tokenizer(Path(path)).vocab_size, model_vocab, path)
 
 
 def require_fit(the_plan: Plan) -> None:
@@ -132,6 +167,8 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         step_timeout=config.timeout,
         trust_remote_code=config.trust_remote_code,
         adapter_path=config.adapter_path,
+        draft_model=config.draft_model,
+        num_draft_tokens=config.num_draft_tokens,
     )
     pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
     if not config.quiet:

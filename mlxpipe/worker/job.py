@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from mlxpipe.errors import UsageError
+from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
 
 MODES = ("generic", "native")
 
@@ -37,6 +38,9 @@ class JobSpec:
     # options as ``mlxpipe.lora.TrainOptions.for_ranks`` writes them.
     train: dict | None = None
     adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
+    # Speculative decoding (mlx_lm.generate's --draft-model): every rank loads this whole model.
+    draft_model: str | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
         if len(self.model_paths) != len(self.split):
@@ -49,6 +53,8 @@ class JobSpec:
             raise UsageError(f"unknown pipeline mode {self.mode!r}; use one of {', '.join(MODES)}")
         if self.prefill_step_size <= 0:
             raise UsageError("prefill_step_size must be positive")
+        if self.num_draft_tokens < 1:
+            raise UsageError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
 
     @property
     def world_size(self) -> int:

@@ -38,6 +38,7 @@ class LoadedModel:
     start: int
     end: int
     load_seconds: float
+    draft: nn.Module | None = None  # the whole draft model of speculative decoding, on every rank
 
 
 class _LoadRecorder:
@@ -110,8 +111,30 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         {"trust_remote_code": job.trust_remote_code},
         eos_token_ids=config.get("eos_token_id"),
     )
+    draft = load_draft(job.draft_model, tokenizer, rank) if job.draft_model is not None else None
     barrier(group)
-    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic)
+    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft)
+
+
+def load_draft(path_text: str, tokenizer: Any, rank: int) -> nn.Module:
+    """The whole draft model, as mlx_lm.generate loads it, refused if its vocabulary is not the model's."""
+    from mlx_lm.utils import load
+
+    path = Path(path_text).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelError(f"rank {rank}: --draft-model {path}: no config.json there",
+                         hint="copy the draft model's directory to the same path on every host")
+    draft, draft_tokenizer = load(str(path))
+    check_draft_vocab(draft_tokenizer.vocab_size, tokenizer.vocab_size, path_text)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def check_draft_vocab(draft_vocab: int, model_vocab: int, path: str) -> None:
+    """mlx_lm.generate's check: the draft's tokenizer must be the model's."""
+    if draft_vocab != model_vocab:
+        raise ModelError(f"--draft-model {path}: its tokenizer has {draft_vocab} tokens, the model's {model_vocab}",
+                         hint="a draft model must share the model's tokenizer (a smaller model of the same family)")
 
 
 def check_weights_loaded(model: nn.Module, recorder: _LoadRecorder, path: Path) -> None:
@@ -239,14 +262,8 @@ def barrier(group: Any) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
 
-def check_pipelinable(
-    model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False
-) -> None:
-    """Raise ModelError unless mlxpipe can pipeline the model at ``model_path``.
-
-    Cheap: builds the model from its config without reading any weights, so
-    the controller can call it before launching ranks.
-    """
+def build_without_weights(model_path: str | Path, trust_remote_code: bool = False) -> nn.Module:
+    """The model built from its config alone (no weights read): cheap, for checks before launch."""
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise ModelError(f"no config.json in {path}")
@@ -260,6 +277,28 @@ def check_pipelinable(
         )
     except (ValueError, KeyError, TypeError) as e:
         raise ModelError(f"mlx-lm cannot build the model in {path}: {e}") from e
+    return model
+
+
+def check_trimmable(model: nn.Module) -> None:
+    """Speculative decoding trims rejected drafts from the caches: refuse caches that cannot be (as mlx-lm)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    untrimmable = sorted({type(c).__name__ for c in make_prompt_cache(model) if not c.is_trimmable()})
+    if untrimmable:
+        raise ModelError(f"--draft-model: speculative decoding trims rejected drafts from the KV caches, and this "
+                         f"model's {', '.join(untrimmable)} cannot be trimmed", hint="drop --draft-model")
+
+
+def check_pipelinable(
+    model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False
+) -> None:
+    """Raise ModelError unless mlxpipe can pipeline the model at ``model_path``.
+
+    Cheap: builds the model from its config without reading any weights, so
+    the controller can call it before launching ranks.
+    """
+    model = build_without_weights(model_path, trust_remote_code)
     if mode != "native":
         check_supported(model)
     else:

@@ -178,14 +178,14 @@ class Server:
 
         A generic pipeline runs it through the engine, so the prompt's prefill
         chunks flow through the stages one behind the other and every host
-        prefills at once; one rank, or the model's own ``pipeline()``, runs
-        mlx-lm's ``stream_generate``.
+        prefills at once; one rank, the model's own ``pipeline()``, or a draft
+        model (speculative decoding) runs mlx-lm's ``stream_generate``.
         """
         tic = time.perf_counter()
         request.check()
         tokens = self.prompt_tokens(request)
         self.progress.reset()
-        if self.job.mode == "generic" and self.group.size() > 1:
+        if self.job.mode == "generic" and self.group.size() > 1 and self.loaded.draft is None:
             done = self._generate_in_engine(request, tokens)
         else:
             done = self._generate_stream(request, tokens, tic)
@@ -221,11 +221,19 @@ class Server:
         """One request through mlx-lm's ``stream_generate`` (one rank, or ``--pipeline native``)."""
         tokenizer = self.loaded.tokenizer
         keep = request.keep_cache
-        cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
+        if self.loaded.draft is None:
+            cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
+            draft = {}
+        else:
+            # speculative_generate_step: the target verifies num_draft_tokens draft tokens in one
+            # pass through the stages; every rank drafts the same tokens with its own copy.
+            cache, cached = self._speculative_cache_for(tokens, keep)
+            draft = {"draft_model": self.loaded.draft, "num_draft_tokens": self.job.num_draft_tokens}
         self._seed(request.seed, request.temp)
         eos = set(tokenizer.eos_token_ids)
         extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         generated: list[int] = []
+        drafted = 0
         ttft = None
         response = None
         tokenizer.eos_token_ids = eos | extra  # as mlx_lm.generate's add_eos_token, for this request only
@@ -241,10 +249,12 @@ class Server:
                 prefill_step_size=self.job.prefill_step_size,
                 prompt_progress_callback=self.progress.prefill,
                 **request.kv_kwargs(),
+                **draft,
             ):
                 if ttft is None:
                     ttft = time.perf_counter() - tic
                 generated.append(response.token)
+                drafted += response.from_draft
                 self.progress.decode(len(generated))
                 self._emit_token(request, response)
         finally:
@@ -254,7 +264,8 @@ class Server:
         # collective (CPU-stream barriers, seeds) can interleave with its ops.
         settle()
 
-        # Every token stream_generate yields has been fed to the cache.
+        # Every token stream_generate yields has been fed to the cache (speculative decoding:
+        # perhaps not the last ones, and rejected drafts' positions: _speculative_cache_for trims).
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
         return {
             "prompt_tokens": response.prompt_tokens,
@@ -265,6 +276,7 @@ class Server:
             "ttft": ttft,
             "finish_reason": response.finish_reason,
             "tokens": generated,
+            **({"draft_tokens": drafted} if draft else {}),
         }
 
     def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +286,7 @@ class Server:
         with ``batch_done``.
         """
         requests = [Request.from_wire(r) for r in request.get("requests") or []]
+        self._refuse_draft("--prompts-file")
         if not requests:
             raise UsageError("a batch request needs at least one request")
         concurrency, decode_batch = self._concurrency(request)
@@ -292,6 +305,7 @@ class Server:
         rank 0 streams each sampled token. Up to ``concurrency`` run at once, the
         rest wait for a slot.
         """
+        self._refuse_draft("mlxpipe serve")
         concurrency, decode_batch = self._concurrency(request)
         self._prompt_cache = self._chat_cache = None
         engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
@@ -299,6 +313,11 @@ class Server:
         engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
         self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
         return engine.run(inbox)
+
+    def _refuse_draft(self, what: str) -> None:
+        """Overlapped requests run on the engine, which has no speculative decoding."""
+        if self.loaded.draft is not None:
+            raise UsageError(f"--draft-model works with a single prompt, not with {what}")
 
     def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
         """A batch or serve request's concurrency and requests per decode micro-batch."""
@@ -342,6 +361,36 @@ class Server:
             if extra == 0 or trim_prompt_cache(previous.cache, extra) == extra:
                 return previous.cache, common
         return make_prompt_cache(self.loaded.model, max_kv_size=max_kv_size or self.job.max_kv_size), 0
+
+    def _speculative_cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
+        """The model's caches then the draft's (as ``speculative_generate_step`` splits them), and how many
+        of ``tokens`` they hold.
+
+        Speculative decoding may leave positions of rejected drafts, or miss the last tokens, at the
+        caches' ends; the positions before are right. A chat turn keeps the prefix it shares with the
+        last turn's tokens and the shorter of the two caches, and trims both to it (both are trimmable:
+        mlx-lm checks).
+        """
+        previous, self._prompt_cache = self._prompt_cache, None
+        split = len(self.loaded.model.layers)
+        parts = [previous.cache[:split], previous.cache[split:]] if keep and previous is not None else []
+        lengths = [_cache_length(part) for part in parts]
+        common = 0
+        if parts and None not in lengths:
+            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *lengths)
+        common = self._agreed_min(common)  # every rank must feed the same tokens
+        if common > 0:
+            for part, length in zip(parts, lengths):
+                trim_prompt_cache(part, length - common)
+            return previous.cache, common
+        return make_prompt_cache(self.loaded.model) + make_prompt_cache(self.loaded.draft), 0
+
+    def _agreed_min(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (a tiny collective on the CPU)."""
+        if self.group.size() == 1:
+            return value
+        values = mx.distributed.all_gather(mx.array([value]), group=self.group, stream=mx.cpu)
+        return int(values.min().item())
 
     def _all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a tiny collective on the CPU)."""

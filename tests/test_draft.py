@@ -1,0 +1,238 @@
+"""Speculative decoding (``--draft-model``, ``--num-draft-tokens``): mlx-lm's tokens on real ranks.
+
+The target verifies the draft's tokens in one pass through the stages; greedy output must be
+token-identical to single-process mlx-lm with the same draft model, and to plain greedy decoding.
+The draft here is the target's own first layers: some drafts are accepted, some rejected (caches
+trimmed). One ``mlx.launch`` run of 2 local ranks serves every case (``fixtures/option_ranks.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures.option_reference import reference as mlx_lm_reference
+from fixtures.ranks import PYTHON, launch, local_hostfile, rank_dirs
+from fixtures.tiny_models import make_tiny_checkpoint
+from typer.testing import CliRunner
+
+from mlxpipe.cli import app
+from mlxpipe.errors import ModelError
+from mlxpipe.worker.job import JobSpec
+
+PREFILL_STEP = 8
+SPLIT = [2, 4]
+DRAFT_LAYERS = 4  # the draft: the target's first 4 of 6 layers (about 40% of drafts accepted)
+QUESTION = "Tell me about pipelines across several machines, please."
+LONG = "Stage after stage, token by token, the hidden state moves down the ring of hosts."
+_TIMEOUT = 420.0
+
+
+def _raw(**options: Any) -> dict[str, Any]:
+    return {"prompt": LONG, "ignore_chat_template": True, "max_tokens": 12, **options}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny qwen2 target, a draft made of its first layers, and a draft whose tokenizer has one more token."""
+    import mlx.core as mx
+
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_checkpoint("qwen2", root / "target", overrides={"hidden_size": 128})
+    draft = root / "draft"
+    draft.mkdir()
+    weights: dict[str, Any] = {}
+    for f in target.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    dropped = tuple(f"layers.{i}." for i in range(DRAFT_LAYERS, 6))
+    mx.save_safetensors(str(draft / "model.safetensors"), {k: v for k, v in weights.items() if not any(d in k for d in dropped)})
+    config = json.loads((target / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DRAFT_LAYERS}))
+    for f in target.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, draft / f.name)
+    other = root / "other-vocab"
+    shutil.copytree(draft, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["<|extra|>"] = len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return {"target": target, "draft": draft, "other_vocab": other}
+
+
+def _turns(target: Path) -> list[dict[str, Any]]:
+    """A chat of two turns (the second reuses the first's caches), the reply being mlx-lm's."""
+    first = [{"role": "user", "content": QUESTION}]
+    reply = mlx_lm_reference(target, {"messages": first, "max_tokens": 8}, prefill_step_size=PREFILL_STEP)[1]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    return [{"id": "turn1", "messages": first, "max_tokens": 8, "keep_cache": True},
+            {"id": "turn2", "messages": second, "max_tokens": 8, "keep_cache": True}]
+
+
+@pytest.fixture(scope="module")
+def draft_runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("draft-runs")
+    dirs = [str(d) for d in rank_dirs(models["target"], SPLIT, tmp / "dirs")]
+    requests = [{"id": "greedy", **_raw()}, {"id": "sampled", **_raw(temp=1.0, seed=3)}, *_turns(models["target"])]
+    job = {"prefill_step_size": PREFILL_STEP, "draft_model": str(models["draft"])}
+    cases = [
+        {"id": "generic", "job": asdict(JobSpec(dirs, SPLIT, **job)), "requests": requests},
+        {"id": "generic-k2", "job": asdict(JobSpec(dirs, SPLIT, **job, num_draft_tokens=2)), "requests": requests[:1]},
+        {"id": "self", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP,
+                                             draft_model=str(models["target"]))), "requests": requests[:1]},
+        {"id": "native", "job": asdict(JobSpec(dirs, SPLIT, mode="native", **job)), "requests": requests},
+    ]
+    cases_file = tmp / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    driver = str(Path(__file__).parent / "fixtures" / "option_ranks.py")
+    result = launch(local_hostfile(2, tmp), [PYTHON, driver, "--cases", str(cases_file)], timeout=_TIMEOUT)
+    by_case = {(e["id"], e["rank"]): e for e in result.of("options_case")}
+    if len(by_case) != 2 * len(cases):
+        pytest.fail(f"not every case came back from every rank\n{result.describe()}")
+    return {"cases": {c["id"]: c for c in cases}, "events": by_case}
+
+
+def _expected(models: dict[str, Path], request: dict[str, Any], draft: str = "draft", k: int = 3) -> list[int]:
+    fields = {key: v for key, v in request.items() if key not in ("id", "keep_cache")}
+    return mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP, draft=models[draft],
+                            num_draft_tokens=k)[0]
+
+
+def _plain(models: dict[str, Path], request: dict[str, Any]) -> list[int]:
+    fields = {key: v for key, v in request.items() if key not in ("id", "keep_cache")}
+    return mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP)[0]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("case", ["generic", "native"])
+@pytest.mark.parametrize("request_id", ["greedy", "sampled", "turn1", "turn2"])
+def test_speculative_decoding_gives_mlx_lms_tokens(draft_runs, models, case: str, request_id: str) -> None:
+    request = next(r for r in draft_runs["cases"][case]["requests"] if r["id"] == request_id)
+    expected = _expected(models, request)
+    for rank in (0, 1):  # every rank decodes the same tokens
+        assert draft_runs["events"][(case, rank)]["alone"][request_id]["tokens"] == expected, f"rank {rank}"
+    if request.get("temp", 0) == 0:
+        assert expected == _plain(models, request), "greedy speculative decoding is greedy decoding"
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("case, draft, k", [("generic-k2", "draft", 2), ("self", "target", 3)])
+def test_other_draft_settings_give_greedy_tokens(draft_runs, models, case: str, draft: str, k: int) -> None:
+    request = draft_runs["cases"][case]["requests"][0]
+    got = draft_runs["events"][(case, 0)]["alone"]["greedy"]["tokens"]
+    assert got == _expected(models, request, draft, k) == _plain(models, request)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("case", ["generic", "native"])
+def test_the_ranks_decode_speculatively(draft_runs, case: str) -> None:
+    """Some generated tokens were the draft's (accepted), some the target's own (drafts rejected)."""
+    greedy = draft_runs["events"][(case, 0)]["alone"]["greedy"]
+    assert 0 < greedy["draft_tokens"] < len(greedy["tokens"])
+    self_drafted = draft_runs["events"][("self", 0)]["alone"]["greedy"]
+    assert self_drafted["draft_tokens"] > greedy["draft_tokens"]  # a model drafting for itself: every draft accepted
+
+
+@pytest.mark.ranks
+def test_a_chat_turn_reuses_the_trimmed_caches(draft_runs) -> None:
+    for case in ("generic", "native"):
+        alone = draft_runs["events"][(case, 0)]["alone"]
+        assert alone["turn1"]["cached_tokens"] == 0
+        assert alone["turn2"]["cached_tokens"] > 0, case
+
+
+def test_the_draft_drafts_some_tokens_right_and_some_wrong(models) -> None:
+    """The test's draft model exercises both acceptance and rejection (else the tests above are weak)."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(models["target"]))
+    draft, _ = load(str(models["draft"]))
+    responses = list(stream_generate(model, tokenizer, LONG, max_tokens=12, draft_model=draft, num_draft_tokens=3))
+    accepted = sum(r.from_draft for r in responses)
+    assert 0 < accepted < len(responses) - 1
+
+
+# ---------------------------------------------------------------- refused before anything starts
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts-file", "p.txt"], "error: --draft-model works with a single prompt; drop --prompts-file"),
+        (["--max-kv-size", "64"], "error: --max-kv-size does not work with --draft-model"),
+        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be at least 1, got 0"),
+    ],
+)
+def test_a_draft_flag_combination_is_refused_in_one_line(models, args: list[str], message: str) -> None:
+    prompt = [] if "--prompts-file" in args else ["--prompt", "hi"]
+    result = CliRunner().invoke(app, ["generate", *prompt, "--model", str(models["target"]),
+                                      "--draft-model", str(models["draft"]), *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[0].startswith(message), result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_draft_model_that_is_no_local_directory_is_refused(models, command: str) -> None:
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, *prompt, "--model", str(models["target"]),
+                                      "--draft-model", "mlx-community/SmolLM2-135M-Instruct-4bit"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[0] == (
+        f"error: --draft-model {Path('mlx-community/SmolLM2-135M-Instruct-4bit').resolve()}: not a directory; "
+        "give a local model directory (a hub id is not fetched for the draft model)"), result.output
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:
+    from mlxpipe.metadata import ModelMetadata
+    from mlxpipe.startup import check_draft
+
+    meta = ModelMetadata(str(models["target"]), {}, (), {}, local=True)
+    check_draft(str(models["draft"]), meta)  # the same tokenizer: fine
+    with pytest.raises(ModelError, match=r"--draft-model .*other-vocab: its tokenizer has 257 tokens, the model's 256"):
+        check_draft(str(models["other_vocab"]), meta)
+
+
+def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models, tiny_models) -> None:
+    from mlxpipe.metadata import ModelMetadata
+    from mlxpipe.startup import check_draft
+
+    meta = ModelMetadata(str(tiny_models["lfm2"]), {}, (), {}, local=True)
+    with pytest.raises(ModelError, match="^--draft-model: speculative decoding trims rejected drafts from the KV "
+                                         "caches, and this model's ArraysCache cannot be trimmed$"):
+        check_draft(str(models["draft"]), meta)
+
+
+@pytest.mark.ranks
+def test_the_flags_reach_the_ranks(models) -> None:
+    """``mlxpipe generate --draft-model`` end to end: mlx-lm's tokens, and how many were drafted."""
+    import subprocess
+    import sys
+
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
+            "--draft-model", str(models["draft"]), "--num-draft-tokens", "2", "--prompt", LONG,
+            "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["tokens"] == _expected(models, _raw(), k=2)
+    assert 0 < answer["draft_tokens"] < len(answer["tokens"])
+
+
+@pytest.mark.ranks
+def test_chat_takes_a_draft_model(models) -> None:
+    """``mlxpipe chat --draft-model``: two turns, the second on the first's trimmed caches, mlx-lm's replies."""
+    import subprocess
+    import sys
+
+    turns = _turns(models["target"])
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "chat", "--model", str(models["target"]),
+            "--draft-model", str(models["draft"]), "--max-tokens", "8", "--prefill-step-size", str(PREFILL_STEP)]
+    result = subprocess.run(args, input=f"{QUESTION}\nAnd then?\n\n", capture_output=True, text=True,
+                            timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    replies = [mlx_lm_reference(models["target"], {"messages": t["messages"], "max_tokens": 8},
+                                prefill_step_size=PREFILL_STEP, draft=models["draft"])[1] for t in turns]
+    assert result.stdout == "".join(f"{reply}\n" for reply in replies)
