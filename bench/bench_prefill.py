@@ -10,7 +10,7 @@ first token), the median of --runs after one warm-up.
 
 * Single process: mlx-lm's ``stream_generate`` with its default prefill step
   (2048), pinned to one core.
-* mlxpipe: ``mlxpipe.generate.Pipeline`` (what ``mlxpipe generate`` runs) on 2 and
+* mlxpipe: ``mlxpipe.generate.Pipeline`` through ``running_pipeline`` (what ``mlxpipe generate`` runs) on 2 and
   3 local ranks, each worker pinned to a core of its own where the machine has
   enough. The default prefill chunk (128) lets a prompt's chunks flow through
   the stages one behind the other; the 2048 row is one chunk, so one stage at a
@@ -53,6 +53,8 @@ class Setup:
 
 SETUPS = [
     Setup("mlx-lm, single process (step 2048)", 0),
+    # The pipeline's chunk size on one process: how much of the gain is the chunk size itself.
+    Setup("mlx-lm, single process (step 128)", 0, 128),
     Setup("mlxpipe, one 2048-token chunk", 2, 2048),
     Setup("mlxpipe, default chunks (128)", 2),
     Setup("mlxpipe, default chunks (128)", 3),
@@ -67,14 +69,14 @@ def prompt_text(tokenizer: object, length: int) -> str:
     return " ".join(words)
 
 
-def single_process(model: Path, length: int, runs: int) -> list[float]:
+def single_process(model: Path, length: int, runs: int, step: int | None) -> list[float]:
     argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
-            "--length", str(length), "--runs", str(runs)]
+            "--length", str(length), "--runs", str(runs), "--step", str(step or 2048)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _single_process_main(model: str, length: int, runs: int) -> None:
+def _single_process_main(model: str, length: int, runs: int, step: int) -> None:
     from mlx_lm import load, stream_generate
 
     loaded, tokenizer = load(model)
@@ -82,7 +84,7 @@ def _single_process_main(model: str, length: int, runs: int) -> None:
     speeds = []
     for i in range(runs + 1):
         response = None
-        for response in stream_generate(loaded, tokenizer, prompt, max_tokens=1):
+        for response in stream_generate(loaded, tokenizer, prompt, max_tokens=1, prefill_step_size=step):
             pass
         if i > 0:
             speeds.append(response.prompt_tps)
@@ -114,9 +116,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="timed prefills per setup and length")
     parser.add_argument("--single-process", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--step", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.single_process:
-        _single_process_main(args.single_process, args.length, args.runs)
+        _single_process_main(args.single_process, args.length, args.runs, args.step)
         return
     lengths = (200,) if args.quick else LENGTHS
     runs = 1 if args.quick else args.runs
@@ -129,7 +132,7 @@ def main() -> None:
         rows: list[tuple[Setup, dict[int, list[float]]]] = []
         for setup in SETUPS:
             if setup.ranks == 0:
-                rows.append((setup, {n: single_process(model, n, runs) for n in lengths}))
+                rows.append((setup, {n: single_process(model, n, runs, setup.prefill_step) for n in lengths}))
             else:
                 rows.append((setup, pipeline(model, setup, lengths, runs)))
             print(f"  done: {setup.label}, {setup.ranks or 1} rank(s)", file=sys.stderr)
