@@ -132,7 +132,7 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     datasets = lora.load_datasets(options, controller_model_dir(meta))
     batches = [r for r in lora.requests(options, datasets, None) if r["type"] == "step"]
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
-    rows, peaks = [], {}
+    rows = []
     try:
         pids = worker_pids(pipe.job.encode())
         for rank, core in enumerate(rank_cores(2)):
@@ -143,34 +143,52 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
             later = result.steps[1:]
             how = "naive (one micro-batch)" if micro == 1 else schedule
             rows.append(Row(how, micro, sum(s.tokens for s in later), sum(s.seconds for s in later)))
-            peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
             print(f"  {how}, M = {micro}: {rows[-1].tps:.1f} tok/s", file=sys.stderr)
     except BaseException:
         pipe.stop()
         raise
     pipe.close()
-    memory_table(meta, the_plan, options, datasets, peaks)
     return rows
 
 
-def memory_table(meta: Any, the_plan: Any, options: Any, datasets: Any, peaks: dict[int, float]) -> None:
-    """Each rank's peak memory over the whole launch against the plan's estimate for its largest setup.
+MEMORY_SETUPS = [("1f1b", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 8)]
 
-    The largest is GPipe with M = 8 (or the naive schedule: the same eight sequences held at once).
-    """
+
+def memory_table(model: Path, data: Path, out: Path) -> str:
+    """Each rank's peak memory against the plan's estimate, one launch of 2 steps per setup
+    (a rank's peak is its largest since it started)."""
     from dataclasses import replace
 
-    from mlxpipe.lora import longest_sequence
+    from mlxpipe import lora
+    from mlxpipe.generate import controller_model_dir
     from mlxpipe.lora_plan import training_memory
+    from mlxpipe.startup import PipelineConfig, launch, prepare
+    from mlxpipe.target import resolve_target
 
-    largest = replace(options, micro_batches=8, schedule="gpipe")
-    estimate = training_memory(meta, the_plan, largest, longest_sequence(datasets.train))
-    print("| rank | layers | estimated (GPipe, M = 8) | measured peak | measured / estimated |", file=sys.stderr)
-    print("|---:|---|---:|---:|---:|", file=sys.stderr)
-    for m, r in zip(estimate, the_plan.ranks):
-        peak = peaks.get(m.rank, 0.0)
-        print(f"| {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | {peak / 1e6:.1f} MB | "
-              f"{peak / m.total_bytes:.2f} |", file=sys.stderr)
+    lines = ["| setup | rank | layers | estimated | measured peak | measured / estimated |",
+             "|---|---:|---|---:|---:|---:|"]
+    for schedule, micro in MEMORY_SETUPS:
+        options = replace(options_for(model, data, out, 2), micro_batches=micro, schedule=schedule)
+        config = PipelineConfig(resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None),
+                                quiet=True, timeout=600)
+        meta, the_plan = prepare(config)
+        datasets = lora.load_datasets(options, controller_model_dir(meta))
+        todo = [{**r, "micro_batches": micro, "schedule": schedule}
+                for r in lora.requests(options, datasets, None) if r["type"] == "step"]
+        estimate = training_memory(meta, the_plan, options, lora.longest_sequence(datasets.train))
+        pipe = launch(config, meta, the_plan, train=options.for_ranks())
+        try:
+            result = lora.Training(pipe, options, lora.Reporter()).run(iter(todo))
+        except BaseException:
+            pipe.stop()
+            raise
+        pipe.close()
+        peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
+        how = "naive" if micro == 1 else schedule
+        for m, r in zip(estimate, the_plan.ranks):
+            lines.append(f"| {how}, M = {micro} | {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | "
+                         f"{peaks[m.rank] / 1e6:.1f} MB | {peaks[m.rank] / m.total_bytes:.2f} |")
+    return "\n".join(lines)
 
 
 def table(single: Row, small: Row, rows: list[Row]) -> str:
@@ -220,6 +238,8 @@ def main() -> None:
         print(table(single, small, rows))
         print()
         print(verdict(single, rows))
+        print()
+        print(memory_table(model, data, Path(tmp) / "memory"))
         print(f"(bench took {time.perf_counter() - tic:.0f} s; {len(cores())} usable cores)")
 
 
