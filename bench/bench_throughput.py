@@ -289,14 +289,8 @@ def main() -> None:
         if args.decode_batching:
             print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
             levels = tuple(int(c) for c in args.batch_concurrency.split(","))
-            batching = decode_batching_rows(model, batch_tokens, args.batch_runs, levels)
-            print(decode_batching_table(batching))
-            print()
-            print(decode_batching_verdict(batching))
-            print()
-            print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
-            print()
-            print(decode_batching_notes(batch_tokens))
+            print(decode_batching_report(model, decode_batching_rows(model, batch_tokens, args.batch_runs, levels),
+                                         batch_tokens))
             return
         print("measuring single-process mlx-lm...", file=sys.stderr, flush=True)
         rows = [single_process(model, texts, args.max_tokens)]
@@ -309,6 +303,7 @@ def main() -> None:
         splits = split_rows(ensure_demo_model(), texts, args.max_tokens, runs=1 if args.quick else 3)
         print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
         batching = decode_batching_rows(model, batch_tokens, 1 if args.quick else args.batch_runs)
+        batching_report = decode_batching_report(model, batching, batch_tokens)  # while the model is there
     print(table(rows))
     print()
     print(verdict(rows))
@@ -322,13 +317,17 @@ def main() -> None:
     print()
     print("Batched decode micro-batches, 2 pinned ranks, the same qwen2:")
     print()
-    print(decode_batching_table(batching))
-    print()
-    print(decode_batching_verdict(batching))
-    print()
-    print(f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}")
-    print()
-    print(decode_batching_notes(batch_tokens))
+    print(batching_report)
+
+
+def decode_batching_report(model: Path, batching: list[tuple[int, int, list[float], dict]], max_tokens: int) -> str:
+    """The batched-decode table, its verdict, single-process mlx-lm's batching gain on ``model``, the notes."""
+    return "\n\n".join([
+        decode_batching_table(batching),
+        decode_batching_verdict(batching),
+        f"Single process, one core, tok/s of B rows vs one row: {single_process_batching(model)}",
+        decode_batching_notes(max_tokens),
+    ])
 
 
 def decode_batching_notes(max_tokens: int) -> str:

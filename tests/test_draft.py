@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from fixtures.option_reference import reference as mlx_lm_reference
-from fixtures.ranks import PYTHON, launch, local_hostfile, rank_dirs
+from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.tiny_models import make_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -85,10 +85,7 @@ def draft_runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                                              draft_model=str(models["target"]))), "requests": requests[:1]},
         {"id": "native", "job": asdict(JobSpec(dirs, SPLIT, mode="native", **job)), "requests": requests},
     ]
-    cases_file = tmp / "cases.json"
-    cases_file.write_text(json.dumps(cases))
-    driver = str(Path(__file__).parent / "fixtures" / "option_ranks.py")
-    result = launch(local_hostfile(2, tmp), [PYTHON, driver, "--cases", str(cases_file)], timeout=_TIMEOUT)
+    result = launch_cases("option_ranks.py", cases, 2, tmp, timeout=_TIMEOUT)
     by_case = {(e["id"], e["rank"]): e for e in result.of("options_case")}
     if len(by_case) != 2 * len(cases):
         pytest.fail(f"not every case came back from every rank\n{result.describe()}")

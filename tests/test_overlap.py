@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.ranks import LaunchResult, PYTHON, launch, local_hostfile, rank_dirs
+from fixtures.ranks import LaunchResult, PYTHON, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from typer.testing import CliRunner
 
@@ -472,10 +472,7 @@ def _run_batches(num_ranks: int, tiny_models: TinyModels, demo_model: Path, tmp:
         dirs = rank_dirs(_checkpoint(case, tiny_models, demo_model), split, tmp / case)
         job = JobSpec([str(d) for d in dirs], split, prefill_step_size=PREFILL_STEP)
         cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": RUNS})
-    cases_file = tmp / "cases.json"
-    cases_file.write_text(json.dumps(cases))
-    driver = str(Path(__file__).parent / "fixtures" / "batch_ranks.py")
-    result = launch(local_hostfile(num_ranks, tmp), [PYTHON, driver, "--cases", str(cases_file)], timeout=_TIMEOUT)
+    result = launch_cases("batch_ranks.py", cases, num_ranks, tmp, timeout=_TIMEOUT)
     return result, {(e["id"], e["rank"]): e for e in result.of("batch_case")}
 
 

@@ -9,14 +9,13 @@ test checks one case against a reference computed in this process.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.ranks import LaunchResult, PYTHON, launch, local_hostfile, rank_dirs
+from fixtures.ranks import LaunchResult, PYTHON, launch, launch_cases, local_hostfile, rank_dirs
 from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 
 from mlxpipe.errors import ModelError, UsageError
@@ -135,14 +134,7 @@ def _run_cases(num_ranks: int, models: TinyModels, tmp: Path):
         )
         turns = [_request(t) for t in case["turns"]]
         cases.append({"id": case_id, "job": asdict(job), "turns": turns})
-    cases_file = tmp / "cases.json"
-    cases_file.write_text(json.dumps(cases))
-    driver = str(Path(__file__).parent / "fixtures" / "ranks.py")
-    result = launch(
-        local_hostfile(num_ranks, tmp),
-        [PYTHON, driver, "--cases", str(cases_file)],
-        timeout=_TIMEOUT[num_ranks],
-    )
+    result = launch_cases("ranks.py", cases, num_ranks, tmp, timeout=_TIMEOUT[num_ranks])
     by_case = {(e["id"], e["rank"]): e for e in result.of("case")}
     return result, by_case
 

@@ -104,17 +104,21 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit
     job = JobSpec.decode(job_text)
     group = init_group(job.world_size)
     loaded = load_rank(job, group)
-    emit(
-        "loaded",
-        rank=group.rank(),
-        host=socket.gethostname(),
-        layers=[loaded.start, loaded.end],
-        num_layers=sum(job.split),
-        mode=job.mode,
-        peak_memory=mx.get_peak_memory() / 1e9,
-        load_seconds=loaded.load_seconds,
-    )
+    emit("loaded", **loaded_fields(job, group, loaded))
     Server(loaded, group, job, emit).serve(stream or sys.stdin)
+
+
+def loaded_fields(job: JobSpec, group: Any, loaded: LoadedModel) -> dict[str, Any]:
+    """What a rank's ``loaded`` event says (serving and training ranks alike)."""
+    return {
+        "rank": group.rank(),
+        "host": socket.gethostname(),
+        "layers": [loaded.start, loaded.end],
+        "num_layers": sum(job.split),
+        "mode": job.mode,
+        "peak_memory": mx.get_peak_memory() / 1e9,
+        "load_seconds": loaded.load_seconds,
+    }
 
 
 def init_group(world_size: int) -> Any:

@@ -47,7 +47,7 @@ from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.pipeline import find_exchange, find_layers
-from mlxpipe.worker.serve import PROGRESS_SECONDS, init_group
+from mlxpipe.worker.serve import PROGRESS_SECONDS, init_group, loaded_fields
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
 Emit = Callable[..., None]
@@ -61,18 +61,7 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit
     group = init_group(job.world_size)
     loaded = load_rank(job, group)
     stage = Stage(loaded, group, job.train or {})
-    emit(
-        "loaded",
-        rank=group.rank(),
-        host=socket.gethostname(),
-        layers=[loaded.start, loaded.end],
-        num_layers=sum(job.split),
-        mode=job.mode,
-        peak_memory=mx.get_peak_memory() / 1e9,
-        load_seconds=loaded.load_seconds,
-        trainable=stage.trainable_count,
-        frozen=stage.frozen_count,
-    )
+    emit("loaded", **loaded_fields(job, group, loaded), trainable=stage.trainable_count, frozen=stage.frozen_count)
     Trainer(stage, emit).serve(stream or sys.stdin)
 
 
