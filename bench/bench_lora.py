@@ -19,15 +19,17 @@ cost less per token, which the pipeline's micro-batches profit from too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from bench_generate import REPO, cores, pin, placement, rank_cores, worker_pids
 
@@ -92,8 +94,6 @@ def single_process(model: Path, data: Path, out: Path, iters: int, batch: int = 
 
 
 def _single_process_main(model: str, data: str, out: str, iters: int, batch: int) -> None:
-    import types
-
     import numpy as np
     from mlx_lm import lora as mlx_lora
     from mlx_lm.tuner.callbacks import TrainingCallback
@@ -118,36 +118,47 @@ def _single_process_main(model: str, data: str, out: str, iters: int, batch: int
     print(json.dumps([tokens, seconds]))
 
 
-def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
-    """Every setup, ``steps`` steps each, on one launch of 2 pinned ranks."""
+@contextlib.contextmanager
+def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.SimpleNamespace]:
+    """2 local ranks loaded to train with ``options`` (each worker pinned to a core of its own if ``pinned``):
+    the pipe, the metadata, the plan, the datasets and the step requests of the training data."""
     from mlxpipe import lora
     from mlxpipe.generate import controller_model_dir
     from mlxpipe.startup import PipelineConfig, launch, prepare
     from mlxpipe.target import resolve_target
 
-    options = options_for(model, data, out, steps * len(SETUPS))
     target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     config = PipelineConfig(target, quiet=True, timeout=600)
     meta, the_plan = prepare(config)
     datasets = lora.load_datasets(options, controller_model_dir(meta))
-    batches = [r for r in lora.requests(options, datasets, None) if r["type"] == "step"]
+    steps = [r for r in lora.requests(options, datasets, None) if r["type"] == "step"]
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
-    rows = []
     try:
-        pids = worker_pids(pipe.job.encode())
-        for rank, core in enumerate(rank_cores(2)):
-            pin(pids[rank], core)
-        for i, (schedule, micro) in enumerate(SETUPS):
-            todo = [{**b, "micro_batches": micro, "schedule": schedule} for b in batches[i * steps:(i + 1) * steps]]
-            result = lora.Training(pipe, options, lora.Reporter()).run(iter(todo))
-            later = result.steps[1:]
-            how = "naive (one micro-batch)" if micro == 1 else schedule
-            rows.append(Row(how, micro, sum(s.tokens for s in later), sum(s.seconds for s in later)))
-            print(f"  {how}, M = {micro}: {rows[-1].tps:.1f} tok/s", file=sys.stderr)
+        if pinned:
+            pids = worker_pids(pipe.job.encode())
+            for rank, core in enumerate(rank_cores(2)):
+                pin(pids[rank], core)
+        yield types.SimpleNamespace(pipe=pipe, meta=meta, plan=the_plan, datasets=datasets, steps=steps)
     except BaseException:
         pipe.stop()
         raise
     pipe.close()
+
+
+def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
+    """Every setup, ``steps`` steps each, on one launch of 2 pinned ranks."""
+    from mlxpipe import lora
+
+    options = options_for(model, data, out, steps * len(SETUPS))
+    rows = []
+    with training_launch(model, options, pinned=True) as run:
+        for i, (schedule, micro) in enumerate(SETUPS):
+            todo = [{**b, "micro_batches": micro, "schedule": schedule} for b in run.steps[i * steps:(i + 1) * steps]]
+            result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
+            later = result.steps[1:]
+            how = "naive (one micro-batch)" if micro == 1 else schedule
+            rows.append(Row(how, micro, sum(s.tokens for s in later), sum(s.seconds for s in later)))
+            print(f"  {how}, M = {micro}: {rows[-1].tps:.1f} tok/s", file=sys.stderr)
     return rows
 
 
@@ -160,32 +171,19 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
     from dataclasses import replace
 
     from mlxpipe import lora
-    from mlxpipe.generate import controller_model_dir
     from mlxpipe.lora_plan import training_memory
-    from mlxpipe.startup import PipelineConfig, launch, prepare
-    from mlxpipe.target import resolve_target
 
     lines = ["| setup | rank | layers | estimated | measured peak | measured / estimated |",
              "|---|---:|---|---:|---:|---:|"]
     for schedule, micro in MEMORY_SETUPS:
         options = replace(options_for(model, data, out, 2), micro_batches=micro, schedule=schedule)
-        config = PipelineConfig(resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None),
-                                quiet=True, timeout=600)
-        meta, the_plan = prepare(config)
-        datasets = lora.load_datasets(options, controller_model_dir(meta))
-        todo = [{**r, "micro_batches": micro, "schedule": schedule}
-                for r in lora.requests(options, datasets, None) if r["type"] == "step"]
-        estimate = training_memory(meta, the_plan, options, lora.longest_sequence(datasets.train))
-        pipe = launch(config, meta, the_plan, train=options.for_ranks())
-        try:
-            result = lora.Training(pipe, options, lora.Reporter()).run(iter(todo))
-        except BaseException:
-            pipe.stop()
-            raise
-        pipe.close()
+        with training_launch(model, options, pinned=False) as run:
+            todo = [{**r, "micro_batches": micro, "schedule": schedule} for r in run.steps]
+            result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
+        estimate = training_memory(run.meta, run.plan, options, lora.longest_sequence(run.datasets.train))
         peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
         how = "naive" if micro == 1 else schedule
-        for m, r in zip(estimate, the_plan.ranks):
+        for m, r in zip(estimate, run.plan.ranks):
             lines.append(f"| {how}, M = {micro} | {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | "
                          f"{peaks[m.rank] / 1e6:.1f} MB | {peaks[m.rank] / m.total_bytes:.2f} |")
     return "\n".join(lines)

@@ -277,17 +277,22 @@ def write_adapter_config(options: TrainOptions, model_path: str) -> Path:
     return path / CONFIG_FILE
 
 
-def save_adapters(parts: dict[int, bytes], path: Path) -> None:
-    """Every rank's adapter tensors in one safetensors file, written whole (a crash leaves the old one)."""
-    import mlx.core as mx
-
+def merge_adapters(parts: dict[int, str]) -> dict[str, Any]:
+    """Every rank's adapter tensors (as its ``adapter`` event carries them) in one dict, the first layers first."""
     from mlxpipe.worker.train import decode_weights
 
     merged: dict[str, Any] = {}
-    for rank in sorted(parts, reverse=True):  # the first layers first, as in the model
-        merged.update(decode_weights(base64.b64encode(parts[rank]).decode()) if parts[rank] else {})
+    for rank in sorted(parts, reverse=True):  # the highest rank runs the first layers
+        merged.update(decode_weights(parts[rank]))
+    return merged
+
+
+def save_adapters(weights: dict[str, Any], path: Path) -> None:
+    """``weights`` as one safetensors file, written whole (a crash leaves the old one)."""
+    import mlx.core as mx
+
     tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), merged)
+    mx.save_safetensors(str(tmp), weights)
     os.replace(tmp, path)
 
 
@@ -300,7 +305,7 @@ class Training:
         self.result = TrainResult()
         self._window: collections.deque[dict[str, Any]] = collections.deque()
         self._answers: dict[int, dict[int, dict[str, Any]]] = collections.defaultdict(dict)
-        self._adapters: dict[int, dict[int, bytes]] = collections.defaultdict(dict)
+        self._adapters: dict[int, dict[int, str]] = collections.defaultdict(dict)  # id -> rank -> base64
         self._peaks: dict[int, float] = {}
         self._busy: dict[int, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # rank -> compute, step s
         self._since = 0.0
@@ -344,8 +349,7 @@ class Training:
                 self._answers[int(event["id"])][rank] = event
                 self._peaks[rank] = max(self._peaks.get(rank, 0.0), float(event.get("peak_memory", 0.0)))
             elif kind == "adapter":
-                data = event.get("data") or ""
-                self._adapters[int(event["id"])][int(event["rank"])] = base64.b64decode(data) if data else b""
+                self._adapters[int(event["id"])][int(event["rank"])] = str(event.get("data") or "")
 
     def _finish(self, request: dict[str, Any]) -> None:
         answers = self._answers.pop(request["id"])
@@ -375,13 +379,13 @@ class Training:
                 self.result.val_losses[int(it)] = loss
                 self.reporter.val(int(it), loss, took)
         elif kind == "save":
-            parts = self._adapters.pop(request["id"], {})
+            weights = merge_adapters(self._adapters.pop(request["id"], {}))
             folder = Path(self.options.adapter_path)
-            save_adapters(parts, folder / ADAPTER_FILE)
+            save_adapters(weights, folder / ADAPTER_FILE)
             self.result.saved.append(str(folder / ADAPTER_FILE))
             if request.get("checkpoint"):
                 checkpoint = folder / f"{int(it):07d}_{ADAPTER_FILE}"
-                save_adapters(parts, checkpoint)
+                save_adapters(weights, checkpoint)
                 self.result.saved.append(str(checkpoint))
                 self.reporter.saved(int(it), checkpoint)
 

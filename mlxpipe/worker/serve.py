@@ -398,10 +398,7 @@ class Server:
 
     def _all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a tiny collective on the CPU)."""
-        if self.group.size() == 1:
-            return flag
-        votes = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=mx.cpu)
-        return int(votes.item()) == self.group.size()
+        return self._agreed_min(int(flag)) == 1
 
     def _seed(self, seed: int | None, temp: float) -> None:
         """Seed sampling identically on every rank, so every rank picks the same token."""
