@@ -379,7 +379,14 @@ class Training:
                 self.result.val_losses[int(it)] = loss
                 self.reporter.val(int(it), loss, took)
         elif kind == "save":
-            weights = merge_adapters(self._adapters.pop(request["id"], {}))
+            parts = self._adapters.pop(request["id"], {})
+            for rank, answer in answers.items():
+                if int(answer.get("tensors", 0)) and not parts.get(rank):
+                    # A line cut by another rank's output in mlx.launch's merged stdout is lost:
+                    # say so rather than write adapters without that rank's layers.
+                    raise LaunchError(f"rank {rank}'s adapters did not reach this machine whole",
+                                      f"nothing was written; logs: {self.pipe.run_dir}")
+            weights = merge_adapters(parts)
             folder = Path(self.options.adapter_path)
             save_adapters(weights, folder / ADAPTER_FILE)
             self.result.saved.append(str(folder / ADAPTER_FILE))

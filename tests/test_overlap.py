@@ -473,7 +473,12 @@ def _run_batches(num_ranks: int, tiny_models: TinyModels, demo_model: Path, tmp:
         job = JobSpec([str(d) for d in dirs], split, prefill_step_size=PREFILL_STEP)
         cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": RUNS})
     result = launch_cases("batch_ranks.py", cases, num_ranks, tmp, timeout=_TIMEOUT)
-    return result, {(e["id"], e["rank"]): e for e in result.of("batch_case")}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for e in result.of("batch_run"):
+        runs.setdefault((e["id"], e["rank"]), []).append(e)
+    # A case counts once every one of its runs came back.
+    return result, {(e["id"], e["rank"]): {**e, "runs": runs.get((e["id"], e["rank"]), [])}
+                    for e in result.of("batch_case") if len(runs.get((e["id"], e["rank"]), [])) == e["runs"]}
 
 
 def _runs(batch_runs, num_ranks: int, case: str) -> list[dict[str, Any]]:
