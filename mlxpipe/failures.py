@@ -15,6 +15,7 @@ not such a consequence is preferred.
 from __future__ import annotations
 
 import collections
+import math
 import re
 import signal
 import time
@@ -33,6 +34,7 @@ ROOT_CAUSE_GRACE_SECONDS = 2.0
 # mlx.launch logs a rank's exit before it forwards that rank's last output.
 EXIT_GRACE_SECONDS = 1.5
 # What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
+_LOST_HINT = "run it again; if it recurs, report it with the run's logs"
 COMM_ERROR = re.compile(
     r"connection to a peer was lost|(?:send|sending|recv|receiving) failed|closed by the peer"
     r"|too many send/recv errors|connection reset by peer|broken pipe",
@@ -96,6 +98,11 @@ class FailureTracker:
             return False
         assert isinstance(rank, int)
         if kind == "alive":
+            return False
+        if kind == "lost":  # mlx.launch garbled frames of its output that could not be put back
+            if event.get("critical"):
+                self.add(rank, f"{event.get('frames')} frame(s) of its events were garbled in mlx.launch's "
+                         "merged output (a token or a result would be missing)", _LOST_HINT)
             return False
         if kind == "started":
             self.started[rank] = event
@@ -169,7 +176,9 @@ class FailureTracker:
         """The watchdogs: a silent host (no ``alive`` for the lease), no progress, lost exits."""
         now = self.clock()
         for rank, (what, secondary, deadline) in list(self._node_exits.items()):
-            if now > deadline and rank not in self._exited:
+            # Its output may still be arriving (a flood read behind mlx.launch's note): wait for it.
+            streaming = now - self._seen.get(rank, -math.inf) < EXIT_GRACE_SECONDS
+            if now > deadline and not streaming and rank not in self._exited:
                 del self._node_exits[rank]
                 self.add(rank, what, secondary=secondary)
         running = [r for r in self.started if r not in self._exited]

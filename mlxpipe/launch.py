@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
-from mlxpipe import protocol, remote
+from mlxpipe import frames, protocol, remote
 from mlxpipe.errors import LaunchError
 from mlxpipe.failures import FailureTracker
 from mlxpipe.hostfile import Hostfile
@@ -278,25 +278,33 @@ class Ranks:
     # --- reading mlx.launch's output ----------------------------------------------
 
     def _read(self, stream: IO[bytes]) -> None:
+        demux = frames.Demux()  # mlx.launch cuts the ranks' lines and merges the pieces
         for raw in stream:
-            line = _ANSI.sub("", raw.decode(errors="replace")).rstrip("\r\n")
-            event = protocol.parse_event(line)
-            rank = event.get("rank") if event else None
-            if event is not None and isinstance(rank, int):
+            for item in demux.feed(raw.decode(errors="replace")):
+                self._take(item)
+        for item in demux.close():
+            self._take(item)
+
+    def _take(self, item: frames.Item) -> None:
+        """One event, or one line of mlx.launch's own output."""
+        if isinstance(item, dict):
+            rank = item.get("rank")
+            if isinstance(rank, int):
                 # When it arrived, not when it is read: a chat may leave events queued for minutes.
                 self.tracker.heard(rank, time.monotonic())
-                self._log_event(rank, event)
-                self._events.put(event)
-                continue
-            if line.strip() == HEARTBEAT_LINE:
-                continue  # a terminal's echo before mlx.launch turned it off
-            self._log_line(None, line)
-            m = NODE_EXIT.search(line)
-            if line.strip() and not m:
-                self.tracker.launcher_lines.append(line.strip())
-            if m:
-                self._events.put({"event": "_node_exit", "rank": int(m.group(1)), "line": m.group(0),
-                                  "code": None if m.group(2) is None else int(m.group(2))})
+                self._log_event(rank, item)
+                self._events.put(item)
+            return
+        line = _ANSI.sub("", item)
+        if line.strip() == HEARTBEAT_LINE:
+            return  # a terminal's echo before mlx.launch turned it off
+        self._log_line(None, line)
+        m = NODE_EXIT.search(line)
+        if line.strip() and not m:
+            self.tracker.launcher_lines.append(line.strip())
+        if m:
+            self._events.put({"event": "_node_exit", "rank": int(m.group(1)), "line": m.group(0),
+                              "code": None if m.group(2) is None else int(m.group(2))})
 
     def _wait_end(self) -> None:
         for t in self._threads:

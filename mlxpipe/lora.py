@@ -382,8 +382,8 @@ class Training:
             parts = self._adapters.pop(request["id"], {})
             for rank, answer in answers.items():
                 if int(answer.get("tensors", 0)) and not parts.get(rank):
-                    # A line cut by another rank's output in mlx.launch's merged stdout is lost:
-                    # say so rather than write adapters without that rank's layers.
+                    # Its frames were garbled beyond repair (the run fails on that too): never
+                    # write adapters without that rank's layers.
                     raise LaunchError(f"rank {rank}'s adapters did not reach this machine whole",
                                       f"nothing was written; logs: {self.pipe.run_dir}")
             weights = merge_adapters(parts)

@@ -15,7 +15,6 @@ and speaks for it (see ``mlxpipe.launch`` for why):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from mlxpipe import protocol
+from mlxpipe import frames, protocol
 
 KILL_GRACE_SECONDS = 3.0
 HEARTBEAT_SECONDS = 1.0
@@ -33,7 +32,7 @@ MAX_LEASE_SECONDS = 30.0
 # The lease before the first heartbeat: longer, so the controller reports a rank
 # that never started before the others give up on it.
 STARTUP_LEASE_SECONDS = 60.0
-_MAX_LINE = 2000  # characters of one log line per event: mlx.launch merges ranks in 8 KiB chunks
+_MAX_LINE = 2000  # characters of one log line per event
 _POLL_SECONDS = 0.1
 
 
@@ -52,6 +51,7 @@ class _Supervisor:
         self.stop_reason: str | None = None
         self._wake = threading.Event()
         self._out = threading.Lock()
+        self._seq = 0  # frames written
 
     def run(self) -> int:
         """Run the worker to its end (or stop it); return its exit status, 128 + N for signal N."""
@@ -86,12 +86,15 @@ class _Supervisor:
         return 128 - code if code < 0 else code
 
     def emit(self, event: str, **fields: Any) -> None:
-        line = protocol.EVENT_PREFIX + json.dumps({"event": event, "rank": self.rank, **fields}) + "\n"
-        data = line.encode()
+        """Write one event as frames that survive mlx.launch cutting them (see ``mlxpipe.frames``)."""
         with self._out:
+            lines = frames.encode({"event": event, "rank": self.rank, **fields}, self.rank, self._seq)
+            self._seq += len(lines)
             try:
-                while data:
-                    data = data[os.write(1, data):]
+                for line in lines:  # each in one write: a pipe does not split it
+                    data = line.encode()
+                    while data:
+                        data = data[os.write(1, data):]
             except OSError:
                 pass  # the controller is gone (a hung-up terminal): nobody to tell
 

@@ -455,6 +455,23 @@ def test_a_silent_host_is_named_before_the_stall(tmp_path: Path) -> None:
     assert "check it with `mlxpipe doctor`" in str(error.hint)
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_an_exit_is_judged_once_the_ranks_output_has_arrived(streaming: bool, tmp_path: Path) -> None:
+    """mlx.launch notes a rank's exit before its last output, which a flood may hold back for long."""
+    clock = FakeClock()
+    tracker = FailureTracker(_hostfile(tmp_path, [LOCAL, LOCAL]), lease=30.0, clock=clock)
+    tracker.record({"event": "_node_exit", "rank": 1, "line": "Node with rank 1 completed", "code": None})
+    for clock.now in (1.0, 2.0, 3.0):  # past the grace: its events are still being read, or not
+        if streaming:
+            tracker.heard(1, clock.now)
+        tracker.check_liveness(timeout=60.0, last_progress=clock.now)
+    assert bool(tracker.failures) is not streaming
+    tracker.record({"event": "bye", "rank": 1})
+    tracker.record({"event": "exited", "rank": 1, "returncode": 0, "finished": True})
+    tracker.check_liveness(timeout=60.0, last_progress=clock.now)
+    assert bool(tracker.failures) is not streaming
+
+
 PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connection to a peer was lost"}
 
 
@@ -473,6 +490,11 @@ PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connec
     ([{"event": "_node_exit", "rank": 1, "line": "Node with rank 1 completed", "code": None},
       {"event": "exited", "rank": 1, "returncode": 0, "finished": False}],
      "rank 1 on 127.0.0.2: exited with status 0 before finishing (mlx.launch would leave the other ranks waiting)"),
+    # A token or result garbled in mlx.launch's output beyond repair fails the run, naming the rank.
+    ([{"event": "lost", "rank": 1, "frames": 2, "critical": False},
+      {"event": "lost", "rank": 1, "frames": 2, "critical": True}],
+     "rank 1 on 127.0.0.2: 2 frame(s) of its events were garbled in mlx.launch's merged output "
+     "(a token or a result would be missing)"),
     # Ranks stopped by mlx.launch after the failure are not blamed.
     ([{"event": "exited", "rank": 0, "returncode": -15, "stopped": "SIGTERM"},
       {"event": "error", "rank": 1, "type": "ModelError", "message": "no config.json in /m", "hint": "copy it"}],

@@ -1,0 +1,172 @@
+"""Events through mlx.launch's merged output: frames that survive being cut (``mlxpipe.frames``).
+
+mlx.launch reads each rank's output in pieces of at most 8 KiB and writes every
+rank's pieces to one stream as they come. The pure tests cut and merge streams
+the way it does (and worse); the launch tests flood real mlx.launch runs, on
+this machine and over the ssh cluster, with events many times that size.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures import flood_worker
+from fixtures.cluster import cluster, cluster_session  # noqa: F401
+from mlxpipe import frames
+from mlxpipe.hostfile import load_hostfile
+from mlxpipe.launch import LaunchSpec, Ranks
+
+READ = 8192  # what mlx.launch reads of a rank's pipe at once
+
+
+def rank_events(rng: random.Random, rank: int, count: int, big: float) -> list[dict[str, Any]]:
+    events = []
+    for i in range(count):
+        size = rng.randint(5000, 60000) if rng.random() < big else rng.randint(1, 300)
+        text = "".join(rng.choice('ab@#:{}" \\') for _ in range(size))
+        events.append({"event": rng.choice(["token", "alive", "log", "done"]), "rank": rank, "i": i, "text": text})
+    return events
+
+
+def reads(rng: random.Random, events: list[dict[str, Any]], rank: int, small: float) -> list[str]:
+    """The pieces mlx.launch reads of one rank's frames: 8 KiB when the rank is ahead, what is there
+    when not (whole frames), and with probability ``small`` a piece of any size (a frame half-written)."""
+    data, seq = [], 0
+    for event in events:
+        lines = frames.encode(event, rank, seq)
+        seq += len(lines)
+        data += lines
+    stream, pieces, at = "".join(data), [], 0
+    while at < len(stream):
+        if rng.random() < small:
+            n = rng.randint(1, READ)
+        elif rng.random() < 0.5:
+            n = READ
+        else:
+            end = stream.find("\n", at + rng.randint(0, 3000))
+            n = min(READ, (end + 1 - at) if end >= 0 else len(stream) - at)
+        pieces.append(stream[at : at + n])
+        at += n
+    return pieces
+
+
+def merged(rng: random.Random, per_rank: list[list[str]]) -> str:
+    """mlx.launch's main loop: each turn, every rank's queued pieces in rank order."""
+    queues, out = [list(p) for p in per_rank], []
+    while any(queues):
+        for queue in queues:
+            for _ in range(min(rng.choice([0, 0, 1, 1, 2]), len(queue))):
+                out.append(queue.pop(0))
+    return "".join(out)
+
+
+def demux(stream: str) -> list[frames.Item]:
+    d = frames.Demux()
+    items: list[frames.Item] = []
+    for line in stream.splitlines(keepends=True):
+        items += d.feed(line)
+    return items + d.close()
+
+
+def scenario(seed: int, ranks: int, big: float, small: float) -> tuple[list[list[dict[str, Any]]], list[frames.Item]]:
+    rng = random.Random(seed)
+    sent = [rank_events(rng, r, 150, big) for r in range(ranks)]
+    return sent, demux(merged(rng, [reads(rng, events, r, small) for r, events in enumerate(sent)]))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("big", [0.0, 0.1])
+def test_every_event_is_put_back_from_mlx_launch_pieces(ranks: int, big: float) -> None:
+    for seed in range(8):
+        sent, items = scenario(seed, ranks, big, small=0.0)
+        assert [i for i in items if not isinstance(i, dict) or i["event"] == "lost"] == [], seed
+        for rank in range(ranks):
+            assert [e for e in items if isinstance(e, dict) and e["rank"] == rank] == sent[rank], (seed, rank)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_pieces_of_any_size_are_never_garbled_and_every_loss_is_reported(ranks: int) -> None:
+    for seed in range(6):
+        sent, items = scenario(seed, ranks, big=0.2, small=0.2)
+        events = [e for e in items if isinstance(e, dict) and e["event"] != "lost"]
+        lost = {e["rank"] for e in items if isinstance(e, dict) and e["event"] == "lost"}
+        assert len(events) > 0.8 * ranks * 150
+        for rank in range(ranks):
+            got = [e for e in events if e["rank"] == rank]
+            assert all(e == sent[rank][e["i"]] for e in got), (seed, rank)  # intact
+            assert [e["i"] for e in got] == sorted({e["i"] for e in got})  # in order, once
+            if len(got) < len(sent[rank]):
+                assert rank in lost, (seed, rank)
+
+
+def test_a_long_event_travels_in_frames_below_a_pipes_atomic_write() -> None:
+    event = {"event": "adapter", "rank": 1, "data": "x" * 100_000 + 'é"\\'}
+    lines = frames.encode(event, 1, 0)
+    assert len(lines) == 29 and all(len(line.encode()) < 4096 for line in lines)
+    assert demux("".join(lines)) == [event]
+    # A frame's header and payload are both checked: one character changed anywhere, and it is refused.
+    changed = lines[3].replace("#1:3:", "#1:4:")
+    assert demux("".join(lines[:3] + [changed] + lines[4:]))[0] == {
+        "event": "lost", "rank": 1, "frames": 1, "critical": True}
+
+
+def test_plain_output_passes_as_text_and_a_lost_heartbeat_is_not_critical() -> None:
+    alive = frames.encode({"event": "alive", "rank": 0}, 0, 0)[0]
+    token = frames.encode({"event": "token", "rank": 0, "text": "hi"}, 0, 1)[0]
+    items = demux("\x1b[33m[WARN] Node with rank 1 exited with code 1\x1b[0m\n" + alive[:45] + "\n" + token)
+    assert items == ["\x1b[33m[WARN] Node with rank 1 exited with code 1\x1b[0m",
+                     {"event": "lost", "rank": 0, "frames": 1, "critical": False},
+                     {"event": "token", "rank": 0, "text": "hi"}]
+    frame = frames.encode({"event": "token", "rank": 2}, 2, 5)[0]
+    assert demux(frame) == [{"event": "lost", "rank": 2, "frames": 5, "critical": True},  # 0-4 never came
+                            {"event": "token", "rank": 2}]
+
+
+# --- Real mlx.launch runs ------------------------------------------------------------------------
+
+
+def flood(hostfile: Path, events: int) -> dict[int, list[dict[str, Any]]]:
+    """Run the flood worker on every rank of ``hostfile``; its events by rank."""
+    spec = LaunchSpec(hostfile=load_hostfile(hostfile), lease=30.0,
+                      worker_args=(flood_worker.SCRIPT, "--events", str(events), "--big-every", "5"))
+    ranks = Ranks(spec)
+    ranks.start()
+    got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(spec.hostfile.size)}
+    byes = set()
+    try:
+        for event in ranks.events(timeout=120):
+            if event["event"] == "flood":
+                got[event["rank"]].append(event)
+            byes |= {event["rank"]} if event["event"] == "bye" else set()
+            if len(byes) == spec.hostfile.size:
+                break
+    finally:
+        ranks.close()
+    return got
+
+
+def check_flood(got: dict[int, list[dict[str, Any]]], events: int) -> None:
+    floods = [i for i in range(events) if i % 7 != 3]  # the others are printed as log lines
+    for rank, received in got.items():
+        assert [e["index"] for e in received] == floods, rank
+        for e in received:
+            assert e["text"] == flood_worker.payload(rank, e["index"], flood_worker.size_of(e["index"], 5, 60000))
+
+
+def test_a_flood_of_long_events_from_every_rank_arrives_whole(tmp_path: Path) -> None:
+    hostfile = tmp_path / "local-3.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 3))
+    tic = time.monotonic()
+    check_flood(flood(hostfile, 2000), 2000)  # ~40 MB per rank, in 12 KiB to 65 KiB events
+    print(f"flood: {time.monotonic() - tic:.1f} s")
+
+
+@pytest.mark.cluster
+def test_a_flood_through_ssh_terminals_arrives_whole(cluster: Any) -> None:  # noqa: F811
+    check_flood(flood(cluster.hostfile(3), 1000), 1000)
