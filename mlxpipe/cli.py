@@ -328,8 +328,8 @@ AdapterOpt = typer.Option(
 DraftModelOpt = typer.Option(
     None, "--draft-model",
     help="Speculative decoding: a small model with the same tokenizer drafts tokens, the pipeline verifies "
-    "--num-draft-tokens of them in one pass through the stages. A local model directory, at this path on every "
-    "host (each rank loads all of it).",
+    "--num-draft-tokens of them in one pass through the stages. Each rank loads all of it: a hub repo id "
+    "(fetched to every host before the launch) or a model directory at this path on every host.",
     show_default="none: no draft model",
 )
 NumDraftOpt = typer.Option(
@@ -423,9 +423,16 @@ def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout
         target=target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill, port=port, timeout=timeout,
         trust_remote_code=trust, from_controller=from_controller, quiet=quiet, context=context,
         adapter_path=str(adapter_path.expanduser().resolve()) if adapter_path is not None else None,
-        draft_model=str(Path(draft_model).expanduser().resolve()) if draft_model is not None else None,
+        draft_model=_model_dir_or_id(draft_model),
         num_draft_tokens=num_draft_tokens,
     )
+
+
+def _model_dir_or_id(model: str | None) -> str | None:
+    """A directory as an absolute path (the ranks run elsewhere), anything else as given (a hub id)."""
+    if model is None or not Path(model).expanduser().is_dir():
+        return model
+    return str(Path(model).expanduser().resolve())
 
 
 def _check_draft_flags(draft_model: str | None, num_draft_tokens: int, max_kv_size: int | None) -> None:

@@ -116,6 +116,23 @@ def host_tasks(
     return tasks
 
 
+def whole_model_tasks(meta: ModelMetadata, hosts: Sequence[Host]) -> list[HostTask]:
+    """Every file of ``meta`` to every host, once per (host, storage): a model each rank loads whole
+    (the draft model of speculative decoding)."""
+    files = set(meta.support_files) | {t.file for t in meta.tensors}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault((host.ssh, storage.model_path(host, meta)), []).append(rank)
+    tasks = []
+    for (ssh, _), ranks in groups.items():
+        host = hosts[ranks[0]]
+        local_dir = storage.local_dir(host, meta)
+        job = _fetch_job(meta, files, label(ssh, ranks), hf_home=None if local_dir else storage.hf_home(host),
+                         local_dir=local_dir)
+        tasks.append(HostTask(host, tuple(ranks), job))
+    return tasks
+
+
 def label(name: str, ranks: Sequence[int]) -> str:
     """``studio-2 (rank 1)``, ``127.0.0.1 (ranks 0,1)``: how messages name a host."""
     return f"{name} (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})"

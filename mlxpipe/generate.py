@@ -70,7 +70,7 @@ class RunOptions:
     step_timeout: float = DEFAULT_STEP_TIMEOUT
     trust_remote_code: bool = False
     adapter_path: str | None = None
-    draft_model: str | None = None
+    draft_paths: tuple[str, ...] | None = None  # the draft model's directory on each rank's host
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
 
@@ -86,7 +86,7 @@ def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOption
         trust_remote_code=options.trust_remote_code,
         prefill_step_size=options.prefill_step_size,
         adapter_path=options.adapter_path,
-        draft_model=options.draft_model,
+        draft_paths=list(options.draft_paths) if options.draft_paths is not None else None,
         num_draft_tokens=options.num_draft_tokens,
     )
 

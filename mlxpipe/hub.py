@@ -47,6 +47,11 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _HEADER_WORKERS = 8
 
 
+def is_repo_id(text: str) -> bool:
+    """``text`` names a hub repo (``org/name``), not a path."""
+    return bool(_REPO_ID.match(text)) and not text.startswith((".", "/", "~"))
+
+
 def load_metadata(
     model: str, revision: str | None = None, *, refresh: bool = False, progress: Progress | None = None
 ) -> ModelMetadata:
@@ -56,7 +61,7 @@ def load_metadata(
         if revision:
             raise HubError(f"--revision applies to hub repos, but {model} is a local directory")
         return load_local(path)
-    if not _REPO_ID.match(model) or model.startswith((".", "/", "~")):
+    if not is_repo_id(model):
         raise ModelError(
             f"{model}: no such directory, and not a hub repo id",
             "pass a local model directory or a repo id such as mlx-community/Llama-3.3-70B-Instruct-4bit",

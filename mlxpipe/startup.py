@@ -46,7 +46,7 @@ class PipelineConfig:
     quiet: bool = False  # no progress bars or status lines (--json, servers)
     context: int | None = None  # tokens the fit check reserves KV cache for (None: the planner's default)
     adapter_path: str | None = None  # LoRA adapters, at this path on every host
-    draft_model: str | None = None  # speculative decoding: a model directory, at this path on every host
+    draft_model: str | None = None  # speculative decoding: a directory at this path on every host, or a hub id
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
 
@@ -70,7 +70,7 @@ class PipelineConfig:
         if self.num_draft_tokens < 1:
             raise UsageError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
         if self.draft_model is not None:
-            check_draft_dir(self.draft_model)
+            check_draft_source(self.draft_model)
 
     @property
     def prefill_step(self) -> int:
@@ -102,7 +102,7 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
     check_pipelinable(meta, config.mode, config.trust_remote_code)
     if config.draft_model is not None:
-        check_draft(config.draft_model, meta, config.trust_remote_code)
+        check_draft(ensure_draft(config), meta, config.trust_remote_code)
     return meta, the_plan
 
 
@@ -117,17 +117,56 @@ def check_adapters(path: str) -> None:
                          "give the directory mlx_lm.lora --adapter-path wrote")
 
 
-def check_draft_dir(path: str) -> None:
-    """Refuse a draft model that is not a local model directory, before anything starts.
+def check_draft_source(draft: str) -> None:
+    """Refuse a draft model that is neither a model directory nor a hub repo id, before anything starts.
 
-    Every rank loads the whole draft model from this path: remote hosts must hold it there too.
+    Every rank loads the whole draft model: a directory must be at this path on every host
+    too; a hub repo is fetched to every host.
     """
-    if not Path(path).is_dir():
-        raise UsageError(f"--draft-model {path}: not a directory; give a local model directory "
-                         "(a hub id is not fetched for the draft model)",
-                         "download it to a directory (hf download ID --local-dir DIR) at the same path on every host")
-    if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"--draft-model {path}: no config.json there", "give the directory of an mlx-lm model")
+    from mlxpipe.hub import is_repo_id
+
+    path = Path(draft).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--draft-model {draft}: no config.json there", "give the directory of an mlx-lm model")
+    elif not is_repo_id(draft):
+        raise UsageError(f"--draft-model {draft}: no such directory, and not a hub repo id",
+                         "give a model directory (at the same path on every host) or a repo id such as "
+                         "mlx-community/Qwen2.5-0.5B-Instruct-4bit (fetched to every host)")
+
+
+def ensure_draft(config: PipelineConfig) -> str:
+    """The draft model on every host (a hub repo: fetched whole to each, as ``download`` does);
+    return a directory on this machine holding its config and tokenizer."""
+    from mlxpipe import download as dl
+    from mlxpipe.generate import controller_model_dir
+
+    if Path(config.draft_model or "").expanduser().is_dir():
+        return str(config.draft_model)
+    meta = draft_metadata(config)
+    tasks = dl.whole_model_tasks(meta, config.target.hostfile.hosts)
+    _fetch(tasks, meta, config.from_controller, config.quiet)
+    return str(controller_model_dir(meta))
+
+
+def draft_metadata(config: PipelineConfig) -> ModelMetadata:
+    from mlxpipe.hub import load_metadata
+
+    assert config.draft_model is not None
+    return load_metadata(config.draft_model)
+
+
+def draft_paths(config: PipelineConfig) -> tuple[str, ...] | None:
+    """The draft model's directory on each rank's host."""
+    from mlxpipe import storage
+
+    hosts = config.target.hostfile.hosts
+    if config.draft_model is None:
+        return None
+    if Path(config.draft_model).expanduser().is_dir():
+        return tuple(str(Path(config.draft_model).expanduser()) for _ in hosts)
+    meta = draft_metadata(config)  # cached by ``ensure_draft``: no second request
+    return tuple(storage.model_path(h, meta) for h in hosts)
 
 
 def check_draft(path: str, meta: ModelMetadata, trust: bool = False) -> None:
@@ -167,7 +206,7 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         step_timeout=config.timeout,
         trust_remote_code=config.trust_remote_code,
         adapter_path=config.adapter_path,
-        draft_model=config.draft_model,
+        draft_paths=draft_paths(config),
         num_draft_tokens=config.num_draft_tokens,
     )
     pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
@@ -203,12 +242,18 @@ def running_pipeline(config: PipelineConfig) -> Iterator[Pipeline]:
 def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_controller: bool, quiet: bool) -> None:
     """The download step: every host gets the files of its ranks (a no-op when they are there)."""
     from mlxpipe import download as dl
-    from mlxpipe.render import download_progress
 
     hosts = target.hostfile.hosts
     if meta.local and all(h.is_local and not h.model_dir for h in hosts):
         return  # every rank reads the directory itself
-    tasks = dl.host_tasks(the_plan, meta, hosts)
+    _fetch(dl.host_tasks(the_plan, meta, hosts), meta, from_controller, quiet)
+
+
+def _fetch(tasks: Any, meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
+    """Each host fetches its task's files from the hub, or gets them from this machine."""
+    from mlxpipe import download as dl
+    from mlxpipe.render import download_progress
+
     with download_progress(tasks, enabled=not quiet) as on_update:
         if meta.local or from_controller:
             dl.distribute(tasks, meta, on_update)

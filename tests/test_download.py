@@ -562,3 +562,21 @@ def load_hostfile_host(ssh: str) -> Any:
     from mlxpipe.hostfile import parse_hostfile
 
     return parse_hostfile([{"ssh": ssh, "ips": ["10.0.0.2"]}], Path("h.json")).hosts[0]
+
+
+def test_a_model_every_rank_loads_whole_goes_whole_to_each_storage(hub_env: FakeHub, repos: dict,
+                                                                    tmp_path: Path) -> None:
+    """The draft model of speculative decoding: every file to every (host, storage), once each."""
+    from mlxpipe import download as dl
+
+    hostfile = write_hostfile(tmp_path, 3, hf_home=[str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")])
+    meta = prime(hub_env, TINY)
+    tasks = dl.whole_model_tasks(meta, load_hostfile(hostfile).hosts)
+    assert [(t.ranks, t.job.hf_home) for t in tasks] == [((0, 2), str(tmp_path / "a")), ((1,), str(tmp_path / "b"))]
+    weights = sorted(f.name for f in repos[TINY].glob("*.safetensors"))
+    for task in tasks:
+        assert sorted(f for f in task.job.files if f.endswith(".safetensors")) == weights
+        assert {"config.json", "tokenizer.json"} <= set(task.job.files)
+    dl.run_on_hosts(tasks)
+    for home in ("a", "b"):
+        assert sorted(p.name for p in snapshot(tmp_path / home, meta).glob("*.safetensors")) == weights

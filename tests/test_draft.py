@@ -77,12 +77,12 @@ def draft_runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("draft-runs")
     dirs = [str(d) for d in rank_dirs(models["target"], SPLIT, tmp / "dirs")]
     requests = [{"id": "greedy", **_raw()}, {"id": "sampled", **_raw(temp=1.0, seed=3)}, *_turns(models["target"])]
-    job = {"prefill_step_size": PREFILL_STEP, "draft_model": str(models["draft"])}
+    job = {"prefill_step_size": PREFILL_STEP, "draft_paths": [str(models["draft"])] * 2}
     cases = [
         {"id": "generic", "job": asdict(JobSpec(dirs, SPLIT, **job)), "requests": requests},
         {"id": "generic-k2", "job": asdict(JobSpec(dirs, SPLIT, **job, num_draft_tokens=2)), "requests": requests[:1]},
         {"id": "self", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP,
-                                             draft_model=str(models["target"]))), "requests": requests[:1]},
+                                             draft_paths=[str(models["target"])] * 2)), "requests": requests[:1]},
         {"id": "native", "job": asdict(JobSpec(dirs, SPLIT, mode="native", **job)), "requests": requests},
     ]
     result = launch_cases("option_ranks.py", cases, 2, tmp, timeout=_TIMEOUT)
@@ -172,14 +172,20 @@ def test_a_draft_flag_combination_is_refused_in_one_line(models, args: list[str]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
-def test_a_draft_model_that_is_no_local_directory_is_refused(models, command: str) -> None:
+def test_a_draft_model_that_is_neither_directory_nor_hub_id_is_refused(models, command: str) -> None:
     prompt = ["--prompt", "hi"] if command == "generate" else []
     result = CliRunner().invoke(app, [command, *prompt, "--model", str(models["target"]),
-                                      "--draft-model", "mlx-community/SmolLM2-135M-Instruct-4bit"])
+                                      "--draft-model", "./no/such/draft"])
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[0] == (
-        f"error: --draft-model {Path('mlx-community/SmolLM2-135M-Instruct-4bit').resolve()}: not a directory; "
-        "give a local model directory (a hub id is not fetched for the draft model)"), result.output
+        "error: --draft-model ./no/such/draft: no such directory, and not a hub repo id"), result.output
+
+
+def test_a_draft_model_missing_from_the_hub_is_refused_before_launch(models, hub_env) -> None:
+    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--model", str(models["target"]),
+                                      "--draft-model", "tiny/no-such-draft"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[0].startswith("error: tiny/no-such-draft"), result.output
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:
@@ -216,6 +222,27 @@ def test_the_flags_reach_the_ranks(models) -> None:
     answer = json.loads(result.stdout)
     assert answer["tokens"] == _expected(models, _raw(), k=2)
     assert 0 < answer["draft_tokens"] < len(answer["tokens"])
+
+
+@pytest.mark.ranks
+def test_a_draft_models_hub_id_is_fetched_to_every_host(models, hub_env) -> None:
+    """``--draft-model ORG/NAME``: every host gets the whole draft from the hub before the launch, and
+    each rank loads it from its own host's cache; the tokens are those of the same draft given as a directory."""
+    import os
+    import subprocess
+    import sys
+
+    commit = hub_env.add_repo("tiny/draft-for-speculation", models["draft"])
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
+            "--draft-model", "tiny/draft-for-speculation", "--num-draft-tokens", "2", "--prompt", LONG,
+            "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["tokens"] == _expected(models, _raw(), k=2)
+    assert 0 < answer["draft_tokens"] < len(answer["tokens"])
+    snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
+    assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
 
 
 @pytest.mark.ranks

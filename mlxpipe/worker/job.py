@@ -38,8 +38,9 @@ class JobSpec:
     # options as ``mlxpipe.lora.TrainOptions.for_ranks`` writes them.
     train: dict | None = None
     adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
-    # Speculative decoding (mlx_lm.generate's --draft-model): every rank loads this whole model.
-    draft_model: str | None = None
+    # Speculative decoding (mlx_lm.generate's --draft-model): every rank loads this whole model,
+    # from its own host's copy (rank r: draft_paths[r]).
+    draft_paths: list[str] | None = None
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
@@ -55,6 +56,8 @@ class JobSpec:
             raise UsageError("prefill_step_size must be positive")
         if self.num_draft_tokens < 1:
             raise UsageError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
+        if self.draft_paths is not None and len(self.draft_paths) != len(self.split):
+            raise UsageError(f"job has {len(self.draft_paths)} draft model paths for {len(self.split)} ranks")
 
     @property
     def world_size(self) -> int:

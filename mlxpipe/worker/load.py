@@ -111,7 +111,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         {"trust_remote_code": job.trust_remote_code},
         eos_token_ids=config.get("eos_token_id"),
     )
-    draft = load_draft(job.draft_model, tokenizer, rank) if job.draft_model is not None else None
+    draft = load_draft(job.draft_paths[rank], tokenizer, rank) if job.draft_paths is not None else None
     barrier(group)
     return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft)
 
@@ -123,7 +123,7 @@ def load_draft(path_text: str, tokenizer: Any, rank: int) -> nn.Module:
     path = Path(path_text).expanduser()
     if not (path / "config.json").is_file():
         raise ModelError(f"rank {rank}: --draft-model {path}: no config.json there",
-                         hint="copy the draft model's directory to the same path on every host")
+                         hint="copy the draft model's directory to the same path on every host, or give its hub id")
     draft, draft_tokenizer = load(str(path))
     check_draft_vocab(draft_tokenizer.vocab_size, tokenizer.vocab_size, path_text)
     mx.eval(draft.parameters())
