@@ -734,6 +734,13 @@ def serve(
         "reply a request may make.", show_default="the model's max_position_embeddings; 4096 for the fit check",
     ),
     adapter_path: Optional[Path] = AdapterOpt,
+    draft_model: Optional[str] = typer.Option(
+        None, "--draft-model",
+        help="Speculative decoding, as mlx_lm.server's: requests then run one at a time (it is not batched). "
+        "A hub repo id (fetched to every host) or a model directory at this path on every host.",
+        show_default="none: no draft model",
+    ),
+    num_draft_tokens: int = NumDraftOpt,
     backend: Optional[str] = BackendOpt,
     prefill_step_size: Optional[int] = PrefillOpt,
     ring_port: Optional[int] = typer.Option(
@@ -764,8 +771,15 @@ def serve(
         quantized_kv_start=quantized_kv_start, chat_template_config=chat_template_config,
         use_default_chat_template=use_default_chat_template,
     )
+    _check_draft_flags(draft_model, num_draft_tokens, max_kv_size)
+    if draft_model is not None:
+        if max_concurrency not in (None, 1):
+            raise UsageError("--max-concurrency: with --draft-model requests run one at a time (speculative "
+                             "decoding is not batched, as in mlx_lm.server)", "drop --max-concurrency")
+        max_concurrency, decode_batch = 1, 1
     pipeline_config = _pipeline_config(target, backend, "generic", prefill_step_size, ring_port, timeout,
-                                       trust_remote_code, False, from_controller, context, adapter_path)
+                                       trust_remote_code, False, from_controller, context, adapter_path,
+                                       draft_model, num_draft_tokens)
     _check_decode_batch(decode_batch)
     options = server.ServeOptions(
         max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size * decode_batch,

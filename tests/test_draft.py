@@ -260,3 +260,66 @@ def test_chat_takes_a_draft_model(models) -> None:
     replies = [mlx_lm_reference(models["target"], {"messages": t["messages"], "max_tokens": 8},
                                 prefill_step_size=PREFILL_STEP, draft=models["draft"])[1] for t in turns]
     assert result.stdout == "".join(f"{reply}\n" for reply in replies)
+
+
+@pytest.mark.ranks
+def test_serve_takes_a_draft_model(models, tmp_path: Path) -> None:
+    """``mlxpipe serve --draft-model``: requests run one at a time, as mlx_lm.server runs them with a draft;
+    two sent at once each get mlx-lm's speculative reply, and the second turn of a chat reuses caches."""
+    import threading
+
+    import openai
+    from fixtures.serve_process import ServeProcess
+
+    server = ServeProcess(["--model", str(models["target"]), "--draft-model", str(models["draft"]),
+                           "--num-draft-tokens", "2", "--prefill-step-size", str(PREFILL_STEP)], tmp_path / "home")
+    try:
+        server.wait_for("ready")
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        questions = [QUESTION, "What is a ring of hosts?"]
+        replies: dict[str, Any] = {}
+
+        def ask(question: str) -> None:
+            replies[question] = client.chat.completions.create(
+                model=str(models["target"]), messages=[{"role": "user", "content": question}], max_tokens=8,
+                temperature=0)
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=_TIMEOUT)
+        for question in questions:
+            tokens, text = mlx_lm_reference(models["target"], {"messages": [{"role": "user", "content": question}],
+                                                                "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
+                                            draft=models["draft"], num_draft_tokens=2)
+            assert replies[question].choices[0].message.content == text, question
+            assert replies[question].usage.completion_tokens == len(tokens)
+        history = [{"role": "user", "content": questions[1]},
+                   {"role": "assistant", "content": replies[questions[1]].choices[0].message.content},
+                   {"role": "user", "content": "And then?"}]
+        second = client.chat.completions.create(model=str(models["target"]), messages=history, max_tokens=8,
+                                                temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert second.choices[0].message.content == mlx_lm_reference(
+            models["target"], {"messages": history, "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
+            draft=models["draft"], num_draft_tokens=2)[1]
+        # Sampled, the draft shows: speculative sampling draws other tokens than plain sampling.
+        fields = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temp": 1.0, "seed": 3}
+        speculative = mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP,
+                                       draft=models["draft"], num_draft_tokens=2)[1]
+        assert speculative != mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP)[1]
+        sampled = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
+                                                 max_tokens=8, temperature=1.0, seed=3)
+        assert sampled.choices[0].message.content == speculative
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_concurrency_with_a_draft_model(models) -> None:
+    result = CliRunner().invoke(app, ["serve", "--model", str(models["target"]), "--draft-model",
+                                      str(models["draft"]), "--max-concurrency", "4"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[0] == (
+        "error: --max-concurrency: with --draft-model requests run one at a time (speculative decoding is not "
+        "batched, as in mlx_lm.server)"), result.output

@@ -221,8 +221,10 @@ class Server:
         }
         return {**done, **reporter.figures}
 
-    def _generate_stream(self, request: Request, tokens: list[int], tic: float) -> dict[str, Any]:
-        """One request through mlx-lm's ``stream_generate`` (one rank, or ``--pipeline native``)."""
+    def _generate_stream(self, request: Request, tokens: list[int], tic: float,
+                         on_response: Callable[[Any], None] | None = None) -> dict[str, Any]:
+        """One request through mlx-lm's ``stream_generate`` (one rank, ``--pipeline native``, a draft model);
+        each response goes to ``on_response`` (default: rank 0 streams its text)."""
         tokenizer = self.loaded.tokenizer
         keep = request.keep_cache
         if self.loaded.draft is None:
@@ -260,7 +262,10 @@ class Server:
                 generated.append(response.token)
                 drafted += response.from_draft
                 self.progress.decode(len(generated))
-                self._emit_token(request, response)
+                if on_response is None:
+                    self._emit_token(request, response)
+                else:
+                    on_response(response)
         finally:
             tokenizer.eos_token_ids = eos
         assert response is not None  # stream_generate always yields once
@@ -309,7 +314,8 @@ class Server:
         rank 0 streams each sampled token. Up to ``concurrency`` run at once, the
         rest wait for a slot.
         """
-        self._refuse_draft("mlxpipe serve")
+        if self.loaded.draft is not None:
+            return self._serve_one_at_a_time(inbox)
         concurrency, decode_batch = self._concurrency(request)
         self._prompt_cache = self._chat_cache = None
         engine = Engine(self, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
@@ -317,6 +323,48 @@ class Server:
         engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
         self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
         return engine.run(inbox)
+
+    def _serve_one_at_a_time(self, inbox: Inbox) -> dict[str, Any]:
+        """With a draft model, requests run one after another, as mlx_lm.server runs them (speculative
+        decoding is not batched), each continuing the last one's caches where their tokens agree.
+
+        Before each request the ranks agree how many messages they all hold, queue the submits and drop
+        the queued requests that were cancelled; a cancel of the running request takes effect at its end
+        (the controller has dropped its stream already).
+        """
+        self._prompt_cache = self._chat_cache = None
+        self._emit("serving", rank=self.rank, concurrency=1, decode_batch=1)
+        queue: list[Request] = []
+        while True:
+            if not queue:
+                inbox.wait_beyond(inbox.consumed)
+            for message in inbox.take(self._agreed_min(inbox.received)):
+                kind = "exit" if message is None else message.get("type")
+                if kind == "exit":
+                    return {}
+                if kind == "submit":
+                    queue.append(Request.from_wire(message))
+                elif kind == "cancel":
+                    queue = [r for r in queue if r.id != message.get("id")]
+                else:
+                    raise UsageError(f"unknown message {kind!r} while serving")
+            if queue:
+                self._speculate(queue.pop(0))
+
+    def _speculate(self, request: Request) -> None:
+        """One served request through ``stream_generate`` with the draft model; rank 0 streams its token ids."""
+        tokens = [int(t) for t in request.tokens or ()]
+        self.progress.reset()
+
+        def stream(response: Any) -> None:
+            if self.rank == 0:
+                self._emit("token", rank=0, id=request.id, token=response.token)
+
+        done = self._generate_stream(replace(request, keep_cache=True), tokens, time.perf_counter(), stream)
+        if self.rank == 0:
+            self._emit("finished", rank=0, id=request.id, finish_reason=done["finish_reason"],
+                       prompt_tokens=len(tokens), cached_tokens=done["cached_tokens"],
+                       generation_tokens=done["generation_tokens"])
 
     def _refuse_draft(self, what: str) -> None:
         """Overlapped requests run on the engine, which has no speculative decoding."""
