@@ -534,8 +534,9 @@ def generate(
         raise UsageError("--concurrency and --output go with --prompts-file")
     if prompts_file is None and prompt is None:
         raise UsageError("--prompt is required ('-' reads standard input)", 'mlxpipe generate --prompt "Hello"')
-    if prompts_file is not None and draft_model is not None:
-        raise UsageError("--draft-model works with a single prompt; drop --prompts-file")
+    if prompts_file is not None and draft_model is not None and concurrency not in (None, 1):
+        raise UsageError("--concurrency: with --draft-model the prompts run one at a time (speculative decoding "
+                         "is not batched, as in mlx-lm)", "drop --concurrency")
     _check_draft_flags(draft_model, num_draft_tokens, max_kv_size)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -575,6 +576,8 @@ def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
     if concurrency is not None and concurrency < 1:
         raise UsageError(f"--concurrency must be at least 1, got {concurrency}")
     _check_decode_batch(decode_batch)
+    if pipeline_config.draft_model is not None:
+        concurrency, decode_batch = 1, 1  # one prompt after another (checked above)
     if output is not None and not output.parent.is_dir():
         raise UsageError(f"--output {output}: no directory {output.parent}")
     requests = read_prompts(prompts_file, defaults)

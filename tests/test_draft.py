@@ -158,7 +158,8 @@ def test_the_draft_drafts_some_tokens_right_and_some_wrong(models) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--prompts-file", "p.txt"], "error: --draft-model works with a single prompt; drop --prompts-file"),
+        (["--prompts-file", "p.txt", "--concurrency", "2"],
+         "error: --concurrency: with --draft-model the prompts run one at a time"),
         (["--max-kv-size", "64"], "error: --max-kv-size does not work with --draft-model"),
         (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be at least 1, got 0"),
     ],
@@ -243,6 +244,27 @@ def test_a_draft_models_hub_id_is_fetched_to_every_host(models, hub_env) -> None
     assert 0 < answer["draft_tokens"] < len(answer["tokens"])
     snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
     assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
+
+
+@pytest.mark.ranks
+def test_a_prompts_file_runs_one_prompt_after_another_with_the_draft(models, tmp_path: Path) -> None:
+    """``--prompts-file`` with ``--draft-model``: each line through speculative decoding, mlx-lm's tokens
+    (sampled too: speculative sampling draws other tokens than plain sampling)."""
+    import subprocess
+    import sys
+
+    lines = [_raw(), _raw(temp=1.0, seed=3), {"prompt": QUESTION, "max_tokens": 8}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
+            "--draft-model", str(models["draft"]), "--prompts-file", str(prompts),
+            "--prefill-step-size", str(PREFILL_STEP), "--json"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)["results"]
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8}  # the third line, templated
+    assert [r["tokens"] for r in got] == [_expected(models, line) for line in (*lines[:2], chat)]
+    assert _expected(models, lines[1]) != _plain(models, lines[1])
 
 
 @pytest.mark.ranks

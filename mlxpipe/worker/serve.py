@@ -30,7 +30,7 @@ from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request
-from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter
+from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter, text_of
 from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
@@ -295,9 +295,10 @@ class Server:
         with ``batch_done``.
         """
         requests = [Request.from_wire(r) for r in request.get("requests") or []]
-        self._refuse_draft("--prompts-file")
         if not requests:
             raise UsageError("a batch request needs at least one request")
+        if self.loaded.draft is not None:
+            return self._batch_one_at_a_time(requests)
         concurrency, decode_batch = self._concurrency(request)
         self._prompt_cache = self._chat_cache = None  # a batch does not continue a chat
         engine = Engine(self, concurrency, BatchReporter(self._emit), decode_batch=decode_batch)
@@ -366,10 +367,31 @@ class Server:
                        prompt_tokens=len(tokens), cached_tokens=done["cached_tokens"],
                        generation_tokens=done["generation_tokens"])
 
-    def _refuse_draft(self, what: str) -> None:
-        """Overlapped requests run on the engine, which has no speculative decoding."""
-        if self.loaded.draft is not None:
-            raise UsageError(f"--draft-model works with a single prompt, not with {what}")
+    def _batch_one_at_a_time(self, requests: list[Request]) -> dict[str, Any]:
+        """``--prompts-file`` with a draft model: one prompt after another through speculative decoding
+        (it is not batched); rank 0 emits each ``result``, every rank ``batch_done``."""
+        tic = time.perf_counter()
+        self._prompt_cache = self._chat_cache = None
+        generated = 0
+        for index, request in enumerate(requests):
+            tokens = self.prompt_tokens(request)
+            started = time.perf_counter()
+            self.progress.reset()
+            done = self._generate_stream(replace(request, keep_cache=False), tokens, started, lambda r: None)
+            generated += done["generation_tokens"]
+            if self.rank == 0:
+                eos = set(self.loaded.tokenizer.eos_token_ids) | extra_eos_ids(self.loaded.tokenizer,
+                                                                               request.extra_eos_token)
+                self._emit("result", rank=0, index=index, id=request.id if request.id is not None else index,
+                           tokens=done["tokens"], text=text_of(self.loaded.tokenizer, done["tokens"], eos),
+                           prompt_tokens=len(tokens), generation_tokens=done["generation_tokens"],
+                           finish_reason=done["finish_reason"], ttft=done["ttft"],
+                           latency=time.perf_counter() - started, generation_tps=done["generation_tps"],
+                           draft_tokens=done["draft_tokens"])
+        done = {"rank": self.rank, "requests": len(requests), "concurrency": 1, "generation_tokens": generated,
+                "seconds": time.perf_counter() - tic, "peak_memory": mx.get_peak_memory() / 1e9, "decode_batch": 1}
+        self._emit("batch_done", **done)
+        return done
 
     def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
         """A batch or serve request's concurrency and requests per decode micro-batch."""
