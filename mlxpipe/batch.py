@@ -56,6 +56,7 @@ _OPTIONS: dict[str, tuple[type, ...]] = {
     "frequency_context_size": (int,),
     "extra_eos_token": (str, list),
     "max_kv_size": (int,),
+    "num_draft_tokens": (int,),
     "kv_bits": (int,),
     "kv_group_size": (int,),
     "quantized_kv_start": (int,),

@@ -68,6 +68,9 @@ class Request:
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     keep_cache: bool = False  # chat: keep this request's cache for the next turn
+    # Speculative decoding's drafted tokens per pass for this request (mlx_lm.server's body field);
+    # None: the run's --num-draft-tokens. Without a draft model it changes nothing, as in mlx-lm.
+    num_draft_tokens: int | None = None
 
     def check(self, name: Name = lambda f: f"'{f}'") -> "Request":
         """This request, once every field is in range; raises ``RequestError`` naming the first that is not."""
@@ -153,6 +156,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_bits": (lambda v: v in KV_BITS, f"one of {', '.join(map(str, KV_BITS))}"),
     "kv_group_size": (lambda v: v in KV_GROUP_SIZES, f"one of {', '.join(map(str, KV_GROUP_SIZES))}"),
     "quantized_kv_start": (lambda v: v >= 0, ">= 0"),
+    "num_draft_tokens": (_positive, "at least 1"),
 }
 
 

@@ -253,7 +253,8 @@ def test_a_prompts_file_runs_one_prompt_after_another_with_the_draft(models, tmp
     import subprocess
     import sys
 
-    lines = [_raw(), _raw(temp=1.0, seed=3), {"prompt": QUESTION, "max_tokens": 8}]
+    lines = [_raw(), _raw(temp=1.0, seed=3), {"prompt": QUESTION, "max_tokens": 8},
+             _raw(temp=1.0, seed=3, num_draft_tokens=2)]  # a line's own draft length
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
@@ -263,8 +264,9 @@ def test_a_prompts_file_runs_one_prompt_after_another_with_the_draft(models, tmp
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)["results"]
     chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8}  # the third line, templated
-    assert [r["tokens"] for r in got] == [_expected(models, line) for line in (*lines[:2], chat)]
+    assert [r["tokens"] for r in got[:3]] == [_expected(models, line) for line in (*lines[:2], chat)]
     assert _expected(models, lines[1]) != _plain(models, lines[1])
+    assert got[3]["tokens"] == _expected(models, lines[3], k=2) != _expected(models, lines[3], k=3)
 
 
 @pytest.mark.ranks
@@ -334,6 +336,12 @@ def test_serve_takes_a_draft_model(models, tmp_path: Path) -> None:
         sampled = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
                                                  max_tokens=8, temperature=1.0, seed=3)
         assert sampled.choices[0].message.content == speculative
+        # mlx_lm.server's body field: this request's draft length.
+        shorter = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
+                                                 max_tokens=8, temperature=1.0, seed=3,
+                                                 extra_body={"num_draft_tokens": 1})
+        assert shorter.choices[0].message.content == mlx_lm_reference(
+            models["target"], fields, prefill_step_size=PREFILL_STEP, draft=models["draft"], num_draft_tokens=1)[1]
     finally:
         server.stop()
 

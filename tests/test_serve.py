@@ -253,6 +253,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": [1]}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": "high"}, 400, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "num_draft_tokens": 0}, 400, "num_draft_tokens"),
 ]
 
 

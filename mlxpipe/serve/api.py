@@ -396,6 +396,7 @@ _BODY_OPTIONS: dict[str, tuple[str, Any]] = {
     "frequency_penalty": ("frequency_penalty", _NUMBER),
     "frequency_context_size": ("frequency_context_size", int),
     "chat_template_kwargs": ("chat_template_config", dict),
+    "num_draft_tokens": ("num_draft_tokens", int),
 }
 
 

@@ -234,7 +234,8 @@ class Server:
             # speculative_generate_step: the target verifies num_draft_tokens draft tokens in one
             # pass through the stages; every rank drafts the same tokens with its own copy.
             cache, cached = self._speculative_cache_for(tokens, keep)
-            draft = {"draft_model": self.loaded.draft, "num_draft_tokens": self.job.num_draft_tokens}
+            draft = {"draft_model": self.loaded.draft,
+                     "num_draft_tokens": request.num_draft_tokens or self.job.num_draft_tokens}
         self._seed(request.seed, request.temp)
         eos = set(tokenizer.eos_token_ids)
         extra = extra_eos_ids(tokenizer, request.extra_eos_token)
