@@ -33,8 +33,8 @@ START_TIMEOUT_SECONDS = 45.0
 ROOT_CAUSE_GRACE_SECONDS = 2.0
 # mlx.launch logs a rank's exit before it forwards that rank's last output.
 EXIT_GRACE_SECONDS = 1.5
-# What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
 _LOST_HINT = "run it again; if it recurs, report it with the run's logs"
+# What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
 COMM_ERROR = re.compile(
     r"connection to a peer was lost|(?:send|sending|recv|receiving) failed|closed by the peer"
     r"|too many send/recv errors|connection reset by peer|broken pipe",
