@@ -8,7 +8,9 @@ small supervisor (``python -m mlxpipe.supervisor --lease S -- <worker args>``,
 ``mlxpipe/supervisor.py``) that:
 
 * tags everything its worker prints as events carrying the rank, so the
-  controller keeps one log per rank (``rank-<r>.log`` in the run directory);
+  controller keeps one log per rank (``rank-<r>.log`` in the run directory),
+  and writes them as frames the controller puts back together however
+  mlx.launch cuts and merges the ranks' output (``mlxpipe.frames``);
 * reports the worker's exit (``exited``: status, signal, whether it said
   ``bye``), also for a remote rank killed by a signal;
 * sends ``alive`` every second, so the controller tells a silent host from a

@@ -4,7 +4,9 @@
 and speaks for it (see ``mlxpipe.launch`` for why):
 
 * every line the worker prints becomes an event carrying the rank (plain lines
-  as ``log`` events), so the controller keeps one log per rank;
+  as ``log`` events), so the controller keeps one log per rank; events go out
+  as frames that survive mlx.launch cutting and merging the ranks' output
+  (``mlxpipe.frames``);
 * ``started`` (pids), ``alive`` every second, and ``exited`` (status, signal,
   whether the worker said ``bye``) — also for a remote rank killed by a signal,
   which mlx.launch would see only as ssh's status 255;
