@@ -163,7 +163,7 @@ def test_a_flood_of_long_events_from_every_rank_arrives_whole(tmp_path: Path) ->
     hostfile = tmp_path / "local-3.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 3))
     tic = time.monotonic()
-    check_flood(flood(hostfile, 2000), 2000)  # ~40 MB per rank, in 12 KiB to 65 KiB events
+    check_flood(flood(hostfile, 2000), 2000)  # ~21 MB per rank: events of 20 B to 65 KB
     print(f"flood: {time.monotonic() - tic:.1f} s")
 
 
