@@ -33,7 +33,9 @@ when the lost frame mattered.
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -61,6 +63,26 @@ def encode(event: dict[str, Any], rank: int, seq: int) -> list[str]:
         fields = f"{rank}:{seq + i}:{kind}{more}:{len(part)}"
         lines.append(f"{EVENT_PREFIX}#{fields}:{_crc(fields, part):08x} {part}\n")
     return lines
+
+
+class Writer:
+    """One rank's frames to a file descriptor (its standard output): numbered in order, each frame in
+    one write (a pipe then never splits it), safe from several threads."""
+
+    def __init__(self, rank: int, fd: int = 1) -> None:
+        self.rank, self.fd = rank, fd
+        self._seq = 0  # frames written
+        self._lock = threading.Lock()
+
+    def write(self, event: dict[str, Any]) -> None:
+        """Write ``event``; raises ``OSError`` when nobody reads the other end any more."""
+        with self._lock:
+            lines = encode(event, self.rank, self._seq)
+            self._seq += len(lines)
+            for line in lines:
+                data = line.encode()
+                while data:
+                    data = data[os.write(self.fd, data):]
 
 
 @dataclass

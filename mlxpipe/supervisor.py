@@ -52,8 +52,7 @@ class _Supervisor:
         self.finished = False
         self.stop_reason: str | None = None
         self._wake = threading.Event()
-        self._out = threading.Lock()
-        self._seq = 0  # frames written
+        self._frames = frames.Writer(self.rank)
 
     def run(self) -> int:
         """Run the worker to its end (or stop it); return its exit status, 128 + N for signal N."""
@@ -89,16 +88,10 @@ class _Supervisor:
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write one event as frames that survive mlx.launch cutting them (see ``mlxpipe.frames``)."""
-        with self._out:
-            lines = frames.encode({"event": event, "rank": self.rank, **fields}, self.rank, self._seq)
-            self._seq += len(lines)
-            try:
-                for line in lines:  # each in one write: a pipe does not split it
-                    data = line.encode()
-                    while data:
-                        data = data[os.write(1, data):]
-            except OSError:
-                pass  # the controller is gone (a hung-up terminal): nobody to tell
+        try:
+            self._frames.write({"event": event, "rank": self.rank, **fields})
+        except OSError:
+            pass  # the controller is gone (a hung-up terminal): nobody to tell
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop_reason = self.stop_reason or signal.Signals(signum).name
