@@ -430,9 +430,10 @@ def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout
 
 def _model_dir_or_id(model: str | None) -> str | None:
     """A directory as an absolute path (the ranks run elsewhere), anything else as given (a hub id)."""
-    if model is None or not Path(model).expanduser().is_dir():
-        return model
-    return str(Path(model).expanduser().resolve())
+    from mlxpipe.startup import draft_dir
+
+    local = draft_dir(model) if model is not None else None
+    return model if local is None else str(local.resolve())
 
 
 def _check_draft_flags(draft_model: str | None, num_draft_tokens: int, max_kv_size: int | None) -> None:

@@ -125,8 +125,8 @@ def check_draft_source(draft: str) -> None:
     """
     from mlxpipe.hub import is_repo_id
 
-    path = Path(draft).expanduser()
-    if path.is_dir():
+    path = draft_dir(draft)
+    if path is not None:
         if not (path / "config.json").is_file():
             raise UsageError(f"--draft-model {draft}: no config.json there", "give the directory of an mlx-lm model")
     elif not is_repo_id(draft):
@@ -135,14 +135,22 @@ def check_draft_source(draft: str) -> None:
                          "mlx-community/Qwen2.5-0.5B-Instruct-4bit (fetched to every host)")
 
 
+def draft_dir(draft: str) -> Path | None:
+    """The draft model's directory when ``--draft-model`` names one (else it is a hub repo id)."""
+    path = Path(draft).expanduser()
+    return path if path.is_dir() else None
+
+
 def ensure_draft(config: PipelineConfig) -> str:
     """The draft model on every host (a hub repo: fetched whole to each, as ``download`` does);
     return a directory on this machine holding its config and tokenizer."""
     from mlxpipe import download as dl
     from mlxpipe.generate import controller_model_dir
 
-    if Path(config.draft_model or "").expanduser().is_dir():
-        return str(config.draft_model)
+    assert config.draft_model is not None
+    local = draft_dir(config.draft_model)
+    if local is not None:
+        return str(local)
     meta = draft_metadata(config)
     tasks = dl.whole_model_tasks(meta, config.target.hostfile.hosts)
     _fetch(tasks, meta, config.from_controller, config.quiet)
@@ -163,8 +171,9 @@ def draft_paths(config: PipelineConfig) -> tuple[str, ...] | None:
     hosts = config.target.hostfile.hosts
     if config.draft_model is None:
         return None
-    if Path(config.draft_model).expanduser().is_dir():
-        return tuple(str(Path(config.draft_model).expanduser()) for _ in hosts)
+    local = draft_dir(config.draft_model)
+    if local is not None:
+        return tuple(str(local) for _ in hosts)
     meta = draft_metadata(config)  # cached by ``ensure_draft``: no second request
     return tuple(storage.model_path(h, meta) for h in hosts)
 
