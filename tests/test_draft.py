@@ -210,40 +210,30 @@ def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models,
 
 
 @pytest.mark.ranks
-def test_the_flags_reach_the_ranks(models) -> None:
-    """``mlxpipe generate --draft-model`` end to end: mlx-lm's tokens, and how many were drafted."""
-    import subprocess
-    import sys
-
-    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
-            "--draft-model", str(models["draft"]), "--num-draft-tokens", "2", "--prompt", LONG,
-            "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
-    assert result.returncode == 0, result.stderr
-    answer = json.loads(result.stdout)
-    assert answer["tokens"] == _expected(models, _raw(), k=2)
-    assert 0 < answer["draft_tokens"] < len(answer["tokens"])
-
-
-@pytest.mark.ranks
-def test_a_draft_models_hub_id_is_fetched_to_every_host(models, hub_env) -> None:
-    """``--draft-model ORG/NAME``: every host gets the whole draft from the hub before the launch, and
-    each rank loads it from its own host's cache; the tokens are those of the same draft given as a directory."""
+@pytest.mark.parametrize("source", ["directory", "hub"])
+def test_the_flags_reach_the_ranks(models, hub_env, source: str) -> None:
+    """``mlxpipe generate --draft-model`` end to end: mlx-lm's tokens, and how many were drafted. Given as a hub
+    repo id, every host gets the whole draft from the hub before the launch and each rank loads it from its own
+    host's cache."""
     import os
     import subprocess
     import sys
 
-    commit = hub_env.add_repo("tiny/draft-for-speculation", models["draft"])
+    draft = str(models["draft"])
+    if source == "hub":
+        draft = "tiny/draft-for-speculation"
+        commit = hub_env.add_repo(draft, models["draft"])
     args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
-            "--draft-model", "tiny/draft-for-speculation", "--num-draft-tokens", "2", "--prompt", LONG,
+            "--draft-model", draft, "--num-draft-tokens", "2", "--prompt", LONG,
             "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["tokens"] == _expected(models, _raw(), k=2)
     assert 0 < answer["draft_tokens"] < len(answer["tokens"])
-    snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
-    assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
+    if source == "hub":
+        snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
+        assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
 
 
 @pytest.mark.ranks
