@@ -140,6 +140,44 @@ def test_batched_decode_keeps_every_stage_busy_with_decode_batch_requests(stages
     assert unbatched.tick > 0.8 * decode_batch * sched.tick
 
 
+@pytest.mark.parametrize("decode_batch", [2, 4])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_overlap_comes_before_batching(stages: int, decode_batch: int) -> None:
+    # C requests in flight, C = 1..3N: every stage busy at every tick of steady decode once C >= N,
+    # groups as even as can be (sizes one apart at most) and never above decode_batch.
+    for concurrency in range(1, 3 * stages + 1):
+        sched = Schedule([[1, 2]] * concurrency, [40] * concurrency, stages=stages, slots=concurrency,
+                         prefill_step=3, eos_ids=set(), decode_batch=decode_batch)
+        stages_busy = []
+        while not sched.done:
+            sched.begin_tick()
+            sizes = [len(g.members) for g in sched.groups.values() if g.members]
+            if concurrency + 3 * stages <= sched.tick <= 60:  # steady decode: every request started, none ended
+                stages_busy.append(sum(sched.at(s) is not None for s in range(stages)))
+                assert sizes and max(sizes) - min(sizes) <= 1 and max(sizes) <= decode_batch, (concurrency, sizes)
+                assert len(sizes) == max(min(concurrency, stages), -(-concurrency // decode_batch))
+            sampling = sched.sampling
+            sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+        expected = min(concurrency, stages)
+        assert stages_busy and all(b == expected for b in stages_busy), (concurrency, stages_busy)
+        assert [r.generated for r in sched.requests] == [[100] * 40] * concurrency
+
+
+def test_groups_rebalance_when_requests_end() -> None:
+    # Two stages, decode batch 4, six requests of which two end early: the groups even out again.
+    lengths = [30, 30, 30, 30, 3, 3]
+    sched = Schedule([[1, 2]] * 6, lengths, stages=2, slots=6, prefill_step=3, eos_ids=set(), decode_batch=4)
+    late_sizes: list[list[int]] = []
+    while not sched.done:
+        sched.begin_tick()
+        if 20 <= sched.tick <= 40:
+            late_sizes.append(sorted(len(g.members) for g in sched.groups.values() if g.members))
+        sampling = sched.sampling
+        sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    assert late_sizes and all(sizes == [2, 2] for sizes in late_sizes[-10:]), late_sizes
+    assert [len(r.generated) for r in sched.requests] == lengths
+
+
 def test_requests_join_and_leave_decode_groups_as_they_come_and_end() -> None:
     sched = Schedule([[1, 2, 3, 4, 5, 6, 7], [8], [9, 10], [11]], [2, 6, 1, 4], stages=2, slots=4,
                      prefill_step=3, eos_ids=set(), decode_batch=2)

@@ -346,13 +346,18 @@ class Engine:
         """The caches ``batch`` runs with on this stage: its request's own, or its group's batch caches.
 
         A group's batch caches follow its members: requests that left are
-        filtered out, requests that joined (at the end of the rows) have their
-        own caches merged in, as ``BatchGenerator`` extends its batch.
+        filtered out (those that moved to another group take their own caches
+        along), requests that joined (at the end of the rows) have their own
+        caches merged in, as ``BatchGenerator`` extends its batch.
         """
         if batch.group is None or self.decode_batch == 1 or self.schedule.requests[batch.requests[0]].batch_key is None:
             return self.caches[batch.request]  # a prefill chunk, or a request that decodes alone
-        rows, cache = self.group_caches.get(batch.group, ([], []))
         wanted = list(batch.requests)
+        rows, _ = self.group_caches.get(batch.group, ([], []))
+        for index in rows:
+            if index not in wanted and self.schedule.requests[index].finish_reason is None:
+                self.caches[index] = self._take_own(index)  # it moved to another group
+        rows, cache = self.group_caches.get(batch.group, ([], []))
         keep = [i for i, index in enumerate(rows) if index in wanted]
         if len(keep) < len(rows):
             if keep:
@@ -365,7 +370,7 @@ class Engine:
             raise RuntimeError(f"group {batch.group}: rows {wanted} do not extend {rows}")
         joining = wanted[len(rows) :]
         if joining:
-            merged = merge_caches([self.caches.pop(index) for index in joining])
+            merged = merge_caches([self._take_own(index) for index in joining])
             if cache:
                 for c, new in zip(cache, merged):
                     c.extend(new)
@@ -373,6 +378,26 @@ class Engine:
                 cache = merged
         self.group_caches[batch.group] = (wanted, cache)
         return cache
+
+    def _take_own(self, index: int) -> list[Any]:
+        """A request's own caches: kept apart, or taken out of the batch caches of the group it was in."""
+        if index in self.caches:
+            return self.caches.pop(index)
+        group = self._group_of(index)
+        if group is None:
+            raise RuntimeError(f"request {index}: no caches on this stage")
+        rows, cache = self.group_caches[group]
+        row = rows.index(index)
+        own = [c.extract(row) for c in cache]
+        keep = [i for i in range(len(rows)) if i != row]
+        for c in cache if keep else ():
+            c.filter(keep)
+        self.group_caches[group] = ([rows[i] for i in keep], cache if keep else [])
+        return own
+
+    def _group_of(self, index: int) -> int | None:
+        """The group whose batch caches on this stage hold the request's row, if any."""
+        return next((g for g, (rows, _) in self.group_caches.items() if index in rows), None)
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
         """Step 2: the hidden state of the next tick's micro-batch, from rank + 1."""
@@ -418,8 +443,8 @@ class Engine:
     def _finish(self, index: int) -> None:
         """Drop a request's caches (keeping them in the prompt cache) and report it."""
         cache = self.caches.pop(index, None)
-        if cache is None and self.prompt_cache is not None:
-            cache = self._extract(index)
+        if cache is None and self.prompt_cache is not None and self._group_of(index) is not None:
+            cache = self._take_own(index)
         self.samplers.pop(index, None)
         self.processors.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
@@ -432,13 +457,6 @@ class Engine:
         self.eos.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
-
-    def _extract(self, index: int) -> list[Any] | None:
-        """A grouped request's own caches, out of its group's batch caches (None when in none)."""
-        for rows, cache in self.group_caches.values():
-            if index in rows:
-                return [c.extract(rows.index(index)) for c in cache]
-        return None
 
     # --- shapes --------------------------------------------------------------------
 

@@ -18,12 +18,14 @@ Decode steps travel in *groups* of up to ``decode_batch`` requests: one
 micro-batch carries one token of every member, and the members' caches are
 one batched cache on every stage (mlx-lm's ``BatchKVCache``). A request joins a
 group with its last prompt token, once its prefill chunks (one request per
-micro-batch) have entered; it leaves when it ends. At most ``max(stages,
-ceil(slots / decode_batch))`` groups exist, so with ``slots = stages *
-decode_batch`` every stage runs a group of ``decode_batch`` requests at every
-tick. A new group opens while fewer exist, so the first requests spread over
-the stages; later ones join the next group with room to enter. With
-``decode_batch`` 1 every request is its own group, as before groups existed.
+micro-batch) have entered; it leaves when it ends. Overlap comes first, then
+batching: with D requests decoding on N stages there are ``min(D, N)`` groups
+(more only when ``decode_batch`` caps their size), as even as can be, so two
+requests on two stages decode in two micro-batches that compute at once, never
+in one while a stage idles. When requests end or arrive, a group that has
+grown too large sheds its last members as it next enters (they join another
+group, or open one, at the next tick), and a new request joins the next group
+with room to enter. With ``decode_batch`` 1 every request is its own group.
 
 Requests may join at any tick (``add``), in the order every rank applies them,
 and leave early (``cancel``): a cancelled request stops entering at once and
@@ -228,7 +230,8 @@ class Schedule:
         for g in self.groups.values():
             if g.ready_at <= self.tick:
                 candidates.append(((g.ready_at, min(self.requests[m].slot or 0 for m in g.members)), g))
-        if joiners and len(self.groups) < self.max_groups:
+        wanted, size = self._group_shape(len(joiners))
+        if joiners and len(self.groups) < wanted:
             first = joiners[0]
             candidates.append(((first.ready_at, first.slot or 0), Group(-1)))  # a group yet to open
         if not candidates:
@@ -240,12 +243,34 @@ class Schedule:
             chosen = Group(self._next_group, key=joiners[0].batch_key)
             self.groups[chosen.id] = chosen
             self._next_group += 1
-        return self._enter_group(chosen, joiners)
+        elif len(self.groups) < wanted:
+            joiners = []  # they open the groups still missing; this one sheds what they will need
+        return self._enter_group(chosen, joiners, size)
 
-    def _enter_group(self, group: Group, joiners: list[RequestState]) -> MicroBatch:
-        """The group's next decode step, taking in waiting requests while it has room."""
+    def _group_shape(self, joiners: int) -> tuple[int, int]:
+        """How many decode groups there should be, and how many requests the group entering now may hold.
+
+        With D requests decoding (in groups, or waiting to join one) on N stages: ``min(D, N)``
+        groups, or as many as ``decode_batch`` makes necessary, as even as can be. While groups
+        are missing, one that enters keeps ``D // groups`` of its members (the rest open the
+        missing groups); otherwise it holds up to ``ceil(D / groups)``.
+        """
+        decoding = joiners + sum(len(g.members) for g in self.groups.values())
+        wanted = min(self.max_groups, max(min(decoding, self.stages), math.ceil(decoding / self.decode_batch)))
+        if not wanted:
+            return 0, self.decode_batch
+        if len(self.groups) < wanted:
+            return wanted, max(1, decoding // wanted)
+        return wanted, min(self.decode_batch, math.ceil(decoding / wanted))
+
+    def _enter_group(self, group: Group, joiners: list[RequestState], size: int) -> MicroBatch:
+        """The group's next decode step: members beyond ``size`` leave it (to join or open another group at
+        the next tick), waiting requests join while it has room."""
+        while len(group.members) > size:
+            moved = self.requests[group.members.pop()]
+            moved.group, moved.ready_at = None, self.tick + 1
         for r in joiners:
-            full = len(group.members) >= self.decode_batch
+            full = len(group.members) >= size
             alone = group.key is None and group.members
             if full or alone:
                 break
