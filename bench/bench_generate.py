@@ -197,10 +197,10 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path 
     return speeds, tokens
 
 
-def build_qwen2(dest: Path) -> Path:
+def build_qwen2(dest: Path, layers: int = QWEN2_LAYERS, overrides: dict[str, int] = QWEN2_BENCH) -> Path:
     from fixtures.tiny_models import make_tiny_checkpoint
 
-    return make_tiny_checkpoint("qwen2", dest, num_layers=QWEN2_LAYERS, num_shards=10, overrides=QWEN2_BENCH)
+    return make_tiny_checkpoint("qwen2", dest, num_layers=layers, num_shards=10, overrides=overrides)
 
 
 def build_short_draft(model: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:

@@ -1,20 +1,22 @@
-"""OpenAI-compatible servers under load (issue 9): mlxpipe serve against mlx_lm.server.
+"""OpenAI-compatible servers under load (issues 9, 25): mlxpipe serve against mlx_lm.server.
 
     python bench/bench_serve.py            # what `make bench` runs (a few minutes per server)
-    python bench/bench_serve.py --quick    # smoke run: 4 requests of 8 tokens, concurrency 1 and 4
+    python bench/bench_serve.py --quick    # smoke run: 4 requests of 8 tokens, concurrency 1 and 2
     python bench/bench_serve.py --servers mlx-lm-pipeline,mlxpipe --requests 16 --max-tokens 64
     python bench/bench_serve.py --no-pin   # every process unpinned, as a new user runs them
 
 One checkpoint (a random float32 qwen2, 20 layers, hidden 768; qwen2 has mlx-lm's
-own ``pipeline()``) behind three servers, started one after the other in one run:
+own ``pipeline()`` and ``shard()``) behind five servers, started one after the other in one run:
 
 * ``mlx-lm``: single-process ``python -m mlx_lm.server``, pinned to one core;
 * ``mlx-lm-pipeline``: ``mlx_lm.server --pipeline`` through ``mlx.launch`` on 2 local ranks
   (rank 0 loads the last layers and serves HTTP; every rank runs the batch generator);
-* ``mlxpipe``: ``mlxpipe serve`` on the same 2 local ranks (skipped, with the reason
-  printed, where this checkout has no ``serve`` command or it does not come up).
+* ``mlx-lm-tp``: ``mlx_lm.server`` through ``mlx.launch`` on the same 2 ranks without
+  ``--pipeline``: its tensor-parallel mode (``model.shard()``);
+* ``mlxpipe``: ``mlxpipe serve`` on the same 2 local ranks, at its defaults;
+* ``mlxpipe-b1``: the same with ``--decode-batch 1`` (one request per decode micro-batch).
 
-Each server gets, per concurrency level (1, 4, 8), the same number of streaming chat
+Each server gets, per concurrency level (1, 2, 4, 8), the same number of streaming chat
 completions (fixed prompts, greedy, max_tokens each), sent by that many clients in
 closed loop (a client sends its next request when its last one ends). Measured on
 the client: aggregate tok/s (all generated tokens / wall time of the level, from the
@@ -45,17 +47,19 @@ from typing import Any, Callable, Iterator
 
 from bench_generate import QWEN2_LAYERS, REPO, build_qwen2, cores, pin, rank_cores
 
-CONCURRENCY = (1, 4, 8)
+CONCURRENCY = (1, 2, 4, 8)
 RANKS = 2
-GOAL_CONCURRENT = 2.0  # mlxpipe serve / mlx_lm.server --pipeline at concurrency 4 and 8
-GOAL_SINGLE = 0.9  # ... and at least this at concurrency 1
+GOAL_CONCURRENT = 2.0  # mlxpipe serve / mlx_lm.server's faster distributed mode, at concurrency 2 and 4
+GOAL_LEVELS = (2, 4)
 TOPICS = ["dragons", "rivers", "clocks", "bridges", "gardens", "comets", "harbours", "lanterns",
           "islands", "kites", "mirrors", "owls", "glaciers", "violins", "deserts", "lighthouses"]
-SERVERS = ("mlx-lm", "mlx-lm-pipeline", "mlxpipe")
+SERVERS = ("mlx-lm", "mlx-lm-pipeline", "mlx-lm-tp", "mlxpipe", "mlxpipe-b1")
 LABELS = {
     "mlx-lm": "mlx_lm.server, single process",
     "mlx-lm-pipeline": "mlx_lm.server --pipeline (mlx.launch)",
-    "mlxpipe": "mlxpipe serve",
+    "mlx-lm-tp": "mlx_lm.server tensor parallel (mlx.launch)",
+    "mlxpipe": "mlxpipe serve (defaults)",
+    "mlxpipe-b1": "mlxpipe serve --decode-batch 1",
 }
 
 
@@ -442,8 +446,8 @@ def mlx_lm_server(model: Path, logdir: Path) -> Server:
     return Server("mlx-lm", argv, port, str(model), logdir, 0, lambda h: h.get("status") == "ok")
 
 
-def mlx_lm_pipeline_server(model: Path, logdir: Path) -> Server:
-    """``mlx_lm.server --pipeline`` through mlx.launch on 2 local ranks.
+def mlx_lm_launched_server(model: Path, logdir: Path, pipeline: bool) -> Server:
+    """``mlx_lm.server`` through mlx.launch on 2 local ranks: ``--pipeline``, else its tensor-parallel mode.
 
     Every rank runs the same command line; only rank 0 starts the HTTP server (on --port),
     the others run just the generation loop, which gets each request from rank 0 through
@@ -458,11 +462,13 @@ def mlx_lm_pipeline_server(model: Path, logdir: Path) -> Server:
         launch = Path(found)
     hostfile = REPO / "hostfiles" / f"local-{RANKS}.json"
     argv = [str(launch), "--hostfile", str(hostfile), "--backend", "ring", "--starting-port", str(free_ports(RANKS)),
-            "--", sys.executable, "-m", "mlx_lm", "server", "--pipeline", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    return Server("mlx-lm-pipeline", argv, port, str(model), logdir, RANKS, lambda h: h.get("status") == "ok")
+            "--", sys.executable, "-m", "mlx_lm", "server", *(["--pipeline"] if pipeline else []),
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    name = "mlx-lm-pipeline" if pipeline else "mlx-lm-tp"
+    return Server(name, argv, port, str(model), logdir, RANKS, lambda h: h.get("status") == "ok")
 
 
-def mlxpipe_server(model: Path, logdir: Path, max_concurrency: int) -> Server:
+def mlxpipe_server(model: Path, logdir: Path, max_concurrency: int, decode_batch: int | None = None) -> Server:
     help_run = subprocess.run([sys.executable, "-m", "mlxpipe", "serve", "--help"], capture_output=True, text=True,
                               cwd=REPO, env=_env(), timeout=120)
     if help_run.returncode != 0:
@@ -475,7 +481,10 @@ def mlxpipe_server(model: Path, logdir: Path, max_concurrency: int) -> Server:
     hostfile = REPO / "hostfiles" / f"local-{RANKS}.json"
     argv = [sys.executable, "-m", "mlxpipe", "serve", "--model", str(model), "--hostfile", str(hostfile),
             "--host", "127.0.0.1", "--port", str(port), "--max-concurrency", str(max_concurrency)]
-    return Server("mlxpipe", argv, port, str(model), logdir, RANKS, lambda h: h.get("status") == "ready")
+    if decode_batch is not None:
+        argv += ["--decode-batch", str(decode_batch)]
+    name = "mlxpipe" if decode_batch is None else f"mlxpipe-b{decode_batch}"
+    return Server(name, argv, port, str(model), logdir, RANKS, lambda h: h.get("status") == "ready")
 
 
 def _env() -> dict[str, str]:
@@ -516,7 +525,7 @@ def measure(server: Server, args: argparse.Namespace, send_kind: str) -> list[Le
     print(f"  ready and warm after {time.perf_counter() - tic:.1f} s", file=sys.stderr, flush=True)
     if args.pin:
         server.pin(rank_cores(server.ranks) if server.ranks else [cores()[0]])
-        if server.name == "mlx-lm-pipeline" and server.proc is not None:
+        if server.name.startswith("mlx-lm-") and server.proc is not None:
             server.renice([server.proc.pid])  # mlx.launch, as mlxpipe renices its own
     levels = []
     for c in args.concurrency:
@@ -557,7 +566,8 @@ def table(levels: list[Level]) -> str:
 
 def ratios(levels: list[Level]) -> str:
     by = {(lv.server, lv.concurrency): lv for lv in levels}
-    pairs = [("mlxpipe", "mlx-lm-pipeline"), ("mlxpipe", "mlx-lm"), ("mlx-lm-pipeline", "mlx-lm")]
+    pairs = [("mlxpipe", "mlxpipe-b1"), ("mlxpipe", "mlx-lm-pipeline"), ("mlxpipe", "mlx-lm-tp"), ("mlxpipe", "mlx-lm"),
+             ("mlx-lm-pipeline", "mlx-lm"), ("mlx-lm-tp", "mlx-lm")]
     concurrency = sorted({lv.concurrency for lv in levels})
     lines = ["| ratio | " + " | ".join(f"concurrency {c}: tok/s, TTFT p50" for c in concurrency) + " |",
              "|---|" + "---:|" * len(concurrency)]
@@ -579,18 +589,26 @@ def ratios(levels: list[Level]) -> str:
 
 
 def verdict(levels: list[Level]) -> str:
+    """Issue 25's goals at concurrency 2 and 4: mlxpipe at its defaults no slower than with --decode-batch 1,
+    and at least GOAL_CONCURRENT x mlx_lm.server's faster distributed mode."""
     by = {(lv.server, lv.concurrency): lv for lv in levels}
     parts = []
-    for c in sorted({lv.concurrency for lv in levels}):
-        x, y = by.get(("mlxpipe", c)), by.get(("mlx-lm-pipeline", c))
-        if x is None or y is None or y.tps == 0:
+    for c in GOAL_LEVELS:
+        ours, b1 = by.get(("mlxpipe", c)), by.get(("mlxpipe-b1", c))
+        theirs = [lv for lv in (by.get(("mlx-lm-pipeline", c)), by.get(("mlx-lm-tp", c))) if lv is not None and lv.tps]
+        if ours is None:
             continue
-        r = x.tps / y.tps
-        goal = GOAL_SINGLE if c == 1 else GOAL_CONCURRENT
-        parts.append(f"concurrency {c}: {r:.2f}x (goal >= {goal:g}x, {'met' if r >= goal else 'NOT met'})")
+        if b1 is not None and b1.tps:
+            r = ours.tps / b1.tps
+            parts.append(f"concurrency {c}: {r:.2f}x --decode-batch 1 (goal >= 1x, {'met' if r >= 1 else 'NOT met'})")
+        if theirs:
+            best = max(theirs, key=lambda lv: lv.tps)
+            r = ours.tps / best.tps
+            parts.append(f"concurrency {c}: {r:.2f}x {LABELS[best.server]} (goal >= {GOAL_CONCURRENT:g}x, "
+                         f"{'met' if r >= GOAL_CONCURRENT else 'NOT met'})")
     if not parts:
         return ""
-    return "Goal (issue 9), mlxpipe serve / mlx_lm.server --pipeline aggregate tok/s: " + "; ".join(parts) + "."
+    return "Goals (issue 25), mlxpipe serve at its defaults, aggregate tok/s: " + "; ".join(parts) + "."
 
 
 def notes(args: argparse.Namespace, client: str, levels: list[Level], skipped: dict[str, str]) -> str:
@@ -611,9 +629,9 @@ def notes(args: argparse.Namespace, client: str, levels: list[Level], skipped: d
     ]
     if args.pin:
         lines.append(
-            f"- Placement: the single-process server pinned to core {cores()[0]} (every thread); each rank of the two "
-            "pipelined servers (every process with that MLX_RANK under the server, every thread) pinned to its own core "
-            "once the server answered its warm-up request. mlx.launch reniced to 19 for mlx_lm.server --pipeline "
+            f"- Placement: the single-process server pinned to core {cores()[0]} (every thread); each rank of the "
+            "distributed servers (every process with that MLX_RANK under the server, every thread) pinned to its own core "
+            "once the server answered its warm-up request. mlx.launch reniced to 19 for mlx_lm.server's distributed modes "
             "(mlxpipe renices its own); mlxpipe serve's controller process (its HTTP server) is left unpinned, "
             "mlx_lm.server's HTTP server runs inside rank 0. MLX's ring backend busy-waits: a waiting rank burns its core, "
             "and an idle mlx_lm.server --pipeline keeps both ranks busy polling for requests."
@@ -648,11 +666,11 @@ def signals_as_interrupts() -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 requests of 8 tokens at concurrency 1 and 4 (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="4 requests of 8 tokens at concurrency 1 and 2 (smoke run)")
     parser.add_argument("--requests", type=int, default=8, help="requests per concurrency level (default 8)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request (default 32)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=list(CONCURRENCY),
-                        help="comma-separated concurrency levels (default 1,4,8)")
+                        help="comma-separated concurrency levels (default 1,2,4,8)")
     parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVERS),
                         help=f"comma-separated, of {', '.join(SERVERS)} (default: all)")
     parser.add_argument("--model", type=Path, help="an existing checkpoint instead of the random qwen2 built here")
@@ -663,7 +681,7 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.max_tokens, args.concurrency = 4, 8, [1, 4]
+        args.requests, args.max_tokens, args.concurrency = 4, 8, [1, 2]
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))} (known: {', '.join(SERVERS)})")
@@ -689,10 +707,10 @@ def main() -> None:
             try:
                 if name == "mlx-lm":
                     server = mlx_lm_server(model, logdir)
-                elif name == "mlx-lm-pipeline":
-                    server = mlx_lm_pipeline_server(model, logdir)
+                elif name in ("mlx-lm-pipeline", "mlx-lm-tp"):
+                    server = mlx_lm_launched_server(model, logdir, pipeline=name == "mlx-lm-pipeline")
                 else:
-                    server = mlxpipe_server(model, logdir, max(args.concurrency))
+                    server = mlxpipe_server(model, logdir, max(args.concurrency), 1 if name == "mlxpipe-b1" else None)
                 levels += measure(server, args, client)
             except Skip as e:
                 skipped[name] = str(e)

@@ -1,9 +1,11 @@
 """Aggregate throughput of overlapped requests (issue 6): K = 1, 2, 4 in flight on 2 and 3 ranks;
-then batched decode micro-batches (issue 10): concurrency 1 to 16 on 2 ranks, B = 1 vs batched.
+``--prompts-file`` at its defaults against ``--decode-batch 1`` (issue 25); then batched decode
+micro-batches (issue 10): concurrency 1 to 16 on 2 ranks, B = 1 vs batched.
 
     python bench/bench_throughput.py            # what `make bench` runs (about 10 minutes)
     python bench/bench_throughput.py --quick    # smoke run: fewer, shorter requests
     python bench/bench_throughput.py --decode-batching   # only the batched-decode table
+    python bench/bench_throughput.py --defaults          # only --prompts-file at the defaults (issue 25)
 
 The same batch of greedy requests (different prompts, same length) runs:
 
@@ -18,6 +20,11 @@ Aggregate tok/s is every generated token over the wall time of the whole batch
 overlapping gives at least 1.7x the single-stream pipeline. Then the demo model under
 `--strategy even` and `--strategy balanced` (overlapped, K = 2): what weighing
 rank 0's vocabulary head gives.
+
+At the defaults (issue 25): a smaller float32 qwen2 (12 layers, hidden 512), K = 1, 2, 4 in
+flight on 2 pinned ranks, each K at the default ``--decode-batch`` and at ``--decode-batch 1``,
+under the default split. The goal: K = 2 at least 1.5x K = 1 at the defaults (batching must not
+cost the overlap).
 
 Batched decode: at concurrency C on 2 pinned ranks, C requests of the same
 qwen2 run once with one request per decode micro-batch (B = 1, what mlxpipe did
@@ -44,9 +51,15 @@ from bench_generate import (  # the same placement and checkpoints as the latenc
     QWEN2_LAYERS, REPO, build_qwen2, cores, pinned_pipeline, placement,
 )
 
+from mlxpipe.batch import DEFAULT_DECODE_BATCH
+
 GOAL = 1.7
 CONCURRENCY = (1, 2, 4)
 BATCH_GOAL = 1.3  # batched vs B = 1 at concurrency 8, on 2 ranks
+DEFAULTS_GOAL = 1.5  # K = 2 vs K = 1 at the defaults, on 2 ranks (issue 25)
+SMALL_LAYERS = 12  # issue 25's model: qwen2, 12 layers, hidden 512
+QWEN2_SMALL = {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "head_dim": 64}
 BATCH_CONCURRENCY = (1, 2, 4, 8, 16)
 TOPICS = ["dragons", "rivers", "clocks", "bridges", "gardens", "comets", "harbours", "lanterns"]
 
@@ -129,6 +142,44 @@ def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs:
                 tps.append(tokens / (time.perf_counter() - tic))
         rows.append((strategy, list(pipe.plan.split), tps))
     return rows
+
+
+def defaults_rows(model: Path, texts: list[str], max_tokens: int, runs: int) -> list[tuple[int, int, list[float]]]:
+    """``--prompts-file --concurrency K`` on 2 pinned ranks at the default split, with the default decode batch
+    and with 1: (K, B, aggregate tok/s per run). B = default and B = 1 alternate, so drifting load hits both."""
+    requests = _requests(texts, max_tokens)
+    rows: dict[tuple[int, int], list[float]] = {}
+    with pinned_pipeline(model, 2) as pipe:
+        pipe.generate_batch(requests[:2], concurrency=2, decode_batch=DEFAULT_DECODE_BATCH)  # warm-up
+        for _ in range(runs):
+            for k in CONCURRENCY:
+                for b in (DEFAULT_DECODE_BATCH, 1):
+                    tic = time.perf_counter()
+                    tokens = pipe.generate_batch(requests, concurrency=k, decode_batch=b).generation_tokens
+                    rows.setdefault((k, b), []).append(tokens / (time.perf_counter() - tic))
+                    print(f"  K = {k}, B = {b}: {rows[(k, b)][-1]:.2f} tok/s", file=sys.stderr, flush=True)
+        split = list(pipe.plan.split)
+    print(f"  split (rank order): {split}", file=sys.stderr, flush=True)
+    return [(k, b, tps) for (k, b), tps in rows.items()]
+
+
+def defaults_table(rows: list[tuple[int, int, list[float]]]) -> str:
+    base = {b: statistics.median(tps) for k, b, tps in rows if k == 1}
+    lines = ["| K in flight | --decode-batch | aggregate tok/s (median) | runs | vs K = 1 (same B) |",
+             "|---:|---:|---:|---|---:|"]
+    for k, b, tps in sorted(rows, key=lambda r: (r[1] == 1, r[0])):
+        median = statistics.median(tps)
+        runs = ", ".join(f"{t:.2f}" for t in tps)
+        lines.append(f"| {k} | {b}{' (default)' if b == DEFAULT_DECODE_BATCH else ''} | {median:.2f} | {runs} "
+                     f"| {median / base[b]:.2f}x |")
+    return "\n".join(lines)
+
+
+def defaults_verdict(rows: list[tuple[int, int, list[float]]]) -> str:
+    by = {(k, b): statistics.median(tps) for k, b, tps in rows}
+    ratio = by[(2, DEFAULT_DECODE_BATCH)] / by[(1, DEFAULT_DECODE_BATCH)]
+    return (f"Goal (issue 25): at the defaults, K = 2 >= {DEFAULTS_GOAL:g}x K = 1: {ratio:.2f}x, "
+            f"{'met' if ratio >= DEFAULTS_GOAL else 'NOT met'}.")
 
 
 def decode_batching_rows(model: Path, max_tokens: int, runs: int = 1,
@@ -290,6 +341,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--decode-batching", action="store_true", help="only the batched-decode table")
+    parser.add_argument("--defaults", action="store_true", help="only the table of --prompts-file at the defaults")
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batched-decode table")
     parser.add_argument("--batch-runs", type=int, default=3, help="runs per row of the batched-decode table")
     parser.add_argument("--batch-concurrency", default=",".join(map(str, BATCH_CONCURRENCY)),
@@ -311,6 +363,13 @@ def main() -> None:
         os.environ.setdefault("MLXPIPE_HOME", str(Path(tmp) / "home"))
         model = build_qwen2(Path(tmp) / "qwen2-bench")
         batch_tokens = 8 if args.quick else args.batch_tokens
+        if args.defaults:
+            small = build_qwen2(Path(tmp) / "qwen2-small", SMALL_LAYERS, QWEN2_SMALL)
+            defaults = defaults_rows(small, prompts(4), 8 if args.quick else 48, 1 if args.quick else 3)
+            print(defaults_table(defaults))
+            print()
+            print(defaults_verdict(defaults))
+            return
         if args.decode_batching:
             print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)
             levels = tuple(int(c) for c in args.batch_concurrency.split(","))
@@ -322,6 +381,10 @@ def main() -> None:
         for ranks in (2, 3):
             print(f"measuring {ranks} ranks...", file=sys.stderr, flush=True)
             rows += pipeline_rows(model, ranks, texts, args.max_tokens)
+        print("measuring --prompts-file at the defaults and at --decode-batch 1 (12-layer qwen2)...",
+              file=sys.stderr, flush=True)
+        small = build_qwen2(Path(tmp) / "qwen2-small", SMALL_LAYERS, QWEN2_SMALL)
+        defaults = defaults_rows(small, prompts(4), 48, 1 if args.quick else 3)
         print("measuring the demo model's even and balanced splits...", file=sys.stderr, flush=True)
         from mlxpipe.demo_model import ensure_demo_model
 
@@ -334,6 +397,13 @@ def main() -> None:
     print(verdict(rows))
     print()
     print(notes(args.requests, args.max_tokens))
+    print()
+    print(f"--prompts-file at the defaults, 2 pinned ranks, float32 qwen2 of {SMALL_LAYERS} layers and hidden 512, "
+          "4 prompts of 48 tokens, K = --concurrency:")
+    print()
+    print(defaults_table(defaults))
+    print()
+    print(defaults_verdict(defaults))
     print()
     print("Where the stages meet: the demo model (SmolLM2-135M, its tied 8-bit vocabulary head worth ~13 of its 30")
     print("4-bit layers in bytes) with `--strategy even` and `--strategy balanced`, the same batch, 2 pinned ranks:")

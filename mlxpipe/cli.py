@@ -114,9 +114,10 @@ HostfileOpt = typer.Option(
 )
 StrategyOpt = typer.Option(
     None, "--strategy",
-    help="even (mlx-lm's split) | memory (by each host's memory) | balanced (the same weight bytes read per token on "
-    "every stage, rank 0's vocabulary head included: best for --prompts-file).",
-    show_default="the --config preset's, else memory when every host has memory_gb, else even",
+    help="balanced (the busiest stage does the least work per token: the weight bytes each stage reads, rank 0's "
+    "vocabulary head included) | even (mlx-lm's split: the same number of layers on every rank) | memory (by each "
+    "host's memory).",
+    show_default="the --config preset's, else memory when every host has memory_gb, else balanced",
 )
 SplitOpt = typer.Option(
     None, "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).",

@@ -39,6 +39,7 @@ class RankPlan:
     files: tuple[str, ...]  # weight files it needs
     download_bytes: int  # those files plus config and tokenizer files
     kv_bytes_per_1k: int  # KV cache per 1,000 tokens of context
+    work_share: float  # its share of the pipeline's work per token (weight bytes read; the head on rank 0)
     budget_bytes: int | None  # memory the GPU may use on that host
     headroom_bytes: int | None  # budget - weights - overhead - KV at the planned context
     fits: bool | None
@@ -219,9 +220,10 @@ def choose_split(
     hosts: Sequence[Host],
     work: tuple[list[int], int] | None = None,
 ) -> tuple[str, list[int]]:
-    """Resolve the strategy (default: memory when every host declares it, else even).
+    """Resolve the strategy (default: memory when every host declares it, else balanced).
 
-    ``work`` (each layer's work per token, the head's) is what ``balanced`` weighs.
+    ``work`` (each layer's work per token, the head's) is what ``balanced`` weighs; without
+    it the default is mlx-lm's even split.
     """
     size = len(hosts)
     if size > num_layers:
@@ -235,7 +237,7 @@ def choose_split(
         check_split(split, num_layers, size)
         return "split", list(split)
     if strategy is None:
-        strategy = "memory" if all(h.memory_gb for h in hosts) else "even"
+        strategy = "memory" if all(h.memory_gb for h in hosts) else "balanced" if work is not None else "even"
     if strategy == "even":
         return strategy, even_split(num_layers, size)
     if strategy == "memory":
@@ -364,6 +366,7 @@ def make_plan(
     max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
     support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
     ranks = []
+    total_work = sum(costs.layer_work) + costs.head_work
     for host, (start, end) in zip(hosts, layer_ranges(chosen)):
         files = set(costs.shared_files).union(*costs.layer_files[start:end])
         weights = _rank_weight_bytes(costs, start, end)
@@ -385,6 +388,8 @@ def make_plan(
                 files=tuple(sorted(files)),
                 download_bytes=sum(meta.file_sizes.get(f, 0) for f in files) + support_bytes,
                 kv_bytes_per_1k=kv_bytes(kv, 1000),
+                work_share=(sum(costs.layer_work[start:end]) + (costs.head_work if end == n else 0)) / total_work
+                if total_work else 0.0,
                 budget_bytes=budget,
                 headroom_bytes=headroom,
                 fits=fits,
@@ -500,10 +505,10 @@ def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:
 
 
 def _strategy_notes(strategy: str, costs: _Costs, meta: ModelMetadata) -> tuple[str, ...]:
-    if strategy != "balanced":
+    experts = " (routed experts: the share each token uses)" if _active_experts(meta.text_config)[1] else ""
+    if strategy != "balanced" or not (costs.head_work or experts):
         return ()
     layer = sum(costs.layer_work) / len(costs.layer_work)
-    experts = " (routed experts: the share each token uses)" if _active_experts(meta.text_config)[1] else ""
     head = f"{costs.head_work / layer:.1f} layers" if layer else "nothing"
     return (
         f"balanced: each stage reads about the same weight bytes per token{experts}; rank 0 also runs the "

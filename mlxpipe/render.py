@@ -25,6 +25,7 @@ def plan_table(plan: Plan) -> RenderableType:
     t.add_column("weights", justify="right", footer=short_bytes(plan.model_bytes), no_wrap=True)
     t.add_column("download", justify="right", footer=short_bytes(total_download), no_wrap=True)
     t.add_column("KV/1k", justify="right", no_wrap=True)
+    t.add_column("work/token", justify="right", no_wrap=True)
     if has_memory:
         t.add_column("budget", justify="right", no_wrap=True)
         t.add_column("free", justify="right", no_wrap=True)
@@ -34,6 +35,7 @@ def plan_table(plan: Plan) -> RenderableType:
         row = [
             str(r.rank), r.host, f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
             f"{short_bytes(r.download_bytes)} in {len(r.files)}", short_bytes(r.kv_bytes_per_1k),
+            f"{r.work_share:.0%}",
         ]
         if has_memory:
             fits = "-" if r.fits is None else ("[green]yes[/]" if r.fits else "[bold red]NO[/]")

@@ -79,7 +79,7 @@ def test_table(model: Path) -> None:
     result = invoke("plan", "--model", str(model), "--hostfile", str(REPO / "hostfiles" / "local-3.json"))
     assert result.exit_code == 0, result.output
     title = result.stdout.split("┏")[0]  # Rich wraps a title wider than the table
-    assert " ".join(title.split()) == f"{model} · 6 layers · strategy even"
+    assert " ".join(title.split()) == f"{model} · 6 layers · strategy balanced"
     assert rows(result.stdout) == [
         ("0", "127.0.0.1", "4-5 (2)"), ("1", "127.0.0.1", "2-3 (2)"), ("2", "127.0.0.1", "0-1 (2)"),
     ]
@@ -121,7 +121,10 @@ def test_json_content(model: Path) -> None:
     data = json.loads(invoke("plan", "--model", str(model), "--hostfile", str(LOCAL_2), "--json").stdout)
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     summary = (data["model"], data["strategy"], data["num_layers"], data["split"], data["fits"])
-    assert summary == (str(model), "even", 6, [3, 3], True)
+    assert summary == (str(model), "balanced", 6, [3, 3], True)
+    # Rank 0's share of the work per token counts the vocabulary head besides its 3 layers.
+    shares = [r["work_share"] for r in data["ranks"]]
+    assert sum(shares) == pytest.approx(1) and shares[0] > shares[1]
     # Rank 0 runs the last layers; the embeddings (shard 1) and the head (shard 3) go everywhere.
     assert [(r["rank"], r["host"], r["start"], r["end"], r["layers"], r["files"]) for r in data["ranks"]] == [
         (0, "127.0.0.1", 3, 6, 3, shards), (1, "127.0.0.1", 0, 3, 3, shards),

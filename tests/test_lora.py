@@ -176,9 +176,9 @@ def test_three_ranks_1f1b_quantized_resumed_equals_mlx_lm_resumed(workdir: Path)
                     resume_adapter_file=str(start), **flags)
     out = workdir / "resumed"
     lines = mlxpipe_lora("local-3.json", out, model=str(workdir / "llama-4bit"), data=str(workdir / "text"),
-                         micro_batches=4, schedule="1f1b", resume_adapter_file=str(start), **flags)
+                         micro_batches=4, schedule="1f1b", resume_adapter_file=str(start), strategy="even", **flags)
     check_run(lines, ref, out)
-    # Rank 2 holds layer 0 alone, which --num-layers 3 leaves without adapters: it only runs forward.
+    # Even split: rank 2 holds layer 0 alone, which --num-layers 3 leaves without adapters: it only runs forward.
     assert [r["layers"] for r in lines[-1]["ranks"]] == [[2, 4], [1, 2], [0, 1]]
 
 

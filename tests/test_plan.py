@@ -253,13 +253,17 @@ def test_memory_split_every_rank_gets_a_layer_and_its_share() -> None:
     [
         # budgets 1:3, 10 spare layers -> 2.5, 7.5; the tie goes to the lower rank
         ([Host(rank=0, ssh="a", memory_gb=64), Host(rank=1, ssh="b", memory_gb=192)], "memory", [4, 8]),
-        ([Host(rank=0, ssh="a", memory_gb=64), Host(rank=1, ssh="b")], "even", [6, 6]),
-        (hosts(3), "even", [4, 4, 4]),
+        # Without every host's memory: the least work per token on the busiest stage, the head counted
+        # (a head worth 2 layers here); without the model's tensors to weigh, mlx-lm's even split.
+        ([Host(rank=0, ssh="a", memory_gb=64), Host(rank=1, ssh="b")], "balanced", [5, 7]),
+        (hosts(3), "balanced", [2, 5, 5]),
     ],
 )
 def test_default_strategy(cluster: list[Host], strategy: str, split: list[int]) -> None:
-    assert choose_split(None, None, 12, cluster) == (strategy, split)
-    assert make_plan(uniform(12, 1024), cluster).strategy == strategy
+    work = ([1] * 12, 2)
+    assert choose_split(None, None, 12, cluster, work) == (strategy, split)
+    if strategy == "balanced":
+        assert choose_split(None, None, 12, cluster) == ("even", even_split(12, len(cluster)))
 
 
 @pytest.mark.parametrize(
@@ -506,7 +510,7 @@ def test_kv_bytes_per_token(config: dict[str, Any], norm_dtype: str, per_token: 
     tensors = [T(f"model.layers.{i}.input_layernorm.weight", 64, "w", norm_dtype) for i in range(3)]
     m = meta(tensors, 3, **config)
     assert kv_bytes_per_token(m) == [(per_token, None)] * 3
-    plan = make_plan(m, hosts(2))
+    plan = make_plan(m, hosts(2), strategy="even")
     assert [r.kv_bytes_per_1k for r in plan.ranks] == [2 * per_token * 1000, per_token * 1000]
 
 

@@ -290,11 +290,18 @@ def test_every_endpoint_but_health_needs_the_key(server: ServeProcess, header: s
     assert httpx.get(f"{server.base}/health").status_code == 200
 
 
-def test_health_names_every_rank(server: ServeProcess) -> None:
+def test_health_names_every_rank(server: ServeProcess, demo_model: Path) -> None:
+    from mlxpipe.hostfile import load_hostfile
+    from mlxpipe.metadata import load_local
+    from mlxpipe.plan import make_plan
+
+    the_plan = make_plan(load_local(demo_model), load_hostfile(Path("hostfiles/local-2.json")).hosts)
     health = server.health()
     assert health["status"] == "ready"
-    assert [(r["rank"], r["layers"], r["state"]) for r in health["ranks"]] == [(0, [15, 30], "ready"),
-                                                                               (1, [0, 15], "ready")]
+    assert [(r["rank"], r["layers"], r["state"]) for r in health["ranks"]] == [
+        (r.rank, [r.start, r.end], "ready") for r in the_plan.ranks
+    ]
+    assert the_plan.split == (8, 22)  # the default split counts rank 0's vocabulary head, worth 13 layers here
 
 
 def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.OpenAI) -> None:
