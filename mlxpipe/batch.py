@@ -75,7 +75,8 @@ class RequestResult:
     latency: float
     ttft: float
     tps: float  # generation tok/s as mlx-lm computes it: tokens / time after the first
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", or "error" (then ``error`` says why)
+    error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,11 @@ class BatchResult:
         return sum(r.generation_tokens for r in self.results)
 
     @property
+    def failed(self) -> list[RequestResult]:
+        """The requests that ended with an error (each alone: the others ran to their end)."""
+        return [r for r in self.results if r.error is not None]
+
+    @property
     def aggregate_tps(self) -> float:
         """Generated tokens of all requests over the batch's wall time."""
         return self.generation_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -107,6 +113,7 @@ class BatchResult:
             "concurrency": self.concurrency,
             "decode_batch": self.decode_batch,
             "generation_tokens": self.generation_tokens,
+            "failed": len(self.failed),
             "seconds": self.seconds,
             "aggregate_tps": self.aggregate_tps,
             "ranks": [asdict(r) for r in self.ranks],
@@ -217,6 +224,7 @@ def result_from_event(event: dict[str, Any]) -> RequestResult:
         ttft=float(event.get("ttft", 0.0)),
         tps=float(event.get("generation_tps", 0.0)),
         finish_reason=event.get("finish_reason"),
+        error=event.get("error"),
     )
 
 

@@ -17,10 +17,13 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.batch import DEFAULT_DECODE_BATCH
-from mlxpipe.errors import MlxpipeError, UsageError
+from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.hostfile import BACKENDS
 from mlxpipe.launch import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.serve.engine import (
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -603,6 +606,10 @@ def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
         console.print_json({**results, "summary": result.summary(), "run_dir": str(pipe.run_dir)})
     else:
         console.err.print(batch_table(result))
+    if result.failed:
+        names = ", ".join(str(r.id) for r in result.failed[:5]) + (" ..." if len(result.failed) > 5 else "")
+        raise RequestFailed(f"{len(result.failed)} of {len(result.results)} requests failed ({names}): "
+                            f"{result.failed[0].error}", "the others ran to their end; their results are kept")
 
 
 def _check_decode_batch(decode_batch: int) -> None:
@@ -612,6 +619,9 @@ def _check_decode_batch(decode_batch: int) -> None:
 
 def _print_result(result: Any) -> None:
     console.out.rule(f"{result.id}", align="left")
+    if result.error is not None:
+        console.error(f"request {result.id} failed: {result.error}")
+        return
     console.out.print(result.text, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -691,7 +701,12 @@ def chat(
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            answer = pipe.generate(request_for(None, messages, options, keep_cache=True), _stream_text)
+            try:
+                answer = pipe.generate(request_for(None, messages, options, keep_cache=True), _stream_text)
+            except RequestFailed as e:  # this turn failed, the pipeline did not: the chat goes on
+                messages.pop()
+                console.error(e.message, e.hint)
+                continue
             console.out.print()
             messages.append({"role": "assistant", "content": answer.text})
             console.err.print(
@@ -721,9 +736,22 @@ def serve(
         show_default="ranks x --decode-batch",
     ),
     decode_batch: int = DecodeBatchOpt,
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for a slot; beyond them, 429."),
-    max_restarts: int = typer.Option(3, "--max-restarts", help="Relaunches after a rank fails before the server gives up."),
-    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE, "--max-queue", help="Requests waiting for a slot, or for the ranks to load or relaunch; beyond them, 429."
+    ),
+    queue_timeout: float = typer.Option(
+        DEFAULT_QUEUE_TIMEOUT, "--queue-timeout",
+        help="Seconds a request waits for the ranks to be ready (loading, relaunching) before it gets a 503.",
+    ),
+    max_body_size: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-size", help="Largest request body, in bytes; a larger one gets a 413."
+    ),
+    max_restarts: int = typer.Option(
+        DEFAULT_MAX_RESTARTS, "--max-restarts", help="Relaunches after a rank fails before the server gives up."
+    ),
+    prompt_cache_size: int = typer.Option(
+        DEFAULT_PROMPT_CACHE_SIZE, "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."
+    ),
     max_tokens: Optional[int] = typer.Option(
         None, "--max-tokens", "-n", help="Default max_tokens of a request.",
         show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
@@ -759,8 +787,9 @@ def serve(
     """Serve the pipelined model behind an OpenAI-compatible API until Ctrl-C.
 
     Plans, checks every host, downloads and loads once; then answers /v1/chat/completions,
-    /v1/completions (streaming or not) and /v1/models, with /health for status. A failed rank
-    ends the requests in flight with an error, and the pipeline is relaunched.
+    /v1/completions (streaming or not) and /v1/models, with /health for status. Requests that
+    arrive while the ranks load wait for them. A failed rank ends the requests in flight with
+    an error, and the pipeline is relaunched; a request that fails alone ends alone.
 
     Example: mlxpipe serve --port 8080
     """
@@ -789,11 +818,11 @@ def serve(
     options = server.ServeOptions(
         max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size * decode_batch,
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
-        decode_batch=decode_batch,
+        decode_batch=decode_batch, queue_timeout=queue_timeout,
     )
     code = server.serve(
         pipeline_config, options, host=host, port=port, api_key=api_key,
-        defaults=defaults, context=context,
+        defaults=defaults, context=context, max_body_bytes=max_body_size,
     )
     raise typer.Exit(code)
 

@@ -74,7 +74,7 @@ def load_preset(path: str | Path | None) -> Preset:
             raise ConfigError(f"{path}: key {key!r} must be {_TYPES[key][0].__name__}, got {value!r}")
         values[key] = value
     try:  # a value out of range is the file's fault: say so, rather than blame a flag that was not given
-        check_fields(values, lambda key: f"{path}: key {key!r}")
+        values.update(check_fields(values, lambda key: f"{path}: key {key!r}"))
     except RequestError as e:
         raise ConfigError(e.message) from None
     if "split" in values:

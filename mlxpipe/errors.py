@@ -58,3 +58,7 @@ class DownloadError(MlxpipeError):
 
 class LaunchError(MlxpipeError):
     """The distributed run could not start or a rank failed."""
+
+
+class RequestFailed(MlxpipeError):
+    """One request failed on a rank (its options, its sampler): that request ends, the pipeline goes on."""

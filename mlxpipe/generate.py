@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mlxpipe import storage
-from mlxpipe.errors import LaunchError
+from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.launch import LaunchSpec, Ranks, lease_for
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
@@ -53,6 +53,7 @@ class Answer:
     ttft: float | None = None
     finish_reason: str | None = None
     draft_tokens: int | None = None  # --draft-model: generated tokens that were the draft's, accepted
+    error: str | None = None  # why the request failed (finish_reason "error")
     tokens: list[int] = field(default_factory=list)
     ranks: list[RankStats] = field(default_factory=list)
 
@@ -169,13 +170,15 @@ class Pipeline:
                 if rank == 0:
                     answer.tokens = [int(t) for t in event.get("tokens", [])]
                     for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason",
-                                "draft_tokens"):
+                                "draft_tokens", "error"):
                         if key in event:
                             setattr(answer, key, event[key])
                 if len(done) == self.ranks.size:
                     break
         else:
             raise LaunchError("the ranks ended in the middle of a request", f"logs: {self.run_dir}")
+        if answer.finish_reason == "error":
+            raise RequestFailed(f"the request failed: {answer.error}", "the pipeline is fine: change the request")
         answer.ranks = self._rank_stats(peaks)
         return answer
 

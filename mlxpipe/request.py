@@ -11,6 +11,7 @@ turn it into mlx-lm's own sampler, logits processors and KV-cache settings.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Mapping
 
@@ -72,10 +73,11 @@ class Request:
     # None: the run's --num-draft-tokens. Without a draft model it changes nothing, as in mlx-lm.
     num_draft_tokens: int | None = None
 
-    def check(self, name: Name = lambda f: f"'{f}'") -> "Request":
-        """This request, once every field is in range; raises ``RequestError`` naming the first that is not."""
-        check_fields(asdict(self), name)
-        return self
+    def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> "Request":
+        """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
+        ``float``); raises ``RequestError`` naming the first that is not. ``vocab_size`` bounds ``logit_bias``."""
+        normalized = check_fields(asdict(self), name, vocab_size)
+        return replace(self, **normalized) if normalized else self
 
     def with_seed(self, seed: Callable[[], int]) -> "Request":
         """Sampled without a seed: give it one, so every rank samples alike and a run can be repeated."""
@@ -134,6 +136,18 @@ class RequestError(UsageError):
         self.field = field
 
 
+# What the ranks can represent: counts and sizes fit 32 bits, a seed is mx.random's 64-bit key.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**64 - 1
+# Beyond these a value means nothing more (a temperature of 100 is already uniform sampling) and only
+# risks overflowing float32 logits.
+MAX_TEMP = 100.0
+MAX_PENALTY = 100.0
+MAX_BIAS = 100.0  # OpenAI's logit_bias range
+MAX_BIAS_ENTRIES = 1024
+MAX_EXTRA_EOS = 16
+
+
 def _positive(v: Any) -> bool:
     return v >= 1
 
@@ -148,9 +162,12 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_k": (lambda v: v >= 0, ">= 0 (0: off)"),
     "xtc_probability": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "xtc_threshold": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
+    "seed": (lambda v: v >= 0, ">= 0"),
     "repetition_penalty": (lambda v: v >= 0, ">= 0"),
     "repetition_context_size": (lambda v: v >= 0, ">= 0"),
+    "presence_penalty": (lambda v: v >= -MAX_PENALTY, f">= -{MAX_PENALTY:g}"),
     "presence_context_size": (lambda v: v >= 0, ">= 0"),
+    "frequency_penalty": (lambda v: v >= -MAX_PENALTY, f">= -{MAX_PENALTY:g}"),
     "frequency_context_size": (lambda v: v >= 0, ">= 0"),
     "max_kv_size": (_positive, "at least 1"),
     "kv_bits": (lambda v: v in KV_BITS, f"one of {', '.join(map(str, KV_BITS))}"),
@@ -158,21 +175,92 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "quantized_kv_start": (lambda v: v >= 0, ">= 0"),
     "num_draft_tokens": (_positive, "at least 1"),
 }
+# The most each number may be: what the ranks can represent (integers), or what still means something.
+_HIGHEST: dict[str, float] = {
+    **{key: MAX_COUNT for key in _RANGES if key not in ("temp", "top_p", "min_p", "xtc_probability", "xtc_threshold")},
+    "seed": MAX_SEED,
+    "temp": MAX_TEMP,
+    "repetition_penalty": MAX_PENALTY,
+    "presence_penalty": MAX_PENALTY,
+    "frequency_penalty": MAX_PENALTY,
+}
+_INTEGER = {"max_tokens", "min_tokens_to_keep", "top_k", "seed", "repetition_context_size", "presence_context_size",
+            "frequency_context_size", "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start",
+            "num_draft_tokens"}
 
 
-def check_fields(values: Mapping[str, Any], name: Name) -> None:
-    """Raise ``RequestError`` for the first of ``values``' fields out of range; ``name`` spells it."""
+def check_fields(values: Mapping[str, Any], name: Name, vocab_size: int | None = None) -> dict[str, Any]:
+    """Raise ``RequestError`` for the first of ``values``' fields of the wrong type or out of range; ``name``
+    spells it. Returns the numeric fields normalized (integers as ``int``, the others as ``float``)."""
+    normalized: dict[str, Any] = {}
     for key, (ok, expected) in _RANGES.items():
         value = values.get(key)
-        if value is not None and not ok(value):
-            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
-            raise RequestError(key, f"{name(key)} must be {expected}, got {shown}")
+        if value is None:
+            continue
+        number = _number(value, integer=key in _INTEGER)
+        if number is None:
+            kind = "an integer" if key in _INTEGER else "a finite number"
+            raise RequestError(key, f"{name(key)} must be {kind}, got {_shown(value)}")
+        if not ok(number):
+            raise RequestError(key, f"{name(key)} must be {expected}, got {_shown(value)}")
+        highest = _HIGHEST.get(key)
+        if highest is not None and number > highest:
+            limit = str(int(highest)) if key in _INTEGER else f"{highest:g}"
+            raise RequestError(key, f"{name(key)} must be at most {limit}, got {_shown(value)}")
+        normalized[key] = number
     bias = values.get("logit_bias")
-    if bias is not None and not all(isinstance(k, int) and k >= 0 for k in bias):
-        raise RequestError("logit_bias", f"{name('logit_bias')} must map token ids (integers >= 0) to numbers")
+    if bias is not None:
+        normalized["logit_bias"] = _check_bias(bias, name, vocab_size)
+    eos = values.get("extra_eos_token")
+    if eos is not None and (len(eos) > MAX_EXTRA_EOS or not all(isinstance(t, str) and t for t in eos)):
+        raise RequestError("extra_eos_token", f"{name('extra_eos_token')} takes at most {MAX_EXTRA_EOS} tokens "
+                                              "(non-empty strings)")
     config = values.get("chat_template_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("chat_template_config", f"{name('chat_template_config')} must be a JSON object")
+    return normalized
+
+
+def _number(value: Any, integer: bool) -> int | float | None:
+    """``value`` as the field's kind of number, None when it is not one (bools, strings, NaN, infinities)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if integer:
+        return value if isinstance(value, int) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _check_bias(bias: Any, name: Name, vocab_size: int | None) -> dict[int, float]:
+    """``logit_bias``: token ids the model has (a bias beyond the vocabulary crashes mlx), finite biases."""
+    field = name("logit_bias")
+    if not isinstance(bias, dict) or len(bias) > MAX_BIAS_ENTRIES:
+        raise RequestError("logit_bias", f"{field} must map at most {MAX_BIAS_ENTRIES} token ids to biases")
+    top = (vocab_size - 1) if vocab_size else MAX_COUNT
+    checked = {}
+    for token, value in bias.items():
+        number = _number(value, integer=False)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= top:
+            raise RequestError("logit_bias", f"{field} must map token ids (integers 0 to {top}) to numbers, "
+                                             f"got the key {_shown(token)}")
+        if number is None or not -MAX_BIAS <= number <= MAX_BIAS:
+            raise RequestError("logit_bias", f"{field}[{token}] must be a number between -{MAX_BIAS:g} and "
+                                             f"{MAX_BIAS:g}, got {_shown(value)}")
+        checked[token] = number
+    return checked
+
+
+def _shown(value: Any) -> str:
+    """A value in an error message: whole when short, cut when absurd."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+        return text if len(text) <= 24 else f"{text[:6]}... ({len(text)} digits)"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return repr(value)[:60]
 
 
 def parse_chat_template_config(text: str | None, name: str) -> dict[str, Any] | None:
@@ -188,15 +276,16 @@ def parse_chat_template_config(text: str | None, name: str) -> dict[str, Any] | 
     return config
 
 
-def parse_logit_bias(value: Any, name: str) -> dict[int, float]:
-    """A JSON ``logit_bias`` (as mlx_lm.server takes it: token id strings to numbers) as ``{id: bias}``."""
+def parse_logit_bias(value: Any, name: str) -> dict[Any, Any]:
+    """A JSON ``logit_bias`` (as mlx_lm.server takes it: token id strings to numbers) with integer keys;
+    ``Request.check`` checks the ids and the biases."""
     if not isinstance(value, dict):
         raise RequestError("logit_bias", f"{name} must be an object of token ids to numbers")
-    try:
-        bias = {int(k): float(v) for k, v in value.items() if not isinstance(v, bool)}
-    except (TypeError, ValueError):
-        bias = {}
-    if len(bias) != len(value) or any(k < 0 for k in bias):
-        raise RequestError("logit_bias", f"{name} must be an object of token ids (integers >= 0) to numbers")
-    return bias
-
+    keys = {}
+    for key, bias in value.items():
+        try:
+            keys[int(key)] = bias
+        except (TypeError, ValueError):
+            raise RequestError("logit_bias", f"{name} must be an object of token ids (integers >= 0) to numbers, "
+                                             f"got the key {str(key)[:40]!r}") from None
+    return keys

@@ -100,6 +100,68 @@ def test_each_range_is_checked_once_for_every_caller(field: str, value: Any, mes
 
 
 @pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # Integers beyond what the ranks represent, floats that are not finite or absurd: every field has a range.
+        ("presence_penalty", 2**70, "'presence_penalty' must be at most 100, got 1180591620717411303424"),
+        ("repetition_penalty", 2**70, "'repetition_penalty' must be at most 100, got 1180591620717411303424"),
+        ("frequency_penalty", -101, "'frequency_penalty' must be >= -100, got -101"),
+        ("temp", 2**70, "'temp' must be at most 100, got 1180591620717411303424"),
+        ("temp", float("nan"), "'temp' must be a finite number, got nan"),
+        ("top_p", float("inf"), "'top_p' must be a finite number, got inf"),
+        ("temp", "hot", "'temp' must be a finite number, got 'hot'"),
+        ("temp", 10**400, "'temp' must be a finite number, got 100000... (401 digits)"),
+        ("seed", -1, "'seed' must be >= 0, got -1"),
+        ("seed", 2**64, "'seed' must be at most 18446744073709551615, got 18446744073709551616"),
+        ("max_tokens", 2**31, "'max_tokens' must be at most 2147483647, got 2147483648"),
+        ("max_tokens", True, "'max_tokens' must be an integer, got True"),
+        ("top_k", 1.5, "'top_k' must be an integer, got 1.5"),
+        ("repetition_context_size", 10**40, "'repetition_context_size' must be at most 2147483647, got 100000... "
+                                            "(41 digits)"),
+        ("extra_eos_token", tuple(str(i) for i in range(17)), "'extra_eos_token' takes at most 16 tokens"),
+    ],
+)
+def test_every_number_is_checked_for_range_not_only_type(field: str, value: Any, message: str) -> None:
+    with pytest.raises(RequestError) as info:
+        Request(**{field: value}).check()
+    assert str(info.value).startswith(message) and info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({128: 1.0}, "'logit_bias' must map token ids (integers 0 to 127) to numbers, got the key 128"),
+        ({-1: 1.0}, "'logit_bias' must map token ids (integers 0 to 127) to numbers, got the key -1"),
+        ({5: 101.0}, "'logit_bias'[5] must be a number between -100 and 100, got 101"),
+        ({5: float("nan")}, "'logit_bias'[5] must be a number between -100 and 100, got nan"),
+        ({5: "high"}, "'logit_bias'[5] must be a number between -100 and 100, got 'high'"),
+        ({i: 1.0 for i in range(1025)}, "'logit_bias' must map at most 1024 token ids to biases"),
+    ],
+)
+def test_logit_bias_names_only_tokens_the_model_has(bias: dict[Any, Any], message: str) -> None:
+    # A bias beyond the vocabulary crashes mlx's indexing (a segmentation fault, not an exception).
+    with pytest.raises(RequestError) as info:
+        Request(logit_bias=bias).check(vocab_size=128)
+    assert str(info.value) == message
+
+
+def test_checked_numbers_reach_mlx_lm_as_the_types_it_takes() -> None:
+    import mlx.core as mx
+
+    from mlxpipe.worker.sampling import logits_processors
+
+    # A JSON integer for a float option used to reach mlx-lm's processor as a Python int (std::bad_cast).
+    request = Request(temp=1, presence_penalty=2, frequency_penalty=1, logit_bias={3: 2}, seed=5).check()
+    assert [type(v) for v in (request.temp, request.presence_penalty, request.frequency_penalty)] == [float] * 3
+    assert request.logit_bias == {3: 2.0} and type(request.seed) is int
+    logits = mx.zeros((1, 8))
+    for processor in logits_processors(request):
+        logits = processor(mx.array([1, 2, 3]), logits)
+    mx.eval(logits)
+    assert logits[0, 3].item() == 2.0 - 2.0 - 1.0  # its bias, less the presence and the frequency (seen once) penalties
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--top-k", "-2"], "error: --top-k must be >= 0 (0: off), got -2"),

@@ -667,3 +667,21 @@ def test_prompts_file_prints_texts_in_order_then_the_summary(tiny_models: TinyMo
     assert headers == ["1", "2"]
     assert "2 requests, 2 at a time" in result.stderr and "aggregate" in result.stderr
     assert "where the time went" in result.stderr and "waiting for input" in result.stderr
+
+
+def test_a_prompt_that_fails_on_the_ranks_ends_alone(tiny_models: TinyModels, tmp_path: Path) -> None:
+    # Only the ranks know the model's vocabulary: a logit_bias beyond it fails that prompt there (it would
+    # crash MLX). That prompt ends with an error; the others run and are kept; the command exits 1 naming it.
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"id": "raw", "prompt": "Hi"}, {"id": "bias", "prompt": "Hi", "logit_bias": {"100000": 1.0}},
+             {"id": "raw2", "prompt": "Stage after stage"}]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    output = tmp_path / "results.jsonl"
+    result = _mlxpipe("generate", "--model", str(tiny_models["qwen2"]), "--prompts-file", str(prompts),
+                      "--max-tokens", "3", "--output", str(output))
+    assert result.returncode == 1, result.stderr
+    assert ("error: 1 of 3 requests failed (bias): 'logit_bias' must map token ids (integers 0 to 319) to numbers"
+            in result.stderr), result.stderr
+    results = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert (results["bias"]["finish_reason"], results["bias"]["tokens"]) == ("error", [])
+    assert all(results[i]["error"] is None and results[i]["tokens"] for i in ("raw", "raw2"))

@@ -10,8 +10,12 @@ steps per micro-batch, so concurrent streams share batched caches.
 from __future__ import annotations
 
 import json
-import signal
 import os
+import random
+import signal
+import socket
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -22,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from fixtures.faulty_worker import FAILING_SEED
 from fixtures.option_reference import reference as option_reference
 from fixtures.processes import _alive, local_rank_processes
 from fixtures.serve_process import ServeProcess
@@ -276,9 +281,106 @@ def test_a_body_that_is_not_a_json_object_is_refused(server: ServeProcess, raw: 
 
 
 def test_a_body_over_the_limit_is_refused(server: ServeProcess) -> None:
-    response = httpx.post(f"{server.url}/chat/completions", content=b"x" * (17 * 1024 * 1024),
+    # 60 MB: the client is still sending when the server has decided; it must read a 413, not a reset.
+    response = httpx.post(f"{server.url}/chat/completions", content=b"x" * (60 * 1024 * 1024),
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and "--max-body-size" in error["message"]
+
+
+# --- no body can break the server -------------------------------------------------------------
+
+_JUNK: list[Any] = [None, True, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1e308, -1e308, 0.5, "NaN", "Infinity", "",
+                    "x" * 2000, [], [1], {}, {"a": 1}, [[[]]], "🦄\u0000", {"type": "text"}, [{"role": None}]]
+_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p",
+           "top_k", "seed", "n", "stream", "stream_options", "stop", "tools", "logit_bias", "repetition_penalty",
+           "repetition_context_size", "presence_penalty", "presence_context_size", "frequency_penalty",
+           "frequency_context_size", "xtc_probability", "xtc_threshold", "min_tokens_to_keep", "chat_template_kwargs",
+           "num_draft_tokens"]
+_OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _fuzz_bodies(count: int = 300, seed: int = 20) -> list[tuple[str, bytes]]:
+    """``count`` malformed or odd bodies (path, raw body), the same every run."""
+    rng = random.Random(seed)
+    raw_ok = json.dumps(_OK).encode()
+    bodies: list[tuple[str, bytes]] = []
+    for i in range(count):
+        body: dict[str, Any] = dict(_OK)
+        kind = i % 8
+        if kind in (0, 1):  # one field of the wrong type, shape or size
+            body[rng.choice(_FIELDS)] = rng.choice(_JUNK)
+        elif kind == 2:  # several at once
+            for field in rng.sample(_FIELDS, 4):
+                body[field] = rng.choice(_JUNK)
+        elif kind == 3:  # messages of every wrong shape
+            body["messages"] = [{"role": rng.choice(_JUNK), "content": rng.choice(_JUNK)}
+                                for _ in range(rng.randint(0, 3))]
+        elif kind == 4:  # huge lists
+            field, value = rng.choice([("stop", ["s"] * 1000), ("logit_bias", {str(t): 1 for t in range(5000)}),
+                                       ("tools", [{"type": "function"}] * 1000),
+                                       ("messages", [{"role": "user", "content": "hi"}] * 3000)])
+            body[field] = value
+        elif kind == 5:  # cut, empty, not UTF-8, not JSON at all, nested beyond reason
+            raw = rng.choice([raw_ok[: rng.randint(0, len(raw_ok) - 1)], b"", b"\xff\xfe\xfa{", b"null", b"[]",
+                              b"[" * 100000, raw_ok.replace(b"2}", b"NaN}"), raw_ok.replace(b"2}", b"1e999}")])
+            bodies.append(("/chat/completions", raw))
+            continue
+        elif kind == 6:  # the completions endpoint
+            body = {"prompt": rng.choice(_JUNK + ["hi"]), "max_tokens": rng.choice([1, 2, -5, 2**70, "2"]),
+                    rng.choice(_FIELDS): rng.choice(_JUNK)}
+            bodies.append(("/completions", json.dumps(body).encode()))
+            continue
+        else:  # numbers at the edges of each range (a legal max_tokens stays small: a long reply only takes time)
+            field = rng.choice(_FIELDS[3:])
+            edges = [0, 1, -1, 1.0, 2**31, 2**64] if "max" in field else [0, 1, -1, 0.0, 1.0, 101, -101, 2**31 - 1,
+                                                                          2**64, 1e-308]
+            body[field] = rng.choice(edges)
+        bodies.append(("/chat/completions", json.dumps(body).encode()))
+    return bodies
+
+
+def test_no_body_breaks_the_server(server: ServeProcess, client: openai.OpenAI, demo_model: Path) -> None:
+    """Hundreds of malformed bodies, while greedy requests run: each gets a 4xx JSON error or a legal 2xx, never a
+    5xx; the greedy replies stay mlx-lm's, and the pipeline never restarts."""
+    expected = [reference(demo_model, _user(q))[0] for q in QUESTIONS[:3]]
+    greedy: list[str] = []
+    runner = threading.Thread(target=lambda: greedy.extend(_stream_text(client, _user(q))[0] for q in QUESTIONS[:3]))
+    runner.start()
+
+    def send(item: tuple[str, bytes]) -> tuple[int, str]:
+        path, raw = item
+        response = httpx.post(f"{server.url}{path}", content=raw, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        if 400 <= response.status_code < 500:  # OpenAI's error shape, with a message
+            assert response.json()["error"]["message"], response.text
+        elif response.status_code == 200 and not response.text.startswith("data: "):
+            assert response.json()["choices"], response.text
+        return response.status_code, f"{raw[:150]!r} -> {response.text[:300]}"
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(send, _fuzz_bodies()))
+    runner.join(timeout=300)
+    assert [a for a in answers if a[0] >= 500 or a[0] < 200] == []
+    assert sum(status == 200 for status, _ in answers) > 10  # the legal ones did run
+    assert greedy == expected
+    health = server.health()
+    assert (health["status"], health["restarts"]) == ("ready", 0)
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_one_quiet_line(server: ServeProcess) -> None:
+    before = len(server.err)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000\r\n\r\n{\"messages\":")
+    deadline = time.monotonic() + 10
+    while len(server.err) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    new = "".join(server.err[before:])
+    assert "went away" in new and "Traceback" not in new, new
+    assert server.health()["status"] == "ready"
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}"])
@@ -319,6 +421,11 @@ def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.Op
     assert any(len(b) == 2 for b in busy) and all(0 < x <= 1 for b in busy for x in b)
 
 
+def test_no_traceback_and_no_asyncio_noise_in_the_servers_output(server: ServeProcess) -> None:
+    # Every test above used this server: disconnects at every moment, malformed bodies, a 60 MB body.
+    assert "Traceback" not in server.stderr and "socket.send() raised exception" not in server.stderr, server.stderr
+
+
 def test_the_key_appears_in_no_log_and_no_command_line(server: ServeProcess) -> None:
     assert KEY not in server.stderr
     for pid, (_, cmdline) in local_rank_processes(server.proc.pid).items():
@@ -337,10 +444,25 @@ def fragile(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                          "--max-concurrency", "1", "--max-queue", "0", "--max-restarts", "2"],
                         tmp_path_factory.mktemp("fragile-home"))
     try:
+        # A request sent the moment the server listens, the ranks still loading: it waits for them.
+        assert proc.wait_listening()["status"] == "loading"
+        proc.first_reply = ThreadPoolExecutor(1).submit(_ask, proc.url, QUESTIONS[1])
         proc.wait_for("ready")
         yield proc
     finally:
         _stop_all(proc)
+
+
+def _ask(url: str, question: str, temperature: float = 0, **kwargs: Any) -> Any:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    return client.chat.completions.create(model=_model_id(client), messages=_user(question), max_tokens=MAX_TOKENS,
+                                          temperature=temperature, **kwargs)
+
+
+def test_a_request_sent_while_the_ranks_load_is_answered_once_they_are_ready(fragile: ServeProcess,
+                                                                              demo_model: Path) -> None:
+    reply = fragile.first_reply.result(timeout=300)
+    assert reply.choices[0].message.content == reference(demo_model, _user(QUESTIONS[1]))[0]
 
 
 def test_beyond_concurrency_and_queue_the_answer_is_429(fragile: ServeProcess, demo_model: Path) -> None:
@@ -371,11 +493,11 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_server_recovers(fra
     assert "rank 1" in str(e.value) and "SIGKILL" in str(e.value)
     health = fragile.health()
     assert health["status"] in ("restarting", "loading") or health["restarts"] == 1
+    # Sent while the pipeline relaunches: it waits, and runs once the ranks are back.
+    waiting = ThreadPoolExecutor(1).submit(_ask, fragile.url, QUESTIONS[0])
     fragile.wait_for("ready")
     assert fragile.health()["restarts"] == 1
-    reply = client.chat.completions.create(model=str(demo_model), messages=_user(QUESTIONS[0]),
-                                           max_tokens=MAX_TOKENS, temperature=0)
-    assert reply.choices[0].message.content == reference(demo_model, _user(QUESTIONS[0]))[0]
+    assert waiting.result(timeout=300).choices[0].message.content == reference(demo_model, _user(QUESTIONS[0]))[0]
 
 
 def test_sigterm_stops_every_rank_and_exits_143(fragile: ServeProcess) -> None:
@@ -403,6 +525,50 @@ def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(demo_mode
     errors = [line for line in proc.err if line.startswith("error: ")]
     assert errors == ["error: the pipeline failed 1 time, the last time: rank 0 on 127.0.0.1: "
                       "killed by SIGKILL (exit status -9)\n"], proc.stderr
+
+
+# --- a server whose rank 0 fails one request on purpose ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    script = Path(__file__).parent / "fixtures" / "faulty_serve.py"
+    proc = ServeProcess(["--model", str(demo_model), "--queue-timeout", "1"], tmp_path_factory.mktemp("faulty-home"),
+                        command=[sys.executable, str(script)])
+    try:
+        proc.wait_listening()
+        # Sent at once, with a queue timeout far below the ranks' load time: it gets a 503 that says why.
+        proc.too_early = httpx.post(f"{proc.url}/chat/completions", json={"messages": _user("hi")}, timeout=60)
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        _stop_all(proc)
+
+
+def test_a_request_that_waits_beyond_the_queue_timeout_gets_a_503_saying_why(faulty: ServeProcess) -> None:
+    response = faulty.too_early
+    assert response.status_code == 503, response.text
+    assert "waited 1 s for the pipeline, which is still loading" in response.json()["error"]["message"]
+
+
+def test_a_request_whose_sampler_fails_ends_alone(faulty: ServeProcess, demo_model: Path) -> None:
+    """One request's logits processor raises on rank 0 while two others are in flight: it gets an error naming the
+    cause, the others mlx-lm's tokens, and the pipeline does not restart."""
+    def failing() -> Any:
+        with pytest.raises(openai.InternalServerError) as e:
+            _ask(faulty.url, QUESTIONS[2], temperature=0.7, seed=FAILING_SEED)
+        return e.value
+
+    with ThreadPoolExecutor(3) as pool:
+        fine = [pool.submit(_ask, faulty.url, q) for q in QUESTIONS[:2]]
+        error = pool.submit(failing).result(timeout=300)
+        replies = [f.result(timeout=300) for f in fine]
+    assert "a logits processor failed on purpose" in str(error) and "rank 0" in str(error)
+    assert [r.choices[0].message.content for r in replies] == [reference(demo_model, _user(q))[0]
+                                                               for q in QUESTIONS[:2]]
+    health = faulty.health()
+    assert (health["status"], health["restarts"]) == ("ready", 0)
+    assert any(r["status"] == "error" and "failed on purpose" in r["error"] for r in _request_log(faulty))
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ serves until SIGINT or SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -21,7 +22,7 @@ import uvicorn
 from mlxpipe import console
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.request import Request
-from mlxpipe.serve.engine import RequestLog, ServeEngine, ServeOptions
+from mlxpipe.serve.engine import DEFAULT_MAX_BODY_BYTES, RequestLog, ServeEngine, ServeOptions
 from mlxpipe.startup import PipelineConfig, prepare
 
 __all__ = ["ServeOptions", "serve"]
@@ -30,7 +31,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
-          defaults: Request, context: int | None = None) -> int:
+          defaults: Request, context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
     """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises).
 
     ``defaults``: every request's options until its body says otherwise; ``context``: the longest prompt and
@@ -39,7 +40,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     from mlxpipe.generate import controller_model_dir
     from mlxpipe.serve.api import ServerSettings, build_app
 
-    _check(options, host, port, api_key)
+    _check(options, host, port, api_key, max_body_bytes)
     meta, plan = prepare(config)
     tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
     log = RequestLog()
@@ -57,6 +58,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
     settings = ServerSettings(
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
+        vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
     )
     app = build_app(engine, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
@@ -64,6 +66,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
                       f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
     engine.start()
+    _quiet_lost_connections()
     try:
         server.run()
     finally:
@@ -115,11 +118,15 @@ class _Server(uvicorn.Server):
             raise UsageError("the HTTP server could not start (see above)", "pick another --port or --host")
 
 
-def _check(options: ServeOptions, host: str, port: int, api_key: str | None) -> None:
+def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:
     if options.max_concurrency < 1:
         raise UsageError(f"--max-concurrency must be at least 1, got {options.max_concurrency}")
     if options.max_queue < 0 or options.max_restarts < 0 or options.prompt_cache_size < 0:
         raise UsageError("--max-queue, --max-restarts and --prompt-cache-size must be 0 or more")
+    if not options.queue_timeout > 0:
+        raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
+    if max_body_bytes < 1024:
+        raise UsageError(f"--max-body-size must be at least 1024 bytes, got {max_body_bytes}")
     if not 0 < port < 65536:
         raise UsageError(f"--port {port}: expected a TCP port, 1-65535")
     if api_key is not None and not api_key.strip():
@@ -134,6 +141,19 @@ def _check(options: ServeOptions, host: str, port: int, api_key: str | None) -> 
                          "pick another --port, or stop what uses it") from None
     if host not in _LOOPBACK and api_key is None:
         console.warn(f"listening on {host} without --api-key: anyone who reaches this machine can use the model")
+
+
+class _LostConnectionFilter(logging.Filter):
+    """asyncio's note for each write to a connection its client already closed (a dropped stream): not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "socket.send() raised exception."
+
+
+def _quiet_lost_connections() -> None:
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _LostConnectionFilter) for f in logger.filters):
+        logger.addFilter(_LostConnectionFilter())
 
 
 def _load_tokenizer(model_dir: Any, config: dict[str, Any]) -> Any:

@@ -5,6 +5,12 @@
 body) and ``GET /health``. Shapes follow OpenAI's, so the ``openai`` package
 and any OpenAI client work unchanged; every error is a 4xx/5xx with OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` naming the field at fault.
+
+No body can break the server: every field is checked (``Request.check``)
+before anything reaches a rank, a failure of one request ends that request
+alone, and a response starts only once its first token (or its error) is
+there, so a request that waited for the ranks to load and gave up still gets a
+plain 503. A client that goes away, at any moment, costs one line in the log.
 """
 
 from __future__ import annotations
@@ -15,23 +21,29 @@ import hmac
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxpipe import console
-from mlxpipe.errors import MlxpipeError, UsageError
+from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request as GenerationRequest
 from mlxpipe.request import RequestError, parse_logit_bias
-from mlxpipe.serve.engine import Job, Outcome, RequestLog, ServeEngine, Stream
+from mlxpipe.serve.engine import DEFAULT_MAX_BODY_BYTES, Job, Outcome, RequestLog, ServeEngine, Stream
+
+T = TypeVar("T")
 from mlxpipe.serve.text import Delta, Reply, tool_calls
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000  # characters of one stop string
+MAX_TOOLS = 128
+# A body over the limit is read to its end (and dropped) so that the client reads the 413, up to this many times
+# the limit; beyond, the connection is closed.
+_DRAIN_FACTOR = 16
 # How often a request answered in one body checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -58,6 +70,8 @@ class ServerSettings:
     api_key: str | None
     context: int  # the longest prompt + completion the model takes (--context, else the model's own)
     defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
+    vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass
@@ -117,7 +131,7 @@ class _Api:
     async def _complete(self, request: Request, chat: bool) -> Response:
         try:
             self._authorize(request)
-            body = await _read_json(request)
+            body = await _read_json(request, self.settings.max_body_bytes)
             parsed = self._parse(body, chat)
             self._admit()
             stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
@@ -125,9 +139,22 @@ class _Api:
             return e.response()
         except UsageError as e:
             return ApiError(400, e.message).response()
-        except MlxpipeError as e:  # the pipeline failed between the check and the submission
+        except MlxpipeError as e:  # the pipeline gave up
             return _failure(e).response()
+        except ClientDisconnect:
+            return _gone(request)
         run = _Run(self, parsed, stream, chat)
+        # Nothing is sent before the first token or the error: a request that waited for the ranks
+        # and gave up is a plain 503, a request refused by a rank a plain error.
+        first = await _until(stream.peek(), request)
+        if first is None:
+            self.engine.cancel(parsed.job.id)
+            run.log("cancelled")
+            return _gone(request)
+        if isinstance(first, Outcome) and first.error is not None:
+            run.outcome = first
+            run.log()
+            return _failure(first.error).response()
         if parsed.stream:
             return StreamingResponse(run.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -145,10 +172,8 @@ class _Api:
                            code="invalid_api_key", kind="authentication_error")
 
     def _admit(self) -> None:
+        """Room for one more request (it waits here while the ranks load or relaunch), else 429."""
         engine = self.engine
-        if engine.state != "ready":
-            raise ApiError(503, f"the pipeline is {engine.state}; try again shortly", code="unavailable",
-                           kind="server_error", headers={"Retry-After": "5"})
         if engine.in_flight >= engine.capacity:
             raise ApiError(429, f"{engine.in_flight} requests in flight, the most this server takes "
                                 f"(--max-concurrency + --max-queue); try again shortly",
@@ -168,6 +193,8 @@ class _Api:
         include_usage = bool(options.get("include_usage", False))
         stops = _stops(body)
         tools = _field(body, "tools", list, None) if chat else None
+        if tools is not None and len(tools) > MAX_TOOLS:
+            raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
         tokens = self._tokens(body, chat, tools, request)
         if len(tokens) + 1 > self.settings.context:
             param = "messages" if chat else "prompt"
@@ -193,7 +220,8 @@ class _Api:
         try:
             if "logit_bias" in values:
                 values["logit_bias"] = parse_logit_bias(values["logit_bias"], "'logit_bias'")
-            return replace(self.settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'")
+            return replace(self.settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'",
+                                                                   self.settings.vocab_size)
         except RequestError as e:
             raise ApiError(400, e.message, param=names.get(e.field, e.field)) from None
 
@@ -231,6 +259,7 @@ class _Run:
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + parsed.job.id
         self.outcome: Outcome | None = None
+        self._logged = False
 
     async def _deltas(self) -> AsyncIterator[Delta]:
         """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
@@ -244,20 +273,31 @@ class _Run:
                         done = True
                         return
                     break
-                delta = self.reply.add(item)
+                delta = self._text(lambda: self.reply.add(item))
+                if delta is None:
+                    break  # this reply's text failed: it ends here, with the error
                 if delta:
                     yield delta
                 if self.reply.stopped:  # a stop string: nothing more is wanted
                     self.api.engine.cancel(self.parsed.job.id)
                     break
             done = True
-            last = self.reply.finish(self.finish_reason)
+            last = self._text(lambda: self.reply.finish(self.finish_reason))
             if last:
                 yield last
         finally:
             if not done:
                 self.api.engine.cancel(self.parsed.job.id)  # the client went away
-            self._log()
+            self.log()
+
+    def _text(self, step: Callable[[], Delta]) -> Delta | None:
+        """A step of the reply's text; when it raises (a tokenizer's detokenizer, say), this request fails alone."""
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - one reply's text: that request ends, the server does not
+            self.api.engine.cancel(self.parsed.job.id)
+            self.outcome = Outcome(error=RequestFailed(f"turning its tokens into text failed: {type(e).__name__}: {e}"))
+            return None
 
     @property
     def finish_reason(self) -> str:
@@ -276,27 +316,28 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _tool_calls(self, texts: list[str]) -> list[dict[str, Any]]:
-        return tool_calls(self.api.tokenizer, texts, self.parsed.tools, self.parsed.stream)
+        try:
+            return tool_calls(self.api.tokenizer, texts, self.parsed.tools, self.parsed.stream)
+        except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
+            raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
 
     # --- one body --------------------------------------------------------------------
 
     async def whole(self, request: Request) -> Response:
         """The whole reply as one body; a client that goes away before it is ready cancels it."""
-        collect = asyncio.ensure_future(self._collect())
-        while not collect.done():
-            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_SECONDS)
-            if not collect.done() and await request.is_disconnected():
-                collect.cancel()  # _deltas cancels the request on the ranks on its way out
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-                return Response(status_code=499)  # nobody is there to read it
-        text, reasoning, calls = collect.result()
+        collected = await _until(self._collect(), request)  # a cancelled _deltas cancels it on the ranks
+        if collected is None:
+            return _gone(request)
+        text, reasoning, calls = collected
         if self.outcome is not None and self.outcome.error is not None:
             return _failure(self.outcome.error).response()
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
-                message["tool_calls"] = self._tool_calls(calls)
+                try:
+                    message["tool_calls"] = self._tool_calls(calls)
+                except RequestFailed as e:
+                    return _failure(e).response()
             if reasoning:
                 message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "finish_reason": self.finish_reason, "logprobs": None}
@@ -316,8 +357,14 @@ class _Run:
     async def events(self) -> AsyncIterator[str]:
         if self.chat:
             yield _sse({**self._head(True), "choices": [self._choice({"role": "assistant", "content": ""})]})
-        async for delta in self._deltas():
-            yield _sse({**self._head(True), "choices": [self._choice(self._delta(delta))]})
+        deltas = self._deltas()
+        try:
+            async for delta in deltas:
+                yield _sse({**self._head(True), "choices": [self._choice(self._delta(delta))]})
+        except RequestFailed as e:
+            await deltas.aclose()
+            yield _sse(_failure(e).body())
+            return
         if self.outcome is not None and self.outcome.error is not None:
             yield _sse(_failure(self.outcome.error).body())
             return
@@ -349,14 +396,19 @@ class _Run:
 
     # --- the request log -------------------------------------------------------------
 
-    def _log(self) -> None:
+    def log(self, status: str | None = None) -> None:
+        """The request's line in the request log (once)."""
+        if self._logged:
+            return
+        self._logged = True
         stream, outcome = self.stream, self.outcome
         now = time.monotonic()
         ttft = (stream.first_token - stream.submitted) if stream.first_token else None
         tokens = len(self.reply.tokens)
         after_first = now - stream.first_token if stream.first_token else 0.0
         error = outcome.error.message if outcome and outcome.error else None
-        status = "error" if error else ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason)
+        status = status or ("error" if error else
+                            ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         record = {
             "id": self.parsed.job.id, "status": status, "prompt_tokens": len(self.parsed.job.tokens),
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
@@ -400,22 +452,54 @@ _BODY_OPTIONS: dict[str, tuple[str, Any]] = {
 }
 
 
-async def _read_json(request: Request) -> dict[str, Any]:
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; over ``limit`` bytes, a 413 (the body read to its end first, up to a point, so
+    that the client, still sending, reads the answer instead of a reset connection)."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body has {length} bytes, over this server's limit of {MAX_BODY_BYTES}")
+    declared = int(length) if length is not None and length.isdigit() else None
     raw = bytearray()
+    received = 0
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is over this server's limit of {MAX_BODY_BYTES} bytes")
+        received += len(chunk)
+        if received <= limit and (declared is None or declared <= limit):
+            raw += chunk
+        elif received > _DRAIN_FACTOR * limit:
+            break  # too much to read only to refuse it: the connection closes
+    if received > limit or (declared is not None and declared > limit):
+        raise ApiError(413, f"the body has {declared or received} bytes, over this server's limit of {limit} "
+                            "(--max-body-size)", code="request_too_large",
+                       headers={"Connection": "close"} if received > _DRAIN_FACTOR * limit else None)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity (Python's reader takes them)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+async def _until(item: Awaitable[T], request: Request) -> T | None:
+    """``item``, or None when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
+    task = asyncio.ensure_future(item)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
+def _gone(request: Request) -> Response:
+    """The client went away: nobody reads the answer (nginx's 499), and one line says so."""
+    console.err.print(f"[dim]{request.method} {request.url.path}: the client went away[/]")
+    return Response(status_code=499)
 
 
 def _field(body: dict[str, Any], name: str, types: Any, default: Any) -> Any:
@@ -438,8 +522,9 @@ def _stops(body: dict[str, Any]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                            "characters", param="stop")
     return [s for s in stops if s]
 
 
@@ -460,9 +545,13 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _failure(error: Exception) -> ApiError:
+    """A request that failed alone (500), or whose pipeline failed or never came up (503)."""
     message = getattr(error, "message", str(error))
     hint = getattr(error, "hint", None)
-    return ApiError(503, f"{message} ({hint})" if hint else message, code="pipeline_failed", kind="server_error")
+    text = f"{message} ({hint})" if hint else message
+    if isinstance(error, RequestFailed):
+        return ApiError(500, text, code="request_failed", kind="server_error")
+    return ApiError(503, text, code="pipeline_failed", kind="server_error", headers={"Retry-After": "5"})
 
 
 def _sse(data: dict[str, Any]) -> str:

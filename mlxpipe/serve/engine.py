@@ -9,6 +9,12 @@ flight ends at once with the root cause, ``/health`` says ``restarting``, and
 the thread launches and loads the pipeline again, up to ``max_restarts`` times
 with backoff; after that the server gives up with the root cause.
 
+A request that arrives while the pipeline loads or relaunches waits here, and
+is sent to the ranks once they are ready (in arrival order), for at most
+``queue_timeout`` seconds; when the server gives up, every waiting request
+ends at once with the root cause. A request that fails on its own (its
+sampler raised on rank 0, say) ends alone, with ``RequestFailed``.
+
 Requests reach the ranks as token ids (the chat template is applied here), so
 the ranks only compute; the text, stop strings and tool calls are made here
 (``serve.text``).
@@ -22,13 +28,14 @@ import json
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.batch import where_time_goes
-from mlxpipe.errors import LaunchError, MlxpipeError
-from mlxpipe.generate import Pipeline, RankStats
+from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
+from mlxpipe.generate import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
 from mlxpipe.metadata import ModelMetadata
 from mlxpipe.plan import Plan
 from mlxpipe.request import Request
@@ -37,7 +44,10 @@ from mlxpipe.startup import PipelineConfig, launch
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_PROMPT_CACHE_SIZE = 10
+DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+_EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class ServeOptions:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     decode_batch: int = 1  # requests per decode micro-batch
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request waits for the ranks to be ready
 
 
 # One request as the ranks run it: its token ids (``tokens``, the chat template applied here) and every option.
@@ -71,6 +82,7 @@ class Stream:
         self.job = job
         self._loop = loop
         self._queue: asyncio.Queue[int | Outcome] = asyncio.Queue()
+        self._peeked: list[int | Outcome] = []
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.outcome: Outcome | None = None
@@ -86,10 +98,16 @@ class Stream:
 
     async def next(self) -> int | Outcome:
         """The next token, or the outcome once the request has ended."""
-        item = await self._queue.get()
+        item = self._peeked.pop() if self._peeked else await self._queue.get()
         if isinstance(item, Outcome):
             self.outcome = item
         return item
+
+    async def peek(self) -> int | Outcome:
+        """The first item ``next`` will give, without taking it."""
+        if not self._peeked:
+            self._peeked.append(await self._queue.get())
+        return self._peeked[0]
 
 
 @dataclass
@@ -113,7 +131,8 @@ class ServeEngine:
         self.time: dict[int, dict[str, float]] = {}  # rank -> its latest engine.TimeSpent report
         self.run_dir: Path | None = None
         self._on_state = on_state or (lambda state, detail: None)
-        self._streams: dict[str, Stream] = {}
+        self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
+        self._waiting: deque[Stream] = deque()  # not sent to the ranks yet: they are loading or relaunching
         self._lock = threading.Lock()
         self._pipe: Pipeline | None = None
         self._stopping = threading.Event()
@@ -125,11 +144,12 @@ class ServeEngine:
 
     def start(self) -> None:
         self._thread.start()
+        threading.Thread(target=self._expire, daemon=True, name="mlxpipe-queue-timeout").start()
 
     def stop(self) -> None:
         """End every request, stop every rank (cleanly when it answers), and wait for the run thread."""
         self._stopping.set()
-        self._fail_all(LaunchError("the server is shutting down"))
+        self._fail_all(LaunchError("the server is shutting down"), waiting=True)
         pipe = self._pipe
         if pipe is not None:
             pipe.ranks.send({"type": "exit"})
@@ -147,10 +167,11 @@ class ServeEngine:
                 except MlxpipeError as e:
                     if self._stopping.is_set():
                         return
-                    self._fail_all(e)
+                    self._fail_all(e)  # the requests the ranks had; the waiting ones run after the relaunch
                     if self.restarts >= self.options.max_restarts:
                         self.error = e
                         self._set_state("failed", f"{e.message} (gave up after {self.restarts} restarts)")
+                        self._fail_all(e, waiting=True)
                         return
                     self.restarts += 1
                     self._set_state("restarting", e.message)
@@ -185,7 +206,10 @@ class ServeEngine:
         if kind == "serving":
             self.ranks[int(event["rank"])].state = "ready"
             if all(r.state == "ready" for r in self.ranks):
-                self._set_state("ready", None)
+                with self._lock:
+                    self._set_state("ready", None)
+                    while self._waiting:
+                        self._send(self._waiting.popleft())
             return
         stream = self._streams.get(str(event.get("id")))
         if stream is None:
@@ -195,11 +219,13 @@ class ServeEngine:
         elif kind == "finished":
             with self._lock:
                 self._streams.pop(stream.job.id, None)
+            error = event.get("error")
             stream.put(Outcome(
                 finish_reason=event.get("finish_reason"),
                 prompt_tokens=int(event.get("prompt_tokens", 0)),
                 cached_tokens=int(event.get("cached_tokens", 0)),
                 generation_tokens=int(event.get("generation_tokens", 0)),
+                error=RequestFailed(str(error)) if error is not None else None,
             ))
 
     def _set_state(self, state: str, detail: str | None) -> None:
@@ -213,7 +239,12 @@ class ServeEngine:
 
     @property
     def in_flight(self) -> int:
+        """Live requests: computing on the ranks, queued there, or waiting here for the ranks to be ready."""
         return len(self._streams)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def capacity(self) -> int:
@@ -223,29 +254,59 @@ class ServeEngine:
         return f"req-{next(self._ids)}"
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Stream:
-        """Send ``job`` to the ranks; the caller checked ``ready`` and ``capacity``."""
-        pipe = self._pipe
-        if pipe is None or self.state != "ready":
-            raise LaunchError(f"the pipeline is {self.state}", "try again in a moment")
+        """Send ``job`` to the ranks, or keep it until they are ready; the caller checked ``capacity``."""
+        if self.state == "failed":
+            assert self.error is not None
+            raise self.error
         stream = Stream(job, loop)
         with self._lock:
             self._streams[job.id] = stream
-        pipe.ranks.send({"type": "submit", **job.with_seed(lambda: random.randrange(2**31)).to_wire()})
+            if self.state == "ready" and self._pipe is not None:
+                self._send(stream)
+            else:
+                self._waiting.append(stream)
         return stream
 
+    def _send(self, stream: Stream) -> None:
+        """To every rank (under the lock, so that the ranks see requests in the order they came)."""
+        assert self._pipe is not None
+        self._pipe.ranks.send({"type": "submit", **stream.job.with_seed(lambda: random.randrange(2**31)).to_wire()})
+
     def cancel(self, request_id: str) -> None:
-        """The client is gone or its stop string came: free its slot on every rank."""
+        """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
+            if stream in self._waiting:
+                self._waiting.remove(stream)
+                return
         pipe = self._pipe
         if stream is not None and pipe is not None:
             pipe.ranks.send({"type": "cancel", "id": request_id})
 
-    def _fail_all(self, error: MlxpipeError) -> None:
+    def _fail_all(self, error: MlxpipeError, waiting: bool = False) -> None:
+        """End the requests the ranks had with ``error``; with ``waiting``, the waiting ones too."""
         with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
+            kept = set(map(id, self._waiting)) if not waiting else set()
+            ended = [s for s in self._streams.values() if id(s) not in kept]
+            self._streams = {k: s for k, s in self._streams.items() if id(s) in kept}
+            if waiting:
+                self._waiting.clear()
+        for stream in ended:
             stream.put(Outcome(error=error))
+
+    def _expire(self) -> None:
+        """End the requests that waited longer than ``--queue-timeout`` for the ranks to be ready."""
+        while not self._stopping.wait(_EXPIRY_SECONDS):
+            now = time.monotonic()
+            with self._lock:
+                late = [s for s in self._waiting if now - s.submitted > self.options.queue_timeout]
+                for stream in late:
+                    self._waiting.remove(stream)
+                    self._streams.pop(stream.job.id, None)
+            for stream in late:
+                stream.put(Outcome(error=LaunchError(
+                    f"waited {self.options.queue_timeout:g} s for the pipeline, which is still {self.state}",
+                    "try again later; /health says when it is ready")))
 
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -253,6 +314,7 @@ class ServeEngine:
             "model": self.meta.source,
             "restarts": self.restarts,
             "in_flight": self.in_flight,
+            "waiting": self.waiting,
             "decode_batch": self.options.decode_batch,
             "ranks": [{"rank": r.rank, "host": r.host, "layers": list(r.layers), "state": r.state} for r in self.ranks],
         }

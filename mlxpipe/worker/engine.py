@@ -46,12 +46,13 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mlxpipe.errors import UsageError
+from mlxpipe.errors import MlxpipeError, UsageError
+from mlxpipe.metadata import text_config_of
 from mlxpipe.request import Request
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline import Exchange, find_exchange
 from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, keyed_sampler, logits_processors
-from mlxpipe.worker.schedule import MicroBatch, Schedule
+from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 
 if TYPE_CHECKING:
     from mlxpipe.worker.serve import Server
@@ -146,6 +147,9 @@ class Engine:
         self.processors: dict[int, list[LogitsProcessor]] = {}
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
         self.timing: dict[int, Timing] = {}
+        # Why a request ended with "error" (rank 0 knows what its sampling raised; every rank, a refusal).
+        self.errors: dict[int, str] = {}
+        self.vocab_size = text_config_of(loaded.config).get("vocab_size")
         if prompt_cache is None and prompt_cache_size > 0:
             prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
         self.prompt_cache = prompt_cache  # kept by the caller when it outlives the engine (chat turns)
@@ -155,12 +159,16 @@ class Engine:
     # --- requests in ---------------------------------------------------------------
 
     def add(self, request: Request, prompt: list[int]) -> int:
-        """Queue ``request`` (its prompt as tokens); it starts when a slot frees."""
-        if not prompt:
-            raise UsageError(f"request {request.id if request.id is not None else '?'}: the prompt has no tokens")
-        request.check()
+        """Queue ``request`` (its prompt as tokens); it starts when a slot frees. A request this rank cannot run
+        (its options out of range here) ends at once with an error: every rank refuses it alike."""
         tokenizer = self.server.loaded.tokenizer
-        extra = extra_eos_ids(tokenizer, request.extra_eos_token)
+        try:
+            if not prompt:
+                raise UsageError("the prompt has no tokens")
+            request = request.check(vocab_size=self.vocab_size)
+            extra = extra_eos_ids(tokenizer, request.extra_eos_token)
+        except MlxpipeError as e:
+            return self.refuse(request, e.message)
         cache, cached = self._cached(prompt, request)
         # Decode groups merge their members' caches: quantized ones cannot merge (mlx-lm's
         # is_batchable), and caches of one kind only, so requests group by their cache settings.
@@ -171,6 +179,17 @@ class Engine:
         self.eos[index] = set(tokenizer.eos_token_ids) | extra
         if request.id is not None:
             self._by_id[request.id] = index
+        return index
+
+    def refuse(self, request: Request, message: str) -> int:
+        """Add ``request`` as ended with an error (its prompt could not be made, say): reported, never run."""
+        index = self.schedule.add_failed()
+        self.requests.append(request)
+        self.errors[index] = message
+        self.eos[index] = set()
+        if request.id is not None:
+            self._by_id[request.id] = index
+        self._finish(index)
         return index
 
     def _cached(self, prompt: list[int], request: Request) -> tuple[list[Any], int]:
@@ -258,7 +277,7 @@ class Engine:
         tokens, agreed = self._share(sampled, sampling, inbox)
         if sampling is not None and tokens is not None:
             for index, token in zip(sampling.requests, tokens):
-                if not self.schedule.requests[index].cancelled:
+                if not self.schedule.requests[index].cancelled and token != FAILED:
                     self._on_token(index, token)
         for index in self.schedule.end_tick(tokens):
             self._finish(index)
@@ -324,23 +343,28 @@ class Engine:
             self.spent.compute += time.perf_counter() - tic
             return None
         logits = logits[:, -1, :]
-        # Each request samples its own row: its logits processors (which see every token
-        # fed so far, prompt and reply, as in generate_step), its sampler, its random key.
-        tokens = []
-        for row, index in enumerate(batch.requests):
-            row_logits = logits[row : row + 1]
+        sampled = mx.array([self._sample(index, logits[row : row + 1]) for row, index in enumerate(batch.requests)],
+                           mx.int32)
+        mx.eval(sampled, state)
+        self.spent.compute += time.perf_counter() - tic
+        return sampled
+
+    def _sample(self, index: int, logits: mx.array) -> int:
+        """Rank 0: one request's token from its row of logits, with its logits processors (which see every
+        token fed so far, prompt and reply, as in generate_step), its sampler, its random key. Whatever they
+        raise ends this request alone (``FAILED``, shared with every rank at this tick)."""
+        try:
             processors = self.processors[index]
             if processors:
                 request = self.schedule.requests[index]
                 history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
                 for processor in processors:
-                    row_logits = processor(history, row_logits)
-            logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
-            tokens.append(self.samplers[index](logprobs))
-        sampled = mx.concatenate(tokens)
-        mx.eval(sampled, state)
-        self.spent.compute += time.perf_counter() - tic
-        return sampled
+                    logits = processor(history, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return int(self.samplers[index](logprobs).item())
+        except Exception as e:  # noqa: BLE001 - one request's options or sampler: that request fails, not the rank
+            self.errors[index] = f"sampling failed on rank 0: {type(e).__name__}: {e}"
+            return FAILED
 
     def _caches_for(self, batch: MicroBatch) -> list[Any]:
         """The caches ``batch`` runs with on this stage: its request's own, or its group's batch caches.
@@ -455,6 +479,7 @@ class Engine:
         if self.rank == 0:
             self.reporter.finished(self, index, timing, time.perf_counter())
         self.eos.pop(index, None)
+        self.errors.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
 
@@ -493,6 +518,14 @@ def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) 
     return detokenizer.text
 
 
+def _error(engine: Engine, index: int) -> dict[str, str]:
+    """A failed request's ``error`` field, for its event."""
+    state = engine.schedule.requests[index]
+    if state.finish_reason != "error":
+        return {}
+    return {"error": engine.errors.get(index, "the request failed on another rank")}
+
+
 @dataclass
 class BatchReporter:
     """``generate --prompts-file``: one ``result`` event per request, with its text and figures."""
@@ -524,6 +557,7 @@ class BatchReporter:
             generation_tps=len(tokens) / after_first if after_first > 0 else 0.0,
             slot=state.slot,
             ticks=[state.admitted_tick, state.finished_tick],
+            **_error(engine, index),
         )
 
 
@@ -546,6 +580,7 @@ class StreamReporter:
             prompt_tokens=len(state.prompt),
             cached_tokens=state.cached,
             generation_tokens=len(state.generated),
+            **_error(engine, index),
         )
 
 
@@ -582,6 +617,7 @@ class TextReporter:
             "prompt_tps": fed / (first - timing.admitted) if first > timing.admitted else 0.0,
             "generation_tps": len(state.generated) / (now - first) if now > first else 0.0,
             "ttft": first - timing.admitted,
+            **_error(engine, index),
         }
 
     def _send(self, text: str, token: int | None) -> None:

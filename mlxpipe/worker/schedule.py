@@ -40,6 +40,7 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 _NEVER = 1 << 62  # ready_at of a request waiting for its token
+FAILED = -2  # the token rank 0 shares for a request whose sampling failed: it ends with "error"
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class RequestState:
     fed: int = 0  # prompt tokens already fed to the first stage
     ready_at: int = _NEVER  # first tick it may enter again
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (end of sequence), "length" or "cancelled"
+    finish_reason: str | None = None  # "stop" (end of sequence), "length", "cancelled" or "error"
     admitted_tick: int | None = None
     finished_tick: int | None = None
     cached: int = 0  # prompt tokens already in the request's caches when it arrived
@@ -173,6 +174,12 @@ class Schedule:
         self.requests.append(request)
         return request.index
 
+    def add_failed(self) -> int:
+        """A request refused before it started (every rank refuses it alike): it has ended, with "error"."""
+        request = RequestState(len(self.requests), (), 0, finish_reason="error", finished_tick=self.tick)
+        self.requests.append(request)
+        return request.index
+
     def cancel(self, index: int) -> bool:
         """Stop a request; True when it finished at once (it had not started), else it ends within a few ticks."""
         request = self.requests[index]
@@ -201,8 +208,8 @@ class Schedule:
             self._free(self.requests[index], "cancelled")
         admitted = []
         for slot, holder in enumerate(self.slots):
-            while self._pending < len(self.requests) and self.requests[self._pending].cancelled:
-                self._pending += 1  # cancelled while waiting: it already ended
+            while self._pending < len(self.requests) and self.requests[self._pending].finish_reason is not None:
+                self._pending += 1  # cancelled while waiting, or refused: it already ended
             if holder is None and self._pending < len(self.requests):
                 request = self.requests[self._pending]
                 request.slot, request.ready_at, request.admitted_tick = slot, self.tick, self.tick
@@ -322,6 +329,8 @@ class Schedule:
                 continue  # already ended (cancelled and freed)
             if request.cancelled:
                 self._free(request, "cancelled")  # its token is dropped: nobody waits for it
+            elif token == FAILED:
+                self._free(request, "error")  # its sampling failed on rank 0; the others go on
             else:
                 request.generated.append(token)
                 if token in self.eos_ids or token in request.extra_eos:

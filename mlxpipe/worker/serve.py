@@ -27,7 +27,8 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
-from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.errors import LaunchError, MlxpipeError, UsageError
+from mlxpipe.metadata import text_config_of
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request
 from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter, text_of
@@ -186,13 +187,17 @@ class Server:
         model (speculative decoding) runs mlx-lm's ``stream_generate``.
         """
         tic = time.perf_counter()
-        request.check()
-        tokens = self.prompt_tokens(request)
         self.progress.reset()
-        if self.job.mode == "generic" and self.group.size() > 1 and self.loaded.draft is None:
-            done = self._generate_in_engine(request, tokens)
+        try:  # every rank reads the same request: a bad one fails alike everywhere, and only this request
+            request = request.check(vocab_size=text_config_of(self.loaded.config).get("vocab_size"))
+            tokens = self.prompt_tokens(request)
+        except Exception as e:  # noqa: BLE001 - its options, or a chat template that throws on its messages
+            done = {"finish_reason": "error", "error": _reason(e), "tokens": [], "generation_tokens": 0}
         else:
-            done = self._generate_stream(request, tokens, tic)
+            if self.job.mode == "generic" and self.group.size() > 1 and self.loaded.draft is None:
+                done = self._generate_in_engine(request, tokens)
+            else:
+                done = self._generate_stream(request, tokens, tic)
         done = {"rank": self.rank, **done, "peak_memory": mx.get_peak_memory() / 1e9}
         if request.id is not None:
             done["id"] = request.id
@@ -304,7 +309,12 @@ class Server:
         self._prompt_cache = self._chat_cache = None  # a batch does not continue a chat
         engine = Engine(self, concurrency, BatchReporter(self._emit), decode_batch=decode_batch)
         for r in requests:
-            engine.add(r, self.prompt_tokens(r))
+            try:  # a chat template that throws on one prompt's messages fails that prompt alone, on every rank
+                tokens = self.prompt_tokens(r)
+            except Exception as e:  # noqa: BLE001
+                engine.refuse(r, _reason(e))
+                continue
+            engine.add(r, tokens)
         done = engine.run()
         self._emit("batch_done", **done)
         return done
@@ -486,6 +496,11 @@ class Server:
             return mine
         shared = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
         return int(shared.item())
+
+
+def _reason(e: BaseException) -> str:
+    """What a failed request's client is told."""
+    return e.message if isinstance(e, MlxpipeError) else f"{type(e).__name__}: {e}"
 
 
 def _no_emit(*args: Any, **kwargs: Any) -> None:
