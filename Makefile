@@ -39,7 +39,7 @@ bench: install demo-model
 
 # docs/cli.md: every command's --help, generated from the app (tests/test_cli_help.py checks it).
 docs: install
-	$(PY) -m mlxpipe.cli_reference > docs/cli.md
+	$(PY) -m mlxpipe.cli.reference > docs/cli.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

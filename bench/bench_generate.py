@@ -11,7 +11,7 @@ Two checkpoints, each measured the same ways in one run:
   own ``pipeline()``, so the native pipeline runs on it too).
 
 Single-process mlx-lm runs ``stream_generate`` pinned to one core. The pipelines
-run through ``mlxpipe.generate.Pipeline`` (what ``mlxpipe generate`` runs, the
+run through ``mlxpipe.launch.pipeline.Pipeline`` (what ``mlxpipe generate`` runs, the
 mlx.launch renice included) with each worker pinned to a core of its own where
 the machine has enough; the figure is mlx-lm's generation tok/s as rank 0
 reports it, the median of --runs generations after one warm-up.
@@ -165,8 +165,8 @@ def _prompt_tokens(tokenizer: Any) -> list[int]:
 def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
     """A loaded pipeline of ``ranks`` local ranks started as the CLI starts one (``running_pipeline``),
     each worker pinned to a core of its own; ``config``: more ``PipelineConfig`` fields."""
-    from mlxpipe.startup import PipelineConfig, running_pipeline
-    from mlxpipe.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig, running_pipeline
+    from mlxpipe.cluster.target import resolve_target
 
     strategy = config.pop("strategy", None)
     target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
@@ -181,7 +181,7 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path 
              drafted: list[int] | None = None) -> tuple[list[float], int]:
     """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run
     (``drafted`` gets each run's accepted draft tokens)."""
-    from mlxpipe.generate import Request, request_for
+    from mlxpipe.launch.pipeline import Request, request_for
 
     drafting = {"draft_model": str(draft), "num_draft_tokens": NUM_DRAFT_TOKENS} if draft else {}
     with pinned_pipeline(model, setup.ranks, mode=setup.mode, **drafting) as pipe:
@@ -225,7 +225,7 @@ def build_short_draft(model: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Pa
 
 def draft_main(runs: int, max_tokens: int) -> None:
     """Speculative decoding: generation tok/s without a draft and with two drafts, single process and 2 ranks."""
-    from mlxpipe.demo_model import ensure_demo_model
+    from mlxpipe.model.demo import ensure_demo_model
 
     demo = ensure_demo_model()
     with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
@@ -331,7 +331,7 @@ def main() -> None:
 
     from mlx_lm.utils import load_tokenizer
 
-    from mlxpipe.demo_model import ensure_demo_model
+    from mlxpipe.model.demo import ensure_demo_model
 
     with tempfile.TemporaryDirectory(prefix="mlxpipe-bench-") as tmp:
         os.environ.setdefault("MLXPIPE_HOME", str(Path(tmp) / "home"))  # run logs go away with the run

@@ -6,7 +6,7 @@
 The same batches (mlx_lm.lora's own ``iterate_batches``, seed 0) are trained:
 
 * by single-process mlx_lm.lora (``train_model``: its compiled step), pinned to one core;
-* by one launch of 2 local ranks (``mlxpipe.lora``: what ``mlxpipe lora`` runs), each worker
+* by one launch of 2 local ranks (``mlxpipe.lora.run``: what ``mlxpipe lora`` runs), each worker
   pinned to a core of its own, under every schedule in turn: naive (one micro-batch),
   GPipe and 1F1B with M = 2, 4, 8 micro-batches.
 
@@ -75,7 +75,7 @@ def build(dest: Path) -> tuple[Path, Path]:
 
 
 def options_for(model: Path, data: Path, out: Path, iters: int, batch: int = BATCH) -> Any:
-    from mlxpipe.lora import TrainOptions
+    from mlxpipe.lora.run import TrainOptions
 
     return TrainOptions.build({"model": str(model), "train": True, "data": str(data), "batch_size": batch,
                                "iters": iters, "num_layers": -1, "learning_rate": 1e-5, "val_batches": 0,
@@ -122,10 +122,10 @@ def _single_process_main(model: str, data: str, out: str, iters: int, batch: int
 def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.SimpleNamespace]:
     """2 local ranks loaded to train with ``options`` (each worker pinned to a core of its own if ``pinned``):
     the pipe, the metadata, the plan, the datasets and the step requests of the training data."""
-    from mlxpipe import lora
-    from mlxpipe.generate import controller_model_dir
-    from mlxpipe.startup import PipelineConfig, launch, prepare
-    from mlxpipe.target import resolve_target
+    from mlxpipe.lora import run as lora
+    from mlxpipe.launch.pipeline import controller_model_dir
+    from mlxpipe.launch.run import PipelineConfig, launch, prepare
+    from mlxpipe.cluster.target import resolve_target
 
     target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     config = PipelineConfig(target, quiet=True, timeout=600)
@@ -147,7 +147,7 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
 
 def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     """Every setup, ``steps`` steps each, on one launch of 2 pinned ranks."""
-    from mlxpipe import lora
+    from mlxpipe.lora import run as lora
 
     options = options_for(model, data, out, steps * len(SETUPS))
     rows = []
@@ -170,8 +170,8 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
     (a rank's peak is its largest since it started)."""
     from dataclasses import replace
 
-    from mlxpipe import lora
-    from mlxpipe.lora_plan import training_memory
+    from mlxpipe.lora import run as lora
+    from mlxpipe.plan.training import training_memory
 
     lines = ["| setup | rank | layers | estimated | measured peak | measured / estimated |",
              "|---|---:|---|---:|---:|---:|"]

@@ -150,8 +150,8 @@ def write_sparse_safetensors(path: Path, specs: list[Spec]) -> None:
 
 def seed_hub_cache(directory: Path) -> None:
     """Store the metadata as a first ``plan`` of ``HUB_REPO`` would have (in $MLXPIPE_HOME)."""
-    from mlxpipe import hub
-    from mlxpipe.metadata import load_local
+    from mlxpipe.hub import client as hub
+    from mlxpipe.model.metadata import load_local
 
     local = load_local(directory)
     meta = dataclasses.replace(local, source=HUB_REPO, revision="main", commit=HUB_COMMIT, local=False)
@@ -168,10 +168,10 @@ def median_time(fn: Callable[[], Any], runs: int) -> tuple[float, float]:
 
 
 def in_process(model: str) -> Callable[[], Any]:
-    from mlxpipe.hostfile import load_hostfile
-    from mlxpipe.hub import load_metadata
-    from mlxpipe.metadata import validate
-    from mlxpipe.plan import make_plan
+    from mlxpipe.cluster.hostfile import load_hostfile
+    from mlxpipe.hub.client import load_metadata
+    from mlxpipe.model.metadata import validate
+    from mlxpipe.plan.shard import make_plan
 
     def run() -> Any:
         meta = load_metadata(model)

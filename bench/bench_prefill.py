@@ -10,7 +10,7 @@ first token), the median of --runs after one warm-up.
 
 * Single process: mlx-lm's ``stream_generate`` with its default prefill step
   (2048), pinned to one core.
-* mlxpipe: ``mlxpipe.generate.Pipeline`` through ``running_pipeline`` (what ``mlxpipe generate`` runs) on 2 and
+* mlxpipe: ``mlxpipe.launch.pipeline.Pipeline`` through ``running_pipeline`` (what ``mlxpipe generate`` runs) on 2 and
   3 local ranks, each worker pinned to a core of its own where the machine has
   enough. The default prefill chunk (128) lets a prompt's chunks flow through
   the stages one behind the other; the 2048 row is one chunk, so one stage at a
@@ -95,7 +95,7 @@ def pipeline(model: Path, setup: Setup, lengths: tuple[int, ...], runs: int) -> 
     """Prompt tok/s per prompt length on local ranks, each worker pinned."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxpipe.generate import Request, request_for
+    from mlxpipe.launch.pipeline import Request, request_for
 
     tokenizer = load_tokenizer(model)
     sampling = Request(max_tokens=1, ignore_chat_template=True)

@@ -51,7 +51,7 @@ from bench_generate import (  # the same placement and checkpoints as the latenc
     QWEN2_LAYERS, REPO, build_qwen2, cores, pinned_pipeline, placement,
 )
 
-from mlxpipe.batch import DEFAULT_DECODE_BATCH
+from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH
 
 GOAL = 1.7
 CONCURRENCY = (1, 2, 4)
@@ -106,7 +106,7 @@ def _single_process_main(model: str, texts: list[str], max_tokens: int) -> None:
 
 
 def _requests(texts: list[str], max_tokens: int) -> list[Any]:
-    from mlxpipe.generate import Request, request_for
+    from mlxpipe.launch.pipeline import Request, request_for
 
     sampling = Request(max_tokens=max_tokens, ignore_chat_template=True)
     return [request_for(t, None, sampling) for t in texts]
@@ -386,7 +386,7 @@ def main() -> None:
         small = build_qwen2(Path(tmp) / "qwen2-small", SMALL_LAYERS, QWEN2_SMALL)
         defaults = defaults_rows(small, prompts(4), 48, 1 if args.quick else 3)
         print("measuring the demo model's even and balanced splits...", file=sys.stderr, flush=True)
-        from mlxpipe.demo_model import ensure_demo_model
+        from mlxpipe.model.demo import ensure_demo_model
 
         splits = split_rows(ensure_demo_model(), texts, args.max_tokens, runs=1 if args.quick else 3)
         print("measuring batched decode on 2 ranks...", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ Two directions, both line-based so they survive ``mlx.launch`` and ``ssh -tt``:
   ended by a line holding a single ``.``.
 * ranks -> controller: events, one JSON object per stdout line behind the
   marker ``EVENT_PREFIX``. Everything else a rank prints is plain log output.
-  The rank's supervisor sends them on as frames (``mlxpipe.frames``), which
+  The rank's supervisor sends them on as frames (``mlxpipe.launch.frames``), which
   survive ``mlx.launch`` cutting the ranks' lines and merging the pieces.
 """
 

@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 
 from fixtures.fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe import cli_reference
+from mlxpipe.cli import reference as cli_reference
 from mlxpipe.cli import app
-from mlxpipe.config import load_preset
-from mlxpipe.hostfile import BACKENDS, GB
-from mlxpipe.launch import DEFAULT_PORT
+from mlxpipe.cluster.presets import load_preset
+from mlxpipe.cluster.hostfile import BACKENDS, GB
+from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
-from mlxpipe.hostfile import GB, load_hostfile
-from mlxpipe.hub import load_metadata
-from mlxpipe.metadata import kv_bytes_per_token
-from mlxpipe.plan import RUNTIME_OVERHEAD, kv_bytes, make_plan
+from mlxpipe.cluster.hostfile import GB, load_hostfile
+from mlxpipe.hub.client import load_metadata
+from mlxpipe.model.metadata import kv_bytes_per_token
+from mlxpipe.plan.shard import RUNTIME_OVERHEAD, kv_bytes, make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"

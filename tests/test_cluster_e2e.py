@@ -221,7 +221,7 @@ def test_shell_syntax_in_hostfile_is_rejected_or_harmless(cluster: Cluster, key:
 def test_trust_remote_code_is_off_unless_asked(demo_model: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from mlxpipe.errors import LaunchError
-    from mlxpipe.generate import Pipeline
+    from mlxpipe.launch.pipeline import Pipeline
 
     jobs: list[Any] = []
 

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxpipe.demo_model import (
+from mlxpipe.model.demo import (
     DEMO_MODEL_NAME,
     INDEX_FILE,
     build_demo_model,

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from fixtures.cluster import Cluster, skip_or_fail_in_ci
 from mlxpipe.cli import app
-from mlxpipe.doctor import CheckResult, preflight, require_ok, ring_ports
+from mlxpipe.cluster.doctor import CheckResult, preflight, require_ok, ring_ports
 from mlxpipe.errors import LaunchError
-from mlxpipe.hostfile import load_hostfile
-from mlxpipe.launch import free_port_base
+from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.launch.ranks import free_port_base
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
@@ -212,7 +212,7 @@ def test_cluster_passes(cluster: Cluster, tiny_models: Any) -> None:
 @pytest.mark.cluster
 @pytest.mark.parametrize("how", ["kill_sshd", "block"])
 def test_unreachable_host_fails_naming_it(cluster: Cluster, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mlxpipe.doctor.CONNECT_TIMEOUT", 2)  # a blocked host answers nothing: keep the wait short
+    monkeypatch.setattr("mlxpipe.cluster.doctor.CONNECT_TIMEOUT", 2)  # a blocked host answers nothing: keep the wait short
     hostfile = cluster.hostfile(2)
     getattr(cluster, how)(1)
     code, checks, stderr = doctor("--hostfile", str(hostfile))

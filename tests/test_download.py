@@ -2,7 +2,7 @@
 
 Every rank sits on 127.0.0.1 with an ``hf_home`` of its own, so each behaves
 like a machine with its own disk, and its fetch runs as a real subprocess
-(``python -m mlxpipe.fetch``), as it would over ssh. Metadata is read once per
+(``python -m mlxpipe.download.fetch``), as it would over ssh. Metadata is read once per
 test before the log is cleared, so the hub's log shows only what the hosts fetched.
 """
 
@@ -22,14 +22,14 @@ from fixtures.fake_hub import FAKE_TOKEN, FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from typer.testing import CliRunner
 
-from mlxpipe import fetch as fetch_mod
-from mlxpipe import remote
+from mlxpipe.download import fetch as fetch_mod
+from mlxpipe.cluster import remote
 from mlxpipe.cli import app
 from mlxpipe.errors import DownloadError
-from mlxpipe.hostfile import load_hostfile
-from mlxpipe.hub import load_metadata
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan, make_plan
+from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.hub.client import load_metadata
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan, make_plan
 
 DEMO = "dl/demo"
 TINY = "dl/tiny"
@@ -536,7 +536,7 @@ def test_rsync_recreates_the_cache_layout_exactly(hub_env: FakeHub, repos: dict,
     """The rsync command, run to a local directory, gives the same tree as the local copy."""
     if shutil.which("rsync") is None:
         pytest.skip("rsync is not installed")
-    from mlxpipe import download as dl
+    from mlxpipe.download import controller as dl
 
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, TINY)
@@ -559,7 +559,7 @@ def test_rsync_recreates_the_cache_layout_exactly(hub_env: FakeHub, repos: dict,
 
 
 def load_hostfile_host(ssh: str) -> Any:
-    from mlxpipe.hostfile import parse_hostfile
+    from mlxpipe.cluster.hostfile import parse_hostfile
 
     return parse_hostfile([{"ssh": ssh, "ips": ["10.0.0.2"]}], Path("h.json")).hosts[0]
 
@@ -567,7 +567,7 @@ def load_hostfile_host(ssh: str) -> Any:
 def test_a_model_every_rank_loads_whole_goes_whole_to_each_storage(hub_env: FakeHub, repos: dict,
                                                                     tmp_path: Path) -> None:
     """The draft model of speculative decoding: every file to every (host, storage), once each."""
-    from mlxpipe import download as dl
+    from mlxpipe.download import controller as dl
 
     hostfile = write_hostfile(tmp_path, 3, hf_home=[str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")])
     meta = prime(hub_env, TINY)

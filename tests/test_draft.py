@@ -190,8 +190,8 @@ def test_a_draft_model_missing_from_the_hub_is_refused_before_launch(models, hub
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:
-    from mlxpipe.metadata import ModelMetadata
-    from mlxpipe.startup import check_draft
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.launch.run import check_draft
 
     meta = ModelMetadata(str(models["target"]), {}, (), {}, local=True)
     check_draft(str(models["draft"]), meta)  # the same tokenizer: fine
@@ -200,8 +200,8 @@ def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None
 
 
 def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models, tiny_models) -> None:
-    from mlxpipe.metadata import ModelMetadata
-    from mlxpipe.startup import check_draft
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.launch.run import check_draft
 
     meta = ModelMetadata(str(tiny_models["lfm2"]), {}, (), {}, local=True)
     with pytest.raises(ModelError, match="^--draft-model: speculative decoding trims rejected drafts from the KV "

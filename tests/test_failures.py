@@ -29,8 +29,8 @@ from fixtures.cluster import Cluster
 from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
-from mlxpipe.failures import FailureTracker
-from mlxpipe.generate import Pipeline, Request, request_for
+from mlxpipe.launch.failures import FailureTracker
+from mlxpipe.launch.pipeline import Pipeline, Request, request_for
 
 REPO = Path(__file__).resolve().parent.parent
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
@@ -287,8 +287,8 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
 
 def start_pipeline(site: Site, model: Path, worker: tuple[str, ...], timeout: float = 60.0) -> Pipeline:
     """A loaded pipeline whose ranks run ``worker``, started as every command starts one."""
-    from mlxpipe.startup import PipelineConfig, start_pipeline as start
-    from mlxpipe.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig, start_pipeline as start
+    from mlxpipe.cluster.target import resolve_target
 
     target = resolve_target(str(model), None, site.hostfile, None, None, None)
     return start(PipelineConfig(target, timeout=timeout, quiet=True, worker=worker))
@@ -311,7 +311,7 @@ def test_worker_error_names_rank_host_and_exception(demo_model: Path, tmp_path: 
     (tmp_path / "host1" / demo_model.name / missing).unlink()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps(hosts))
-    monkeypatch.setattr("mlxpipe.startup.ensure_files", lambda *args, **kwargs: None)
+    monkeypatch.setattr("mlxpipe.launch.run.ensure_files", lambda *args, **kwargs: None)
 
     result = CliRunner().invoke(app, ["generate", "--model", str(demo_model), "--hostfile", str(hostfile),
                                       "--prompt", "Hi", "--max-tokens", "2", "--json"])
@@ -524,7 +524,7 @@ class FakeClock:
 
 
 def _hostfile(tmp_path: Path, hosts: list[dict[str, Any]]) -> Any:
-    from mlxpipe.hostfile import load_hostfile
+    from mlxpipe.cluster.hostfile import load_hostfile
 
     path = tmp_path / "h.json"
     path.write_text(json.dumps(hosts))

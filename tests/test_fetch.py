@@ -1,4 +1,4 @@
-"""The host side of download (``mlxpipe.fetch``), through the real huggingface_hub client.
+"""The host side of download (``mlxpipe.download.fetch``), through the real huggingface_hub client.
 
 Every test fetches from the fake hub into a cache of its own; faults (dropped
 connections, corrupted bodies) are injected on the wire by the hub.
@@ -18,10 +18,10 @@ import pytest
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.tiny_models import make_tiny_checkpoint
 
-from mlxpipe import fetch as fetch_mod
+from mlxpipe.download import fetch as fetch_mod
 from mlxpipe import protocol
 from mlxpipe.errors import DownloadError, HubError, ModelError
-from mlxpipe.fetch import FetchJob, check, fetch, is_present
+from mlxpipe.download.fetch import FetchJob, check, fetch, is_present
 
 TINY = "fetch/tiny"
 INDEX = "model.safetensors.index.json"
@@ -87,7 +87,7 @@ def test_host_refuses_a_tampered_job_before_any_request(hub_env: FakeHub, tiny_r
 
     good = json.loads(base64.b64decode(FetchJob(tiny_repo, "a" * 40, ("config.json",)).encode()))
     bad = base64.b64encode(json.dumps({**good, "files": ["../../.ssh/authorized_keys"]}).encode()).decode()
-    proc = subprocess.run([sys.executable, "-m", "mlxpipe.fetch", "--job", bad], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad], capture_output=True, text=True)
     events = list(protocol.iter_events(iter(proc.stdout.splitlines())))
     assert proc.returncode == 1
     assert [e["event"] for e in events] == ["error"]
@@ -210,7 +210,7 @@ def test_check_mode_reports_present_and_missing_without_network(hub_env: FakeHub
     fetch(dataclasses.replace(job, files=("config.json",)))
     hub_env.reset_log()
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxpipe.fetch", "--check", "--job", job.encode()], capture_output=True, text=True
+        [sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert list(protocol.iter_events(iter(proc.stdout.splitlines()))) == [

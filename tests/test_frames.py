@@ -1,4 +1,4 @@
-"""Events through mlx.launch's merged output: frames that survive being cut (``mlxpipe.frames``).
+"""Events through mlx.launch's merged output: frames that survive being cut (``mlxpipe.launch.frames``).
 
 mlx.launch reads each rank's output in pieces of at most 8 KiB and writes every
 rank's pieces to one stream as they come. The pure tests cut and merge streams
@@ -18,9 +18,9 @@ import pytest
 
 from fixtures import flood_worker
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
-from mlxpipe import frames
-from mlxpipe.hostfile import load_hostfile
-from mlxpipe.launch import LaunchSpec, Ranks
+from mlxpipe.launch import frames
+from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.launch.ranks import LaunchSpec, Ranks
 
 READ = 8192  # what mlx.launch reads of a rank's pipe at once
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from mlxpipe.errors import HostfileError
-from mlxpipe.hostfile import Host, Hostfile, load_hostfile
+from mlxpipe.cluster.hostfile import Host, Hostfile, load_hostfile
 
 REPO = Path(__file__).resolve().parent.parent
 STUDIO = "/Users/me/mlxpipe/.venv/bin/python"

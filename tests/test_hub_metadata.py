@@ -16,10 +16,10 @@ from fixtures.fake_hub import FAKE_TOKEN, FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
 from mlxpipe.errors import HubError, ModelError
-from mlxpipe.hostfile import load_hostfile
-from mlxpipe.hub import load_metadata
-from mlxpipe.metadata import load_local
-from mlxpipe.plan import make_plan
+from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.hub.client import load_metadata
+from mlxpipe.model.metadata import load_local
+from mlxpipe.plan.shard import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"

@@ -213,10 +213,10 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
 
     from fixtures import faulty_trainer
     from fixtures.processes import local_rank_processes
-    from mlxpipe import lora
+    from mlxpipe.lora import run as lora
     from mlxpipe.errors import LaunchError
-    from mlxpipe.startup import PipelineConfig
-    from mlxpipe.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.cluster.target import resolve_target
 
     out = workdir / "dies"
     target = resolve_target(str(workdir / "llama"), None, REPO / "hostfiles" / "local-2.json", None, None, None)
@@ -245,8 +245,8 @@ def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, mod
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
 
-    from mlxpipe.lora_plan import lora_parameters_of
-    from mlxpipe.metadata import load_local
+    from mlxpipe.plan.training import lora_parameters_of
+    from mlxpipe.model.metadata import load_local
 
     lora = {"rank": 4, "scale": 20.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
     loaded, _ = load(str(workdir / model))
@@ -260,11 +260,11 @@ def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, mod
 
 
 def test_the_memory_estimate_holds_the_micro_batches_in_flight_and_the_backward_working_set(workdir: Path) -> None:
-    from mlxpipe.hostfile import load_hostfile
-    from mlxpipe.lora import TrainOptions
-    from mlxpipe.lora_plan import training_memory
-    from mlxpipe.metadata import load_local
-    from mlxpipe.plan import make_plan
+    from mlxpipe.cluster.hostfile import load_hostfile
+    from mlxpipe.lora.run import TrainOptions
+    from mlxpipe.plan.training import training_memory
+    from mlxpipe.model.metadata import load_local
+    from mlxpipe.plan.shard import make_plan
 
     meta = load_local(workdir / "llama")
     the_plan = make_plan(meta, load_hostfile(Path("hostfiles/local-2.json")).hosts)  # rank 1: layers 0-1
@@ -292,7 +292,7 @@ def test_a_rank_whose_adapters_are_lost_on_the_way_fails_the_save_instead_of_wri
     # rank's output and lost. This cannot be made to happen on purpose with real ranks: the
     # channel here delivers rank 0's "adapter" event and loses rank 1's.
     from mlxpipe.errors import LaunchError
-    from mlxpipe.lora import ADAPTER_FILE, Reporter, Training, TrainOptions
+    from mlxpipe.lora.run import ADAPTER_FILE, Reporter, Training, TrainOptions
     from mlxpipe.worker.train import encode_weights
     import mlx.core as mx
 

@@ -26,10 +26,10 @@ from typer.testing import CliRunner
 
 from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint
 from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe import fetch as fetch_mod
-from mlxpipe import target as target_mod
+from mlxpipe.download import fetch as fetch_mod
+from mlxpipe.cluster import target as target_mod
 from mlxpipe.cli import app
-from mlxpipe.hub import load_metadata
+from mlxpipe.hub.client import load_metadata
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"

@@ -21,7 +21,7 @@ from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.tiny_models import make_tiny_checkpoint
 from typer.testing import CliRunner
 
-from mlxpipe.batch import read_prompts
+from mlxpipe.launch.batch import read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens

@@ -21,7 +21,7 @@ from fixtures.ranks import LaunchResult, PYTHON, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from typer.testing import CliRunner
 
-from mlxpipe.batch import InOrder, RequestResult, ResultsFile, read_prompts
+from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
 from mlxpipe.request import Request
@@ -277,7 +277,7 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     from mlx_lm.models.cache import KVCache
 
     from mlxpipe.worker.load import load_rank
-    from mlxpipe.worker.serve import Server
+    from mlxpipe.worker.requests import Server
 
     class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
         def __getattribute__(self, name: str) -> Any:
@@ -300,7 +300,7 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
 
 
 def test_where_the_time_goes_names_each_rank_and_hop() -> None:
-    from mlxpipe.batch import where_time_goes
+    from mlxpipe.launch.batch import where_time_goes
 
     def spent(compute: float, recv: float) -> dict[str, float]:
         wall = 10.0

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import pytest
 
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.hostfile import GB, Host
-from mlxpipe.metadata import ModelMetadata, Tensor, kv_bytes_per_token, kv_sharing_groups
-from mlxpipe.plan import (
+from mlxpipe.cluster.hostfile import GB, Host
+from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token, kv_sharing_groups
+from mlxpipe.plan.shard import (
     RUNTIME_OVERHEAD,
     balanced_split,
     choose_split,

@@ -393,9 +393,9 @@ def test_every_endpoint_but_health_needs_the_key(server: ServeProcess, header: s
 
 
 def test_health_names_every_rank(server: ServeProcess, demo_model: Path) -> None:
-    from mlxpipe.hostfile import load_hostfile
-    from mlxpipe.metadata import load_local
-    from mlxpipe.plan import make_plan
+    from mlxpipe.cluster.hostfile import load_hostfile
+    from mlxpipe.model.metadata import load_local
+    from mlxpipe.plan.shard import make_plan
 
     the_plan = make_plan(load_local(demo_model), load_hostfile(Path("hostfiles/local-2.json")).hosts)
     health = server.health()
@@ -483,7 +483,7 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_server_recovers(fra
     chunks = iter(stream)
     next(c for c in chunks if c.choices and c.choices[0].delta.content)
     worker = next(pid for pid, (rank, cmd) in local_rank_processes(fragile.proc.pid).items()
-                  if rank == 1 and "mlxpipe.supervisor" not in cmd)
+                  if rank == 1 and "mlxpipe.launch.supervisor" not in cmd)
     tic = time.monotonic()
     signal_pid(worker, signal.SIGKILL)
     with pytest.raises(openai.APIError) as e:
@@ -516,7 +516,7 @@ def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(demo_mode
     try:
         proc.wait_for("ready")
         worker = next(pid for pid, (rank, cmd) in local_rank_processes(proc.proc.pid).items()
-                      if rank == 0 and "mlxpipe.supervisor" not in cmd)
+                      if rank == 0 and "mlxpipe.launch.supervisor" not in cmd)
         signal_pid(worker, signal.SIGKILL)
         code = proc.proc.wait(timeout=60)
     finally:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         if JobSpec.decode(args.job).train is not None:
             from mlxpipe.worker.train import run
         else:
-            from mlxpipe.worker.serve import run
+            from mlxpipe.worker.requests import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller

@@ -47,7 +47,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxpipe.errors import MlxpipeError, UsageError
-from mlxpipe.metadata import text_config_of
+from mlxpipe.model.metadata import text_config_of
 from mlxpipe.request import Request
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline import Exchange, find_exchange
@@ -55,7 +55,7 @@ from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, key
 from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 
 if TYPE_CHECKING:
-    from mlxpipe.worker.serve import Server
+    from mlxpipe.worker.requests import Server
 
 _CLEAR_CACHE_TICKS = 256
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key

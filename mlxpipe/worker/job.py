@@ -35,7 +35,7 @@ class JobSpec:
     prefill_step_size: int = 2048
     max_kv_size: int | None = None
     # LoRA fine-tuning instead of serving requests (``mlxpipe lora``): mlx_lm.lora's
-    # options as ``mlxpipe.lora.TrainOptions.for_ranks`` writes them.
+    # options as ``mlxpipe.lora.run.TrainOptions.for_ranks`` writes them.
     train: dict | None = None
     adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
     # Speculative decoding (mlx_lm.generate's --draft-model): every rank loads this whole model,

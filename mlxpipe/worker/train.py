@@ -17,7 +17,7 @@ stage runs forward or backward, and when it receives a gradient; every send and
 receive is evaluated on its own, so no rank waits on a receive across another
 phase of work.
 
-Requests (from the controller, ``mlxpipe.lora``), each answered by a ``done``
+Requests (from the controller, ``mlxpipe.lora.run``), each answered by a ``done``
 event from every rank: ``resume`` (adapter weights), ``step`` (one optimizer
 step over a batch, cut into micro-batches), ``eval`` (validation loss),
 ``save`` (each rank's adapter weights, as ``adapter`` events), ``exit``.
@@ -47,7 +47,7 @@ from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.pipeline import find_exchange, find_layers
-from mlxpipe.worker.serve import PROGRESS_SECONDS, init_group, loaded_fields
+from mlxpipe.worker.requests import PROGRESS_SECONDS, init_group, loaded_fields
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
 Emit = Callable[..., None]

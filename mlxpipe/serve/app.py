@@ -33,7 +33,7 @@ from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request as GenerationRequest
 from mlxpipe.request import RequestError, parse_logit_bias
-from mlxpipe.serve.engine import DEFAULT_MAX_BODY_BYTES, Job, Outcome, RequestLog, ServeEngine, Stream
+from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, Job, Outcome, RequestLog, ServeEngine, Stream
 
 T = TypeVar("T")
 from mlxpipe.serve.text import Delta, Reply, tool_calls

@@ -4,13 +4,13 @@
 interface). On its own it exits 0 when a rank fails, leaves the other ranks
 hanging when one exits 0 early, reports a remote rank killed by a signal only
 as ssh's status 255, and merges every rank's output. So each rank runs under a
-small supervisor (``python -m mlxpipe.supervisor --lease S -- <worker args>``,
+small supervisor (``python -m mlxpipe.launch.supervisor --lease S -- <worker args>``,
 ``mlxpipe/supervisor.py``) that:
 
 * tags everything its worker prints as events carrying the rank, so the
   controller keeps one log per rank (``rank-<r>.log`` in the run directory),
   and writes them as frames the controller puts back together however
-  mlx.launch cuts and merges the ranks' output (``mlxpipe.frames``);
+  mlx.launch cuts and merges the ranks' output (``mlxpipe.launch.frames``);
 * reports the worker's exit (``exited``: status, signal, whether it said
   ``bye``), also for a remote rank killed by a signal;
 * sends ``alive`` every second, so the controller tells a silent host from a
@@ -51,12 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
-from mlxpipe import frames, protocol, remote
+from mlxpipe import protocol
+
+from mlxpipe.launch import frames
+
+from mlxpipe.cluster import remote
 from mlxpipe.errors import LaunchError
-from mlxpipe.failures import FailureTracker
-from mlxpipe.hostfile import Hostfile
+from mlxpipe.launch.failures import FailureTracker
+from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.paths import mlxpipe_home
-from mlxpipe.supervisor import (
+from mlxpipe.launch.supervisor import (
     HEARTBEAT_LINE,
     HEARTBEAT_SECONDS,
     KILL_GRACE_SECONDS,
@@ -125,7 +129,7 @@ def rank_command(spec: LaunchSpec) -> list[str]:
 
     Per-host interpreters are chosen by ``$MLX_RANK``; mlx.launch quotes every argument.
     """
-    supervised = ["-m", "mlxpipe.supervisor", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
+    supervised = ["-m", "mlxpipe.launch.supervisor", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
     pythons = [remote.python_for(h) for h in spec.hostfile.hosts]
     if len(set(pythons)) == 1:
         return [pythons[0], *supervised]

@@ -1,6 +1,6 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
-Runs on each host (``python -m mlxpipe.fetch --job <base64>``) and reports
+Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
 progress as protocol events; ``--check`` only reports which files are already
 there (``download --from-controller`` asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
@@ -62,7 +62,7 @@ class FetchJob:
     offline: bool = False
 
     def __post_init__(self) -> None:
-        from mlxpipe.metadata import check_repo_filename
+        from mlxpipe.model.metadata import check_repo_filename
 
         # The job crosses a process (and maybe a network) boundary: never trust its names.
         for name in self.files:
@@ -132,7 +132,7 @@ def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: OnFile | None
 
 def is_offline(job: FetchJob) -> bool:
     """The job, or this host's own environment, says not to ask the hub."""
-    from mlxpipe.hub import offline
+    from mlxpipe.hub.client import offline
 
     return job.offline or offline()
 
@@ -209,7 +209,7 @@ def _size(job: FetchJob, name: str) -> int:
 
 def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
     """Download one file with bounded retries and backoff; a corrupt file is never kept."""
-    from mlxpipe.hub import network_fault
+    from mlxpipe.hub.client import network_fault
 
     last: BaseException | None = None
     started = time.monotonic()
@@ -244,7 +244,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
                     "free space on that host, or point its hf_home/model_dir at a larger disk, then run download again",
                 ) from None
             if not isinstance(e, _Corrupt) and not _transient(e):
-                from mlxpipe.hub import hub_errors
+                from mlxpipe.hub.client import hub_errors
 
                 with hub_errors(job.repo, job.host):
                     raise
@@ -269,7 +269,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
 
 
 def _download(job: FetchJob, name: str, on_bytes: OnBytes, *, force: bool) -> str:
-    from mlxpipe.hub import download_file
+    from mlxpipe.hub.client import download_file
 
     return download_file(
         job.repo, name, str(job.commit),
@@ -283,7 +283,7 @@ def _transient(e: BaseException) -> bool:
     """Worth another attempt: the network, a 5xx, or a short read; not offline mode or a TLS failure."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from mlxpipe.hub import network_fault
+    from mlxpipe.hub.client import network_fault
 
     fault = network_fault(e)
     if fault is not None:
@@ -366,7 +366,7 @@ _PROGRESS_INTERVAL = 0.2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlxpipe.fetch")
+    parser = argparse.ArgumentParser(prog="python -m mlxpipe.download.fetch")
     parser.add_argument("--job", required=True, help="base64 FetchJob")
     parser.add_argument("--check", action="store_true", help="only report which files are present")
     args = parser.parse_args(argv)

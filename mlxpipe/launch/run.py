@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mlxpipe import console
-from mlxpipe.config import DEFAULT_BACKEND, pick
+from mlxpipe.cluster.presets import DEFAULT_BACKEND, pick
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.generate import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
-from mlxpipe.hostfile import BACKENDS
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan
+from mlxpipe.launch.pipeline import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
+from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan
 from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
-from mlxpipe.target import Target, load_model_metadata, plan_target
+from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
 
 
 MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate's --prefill-step-size
@@ -88,8 +88,8 @@ class PipelineConfig:
 
 def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     """Metadata and a plan that fits, every host checked and holding its files; nothing launched yet."""
-    from mlxpipe.doctor import preflight, require_ok
-    from mlxpipe.launch import default_port
+    from mlxpipe.cluster.doctor import preflight, require_ok
+    from mlxpipe.launch.ranks import default_port
 
     target = config.target
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
@@ -123,7 +123,7 @@ def check_draft_source(draft: str) -> None:
     Every rank loads the whole draft model: a directory must be at this path on every host
     too; a hub repo is fetched to every host.
     """
-    from mlxpipe.hub import is_repo_id
+    from mlxpipe.hub.client import is_repo_id
 
     path = draft_dir(draft)
     if path is not None:
@@ -144,8 +144,8 @@ def draft_dir(draft: str) -> Path | None:
 def ensure_draft(config: PipelineConfig) -> str:
     """The draft model on every host (a hub repo: fetched whole to each, as ``download`` does);
     return a directory on this machine holding its config and tokenizer."""
-    from mlxpipe import download as dl
-    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.download import controller as dl
+    from mlxpipe.launch.pipeline import controller_model_dir
 
     assert config.draft_model is not None
     local = draft_dir(config.draft_model)
@@ -158,7 +158,7 @@ def ensure_draft(config: PipelineConfig) -> str:
 
 
 def draft_metadata(config: PipelineConfig) -> ModelMetadata:
-    from mlxpipe.hub import load_metadata
+    from mlxpipe.hub.client import load_metadata
 
     assert config.draft_model is not None
     return load_metadata(config.draft_model)
@@ -166,7 +166,7 @@ def draft_metadata(config: PipelineConfig) -> ModelMetadata:
 
 def draft_paths(config: PipelineConfig) -> tuple[str, ...] | None:
     """The draft model's directory on each rank's host."""
-    from mlxpipe import storage
+    from mlxpipe.cluster import storage
 
     hosts = config.target.hostfile.hosts
     if config.draft_model is None:
@@ -183,7 +183,7 @@ def check_draft(path: str, meta: ModelMetadata, trust: bool = False) -> None:
     is not the model's (mlx_lm.generate's checks)."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.worker.load import build_without_weights, check_draft_vocab, check_trimmable
 
     model_dir = controller_model_dir(meta)
@@ -205,7 +205,7 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
            on_loaded: Callable[[RankStats], None] | None = None, train: dict[str, Any] | None = None) -> Pipeline:
     """Start one rank per host and wait until every rank has loaded its layers (and, with ``train``,
     added its LoRA adapters: ``mlxpipe lora``)."""
-    from mlxpipe.launch import default_port
+    from mlxpipe.launch.ranks import default_port
 
     options = RunOptions(
         backend=config.chosen_backend,
@@ -250,7 +250,7 @@ def running_pipeline(config: PipelineConfig) -> Iterator[Pipeline]:
 
 def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_controller: bool, quiet: bool) -> None:
     """The download step: every host gets the files of its ranks (a no-op when they are there)."""
-    from mlxpipe import download as dl
+    from mlxpipe.download import controller as dl
 
     hosts = target.hostfile.hosts
     if meta.local and all(h.is_local and not h.model_dir for h in hosts):
@@ -260,8 +260,8 @@ def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_contr
 
 def _fetch(tasks: Any, meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
     """Each host fetches its task's files from the hub, or gets them from this machine."""
-    from mlxpipe import download as dl
-    from mlxpipe.render import download_progress
+    from mlxpipe.download import controller as dl
+    from mlxpipe.cli.render import download_progress
 
     with download_progress(tasks, enabled=not quiet) as on_update:
         if meta.local or from_controller:
@@ -272,7 +272,7 @@ def _fetch(tasks: Any, meta: ModelMetadata, from_controller: bool, quiet: bool) 
 
 def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool) -> None:
     """Refuse a model the pipeline cannot handle before any rank starts."""
-    from mlxpipe.generate import controller_model_dir
+    from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.worker.load import check_pipelinable as check
 
     check(controller_model_dir(meta), mode=mode, trust_remote_code=trust)

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mlxpipe.console import err, short_bytes
-from mlxpipe.plan import Plan
+from mlxpipe.plan.shard import Plan
 
 
 def plan_table(plan: Plan) -> RenderableType:

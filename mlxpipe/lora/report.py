@@ -10,7 +10,7 @@ from typing import Any
 
 from mlxpipe import console
 from mlxpipe.console import human_bytes
-from mlxpipe.lora import Reporter, StepReport, TrainResult
+from mlxpipe.lora.run import Reporter, StepReport, TrainResult
 
 
 class LoraReporter(Reporter):

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import LaunchError
-from mlxpipe.hostfile import Hostfile
-from mlxpipe.supervisor import HEARTBEAT_SECONDS
+from mlxpipe.cluster.hostfile import Hostfile
+from mlxpipe.launch.supervisor import HEARTBEAT_SECONDS
 
 # Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
 START_TIMEOUT_SECONDS = 45.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlxpipe.hostfile import Host
-from mlxpipe.metadata import ModelMetadata
+from mlxpipe.cluster.hostfile import Host
+from mlxpipe.model.metadata import ModelMetadata
 
 REMOTE_HF_HOME = "~/.cache/huggingface"
 REMOTE_MLXPIPE_HOME = "~/.cache/mlxpipe"

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from mlxpipe.errors import HubError, HubUnreachable, MlxpipeError, ModelError
-from mlxpipe.metadata import (
+from mlxpipe.model.metadata import (
     SINGLE_WEIGHTS,
     WEIGHT_INDEX,
     ModelMetadata,
@@ -419,7 +419,7 @@ def _hf_commit(repo: str, revision: str) -> str | None:
 
 
 def _hf_repo_dir(repo: str) -> Path:
-    from mlxpipe.fetch import hub_cache_dir
+    from mlxpipe.download.fetch import hub_cache_dir
 
     return hub_cache_dir(None) / ("models--" + repo.replace("/", "--"))
 

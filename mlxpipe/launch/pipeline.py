@@ -12,16 +12,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlxpipe import storage
+from mlxpipe.cluster import storage
 from mlxpipe.errors import LaunchError, RequestFailed
-from mlxpipe.launch import LaunchSpec, Ranks, lease_for
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan
+from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan
 from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.target import Target
+from mlxpipe.cluster.target import Target
 
 if TYPE_CHECKING:
-    from mlxpipe.batch import BatchResult, RequestResult
+    from mlxpipe.launch.batch import BatchResult, RequestResult
 
 DEFAULT_LOAD_TIMEOUT = 600.0
 DEFAULT_STEP_TIMEOUT = 120.0
@@ -96,7 +96,7 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
     """A directory on this machine with the model's config and tokenizer (the pre-launch check, serve's tokenizer)."""
     if meta.local:
         return Path(meta.source)
-    from mlxpipe.hub import download_file, hub_errors
+    from mlxpipe.hub.client import download_file, hub_errors
 
     with hub_errors(meta.source):
         for name in meta.support_files:
@@ -116,7 +116,7 @@ class Pipeline:
                  worker: Sequence[str] = WORKER, train: dict[str, Any] | None = None) -> None:
         self.meta, self.plan, self.target, self.options = meta, plan, target, options
         self.job = job_spec(meta, plan, target, options)
-        if train is not None:  # the ranks fine-tune instead of serving requests (mlxpipe.lora)
+        if train is not None:  # the ranks fine-tune instead of serving requests (mlxpipe.lora.run)
             self.job = replace(self.job, train=train)
         # Ranks get these on mlx.launch's (and ssh's) command line: never a secret here.
         env = (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
@@ -197,7 +197,7 @@ class Pipeline:
         and every request before it have finished; ``on_finished`` gets each
         the moment it finishes.
         """
-        from mlxpipe.batch import BatchResult, InOrder, result_from_event, with_seeds
+        from mlxpipe.launch.batch import BatchResult, InOrder, result_from_event, with_seeds
 
         concurrency = concurrency or self.ranks.size * decode_batch
         wire = [r.to_wire() for r in with_seeds(list(requests))]

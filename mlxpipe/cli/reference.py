@@ -1,6 +1,6 @@
 """The command-line reference, ``docs/cli.md``, generated from the app itself.
 
-    python -m mlxpipe.cli_reference > docs/cli.md      (or: make docs)
+    python -m mlxpipe.cli.reference > docs/cli.md      (or: make docs)
 
 Each command's ``--help`` exactly as a user sees it, at a fixed width and without
 colour. ``tests/test_cli_help.py`` fails when the checked-in file differs from
@@ -17,7 +17,7 @@ from pathlib import Path
 
 WIDTH = 100
 PROG = "mlxpipe"
-REGENERATE = "python -m mlxpipe.cli_reference > docs/cli.md"
+REGENERATE = "python -m mlxpipe.cli.reference > docs/cli.md"
 _PAGES_FLAG = "--pages-json"
 # Environment variables that make typer or Rich draw for a terminal (colour, styles, another width).
 _TERMINAL_ENV = (
@@ -49,7 +49,7 @@ def help_pages(width: int = WIDTH) -> dict[str, str]:
     source = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
-        [sys.executable, "-m", "mlxpipe.cli_reference", _PAGES_FLAG],
+        [sys.executable, "-m", "mlxpipe.cli.reference", _PAGES_FLAG],
         env=env, capture_output=True, text=True, check=False, timeout=120,
     )
     if done.returncode != 0:

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxpipe.batch import where_time_goes
+from mlxpipe.launch.batch import where_time_goes
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
-from mlxpipe.generate import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan
+from mlxpipe.launch.pipeline import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan
 from mlxpipe.request import Request
-from mlxpipe.startup import PipelineConfig, launch
+from mlxpipe.launch.run import PipelineConfig, launch
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_RESTARTS = 3

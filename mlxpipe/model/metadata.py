@@ -2,7 +2,7 @@
 
 ``config.json``, ``model.safetensors.index.json`` and the safetensors headers
 give every tensor's dtype and shape, so the exact bytes of every layer, without
-downloading a single weight. Hub access lives in ``mlxpipe.hub``; this module
+downloading a single weight. Hub access lives in ``mlxpipe.hub.client``; this module
 holds the data types, local-directory reading and the model facts the planner
 needs (layers, files, KV-cache size).
 """

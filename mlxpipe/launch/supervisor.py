@@ -1,12 +1,12 @@
-"""The per-rank supervisor: ``python -m mlxpipe.supervisor --lease S -- <worker args>``.
+"""The per-rank supervisor: ``python -m mlxpipe.launch.supervisor --lease S -- <worker args>``.
 
 ``mlx.launch`` starts this on every rank; it runs the rank's worker as a child
-and speaks for it (see ``mlxpipe.launch`` for why):
+and speaks for it (see ``mlxpipe.launch.ranks`` for why):
 
 * every line the worker prints becomes an event carrying the rank (plain lines
   as ``log`` events), so the controller keeps one log per rank; events go out
   as frames that survive mlx.launch cutting and merging the ranks' output
-  (``mlxpipe.frames``);
+  (``mlxpipe.launch.frames``);
 * ``started`` (pids), ``alive`` every second, and ``exited`` (status, signal,
   whether the worker said ``bye``) — also for a remote rank killed by a signal,
   which mlx.launch would see only as ssh's status 255;
@@ -25,7 +25,9 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from mlxpipe import frames, protocol
+from mlxpipe import protocol
+
+from mlxpipe.launch import frames
 
 KILL_GRACE_SECONDS = 3.0
 HEARTBEAT_SECONDS = 1.0
@@ -87,7 +89,7 @@ class _Supervisor:
         return 128 - code if code < 0 else code
 
     def emit(self, event: str, **fields: Any) -> None:
-        """Write one event as frames that survive mlx.launch cutting them (see ``mlxpipe.frames``)."""
+        """Write one event as frames that survive mlx.launch cutting them (see ``mlxpipe.launch.frames``)."""
         try:
             self._frames.write({"event": event, "rank": self.rank, **fields})
         except OSError:
@@ -158,7 +160,7 @@ def _signal_name(code: int) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the supervisor that ``mlx.launch`` starts on every rank."""
     parser = argparse.ArgumentParser(
-        prog="python -m mlxpipe.supervisor",
+        prog="python -m mlxpipe.launch.supervisor",
         description="Run one rank's worker under mlxpipe's supervisor (mlx.launch starts this on every rank).",
     )
     parser.add_argument("--lease", type=float, default=MAX_LEASE_SECONDS,

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.hostfile import GB, Host
-from mlxpipe.metadata import ModelMetadata, kv_bytes_per_token, kv_sharing_groups
+from mlxpipe.cluster.hostfile import GB, Host
+from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token, kv_sharing_groups
 
 STRATEGIES = ("even", "memory", "balanced", "split")
 DEFAULT_CONTEXT = 4096

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mlxpipe.config import Preset, load_preset, pick
+from mlxpipe.cluster.presets import Preset, load_preset, pick
 from mlxpipe.errors import ModelError
-from mlxpipe.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
-from mlxpipe.metadata import ModelMetadata, validate
-from mlxpipe.plan import DEFAULT_CONTEXT, Plan, make_plan
+from mlxpipe.cluster.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
+from mlxpipe.model.metadata import ModelMetadata, validate
+from mlxpipe.plan.shard import DEFAULT_CONTEXT, Plan, make_plan
 
 DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")
 
@@ -59,7 +59,7 @@ def resolve_target(
 
 def default_model() -> Path:
     """The embedded demo model, which must have been built."""
-    from mlxpipe.demo_model import demo_model_dir
+    from mlxpipe.model.demo import demo_model_dir
 
     path = demo_model_dir()
     if not (path / "config.json").exists():
@@ -80,7 +80,7 @@ def default_hostfile() -> Hostfile:
 
 def load_model_metadata(target: Target, *, refresh: bool = False, progress=None) -> ModelMetadata:
     """The target model's metadata, validated for pipelining."""
-    from mlxpipe.hub import load_metadata
+    from mlxpipe.hub.client import load_metadata
 
     meta = load_metadata(target.model, target.revision, refresh=refresh, progress=progress)
     validate(meta)

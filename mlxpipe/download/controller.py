@@ -1,12 +1,12 @@
 """``mlxpipe download``: every host gets exactly the files its ranks need.
 
 The controller groups ranks by host and storage location (two ranks sharing a
-machine and a cache fetch each file once), starts ``mlxpipe.fetch`` on each
+machine and a cache fetch each file once), starts ``mlxpipe.download.fetch`` on each
 host (locally or over ssh) in parallel, and folds their progress events into
 one report per host.
 
 ``--from-controller`` serves hosts without internet: each host first reports
-which of its files it already holds (``mlxpipe.fetch --check``), the
+which of its files it already holds (``mlxpipe.download.fetch --check``), the
 controller fetches the files some host lacks once, into its own cache, and
 sends every host only its missing files, in the same layout (``remote.send``).
 """
@@ -22,12 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mlxpipe import protocol, remote, storage
+from mlxpipe import protocol
+
+from mlxpipe.cluster import remote
+
+from mlxpipe.cluster import storage
 from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
-from mlxpipe.fetch import FetchJob, FetchResult, hub_cache_dir
-from mlxpipe.hostfile import LOCAL_HOST, Host
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan
+from mlxpipe.download.fetch import FetchJob, FetchResult, hub_cache_dir
+from mlxpipe.cluster.hostfile import LOCAL_HOST, Host
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan
 
 _STDERR_TAIL = 20
 CONTROLLER_LABEL = "controller (this machine)"
@@ -152,7 +156,7 @@ def _job(plan: Plan, meta: ModelMetadata, host: Host, ranks: Sequence[int], name
 
 def _fetch_job(meta: ModelMetadata, files: set[str] | Sequence[str], name: str, *, hf_home: str | None,
                local_dir: str | None) -> FetchJob:
-    from mlxpipe.hub import offline
+    from mlxpipe.hub.client import offline
 
     # JSON files first: small, and a repo the host cannot read fails before any weight moves.
     ordered = tuple(sorted(files, key=lambda f: (not f.endswith(".json"), f)))
@@ -169,7 +173,7 @@ def _fetch_job(meta: ModelMetadata, files: set[str] | Sequence[str], name: str, 
 
 def run_local(task: HostTask, on_update: OnUpdate | None = None) -> HostReport:
     """Fetch ``task`` in this process (``--rank R`` / ``--local``, and the controller's cache)."""
-    from mlxpipe.fetch import fetch
+    from mlxpipe.download.fetch import fetch
 
     report = HostReport(task)
 
@@ -215,9 +219,9 @@ def _fetch_on_host(report: HostReport, lock: threading.Lock, on_update: OnUpdate
 
 
 def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict], None]) -> None:
-    """Run ``python -m mlxpipe.fetch`` for the task on its host, feeding its events to ``on_event``."""
+    """Run ``python -m mlxpipe.download.fetch`` for the task on its host, feeding its events to ``on_event``."""
     task = report.task
-    argv = [remote.python_for(task.host), "-m", "mlxpipe.fetch", *extra, "--job", task.job.encode()]
+    argv = [remote.python_for(task.host), "-m", "mlxpipe.download.fetch", *extra, "--job", task.job.encode()]
     try:
         proc = report.proc = remote.start(task.host, argv)
     except OSError as e:
@@ -234,7 +238,7 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
     drain.join()
     if code != 0 and report.error is None:
         tail = " | ".join(list(report.stderr)[-3:]) or "no output"
-        report.error = f"{task.label}: mlxpipe.fetch exited with status {code} ({tail})"
+        report.error = f"{task.label}: mlxpipe.download.fetch exited with status {code} ({tail})"
         if code == 255 and not task.host.is_local:
             report.hint = f"check that `ssh {task.host.ssh}` works without a password (mlxpipe doctor)"
         elif code == 127 or "No module named" in tail:
@@ -329,7 +333,7 @@ def _check_host(report: HostReport) -> None:
     for event in events:
         _apply(report, event)
     if report.error is None and not any(e.get("event") == "check" for e in events):
-        report.error = f"{report.task.label}: mlxpipe.fetch --check ended without an answer"
+        report.error = f"{report.task.label}: mlxpipe.download.fetch --check ended without an answer"
 
 
 def _send_to_host(report: HostReport, meta: ModelMetadata, lock: threading.Lock, on_update: OnUpdate | None) -> None:

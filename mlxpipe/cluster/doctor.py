@@ -27,13 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
-from mlxpipe import remote, storage
+from mlxpipe.cluster import remote
+
+from mlxpipe.cluster import storage
 from mlxpipe.console import human_bytes
 from mlxpipe.errors import LaunchError
-from mlxpipe.hostfile import GB, Host, Hostfile
-from mlxpipe.launch import DEFAULT_PORT
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan, make_plan
+from mlxpipe.cluster.hostfile import GB, Host, Hostfile
+from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan, make_plan
 
 CONNECT_TIMEOUT = 5
 PROBE_TIMEOUT = 30.0

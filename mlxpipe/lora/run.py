@@ -410,9 +410,9 @@ def train(config: Any, options: TrainOptions, reporter: Reporter) -> TrainResult
 
     ``config`` is the ``PipelineConfig``; the reporter sees the plan and the memory estimate before launch.
     """
-    from mlxpipe.generate import controller_model_dir
-    from mlxpipe.lora_plan import training_memory
-    from mlxpipe.startup import launch, prepare
+    from mlxpipe.launch.pipeline import controller_model_dir
+    from mlxpipe.plan.training import training_memory
+    from mlxpipe.launch.run import launch, prepare
 
     meta, the_plan = prepare(config)
     data = load_datasets(options, controller_model_dir(meta))

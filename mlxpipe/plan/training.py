@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mlxpipe.metadata import ModelMetadata
-from mlxpipe.plan import Plan
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.plan.shard import Plan
 
 LORA_BYTES = 4  # LoRA parameters are float32 (mlx-lm draws them so)
 OPTIMIZER_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "muon": 1, "adafactor": 1}

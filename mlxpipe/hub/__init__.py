@@ -1,0 +1,1 @@
+"""All Hugging Face Hub access: model metadata (headers only), its cache, and error mapping."""

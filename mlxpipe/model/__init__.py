@@ -1,0 +1,1 @@
+"""What a model is made of, read from metadata alone, and the embedded demo model."""

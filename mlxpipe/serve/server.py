@@ -1,0 +1,171 @@
+"""``mlxpipe serve``: the pipeline kept up behind an OpenAI-compatible API.
+
+``engine.py`` keeps the pipeline (launch, requests, restarts), ``api.py`` is
+the HTTP API, ``text.py`` turns tokens into what a client sees. ``serve()``
+ties them to uvicorn: it plans, checks and downloads once (errors end the
+command before anything listens), then listens while the ranks load, and
+serves until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from dataclasses import replace
+from typing import Any, Iterator
+
+import uvicorn
+
+from mlxpipe import console
+from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.request import Request
+from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, RequestLog, ServeEngine, ServeOptions
+from mlxpipe.launch.run import PipelineConfig, prepare
+
+__all__ = ["ServeOptions", "serve"]
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
+          defaults: Request, context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+    """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises).
+
+    ``defaults``: every request's options until its body says otherwise; ``context``: the longest prompt and
+    reply a request may make (default: the model's ``max_position_embeddings``).
+    """
+    from mlxpipe.launch.pipeline import controller_model_dir
+    from mlxpipe.serve.app import ServerSettings, build_app
+
+    _check(options, host, port, api_key, max_body_bytes)
+    meta, plan = prepare(config)
+    tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
+    log = RequestLog()
+
+    def on_state(state: str, detail: str | None) -> None:
+        if state == "ready":
+            log.path = engine.run_dir / "requests.jsonl" if engine.run_dir else None
+            console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {engine.run_dir}")
+        elif state == "restarting":
+            console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {engine.restarts} "
+                         f"of {options.max_restarts})")
+        elif state == "failed":
+            server.should_exit = True  # bound below, before the engine starts
+
+    engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
+    settings = ServerSettings(
+        model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
+        vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
+    )
+    app = build_app(engine, tokenizer, settings, log)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                    timeout_graceful_shutdown=3), engine)
+    console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
+                      f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
+    engine.start()
+    _quiet_lost_connections()
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if server.signal is not None:
+        console.error(f"stopped by {server.signal_name}")
+        return 128 + server.signal
+    if engine.error is not None:
+        failures = engine.restarts + 1
+        raise LaunchError(f"the pipeline failed {failures} time{'s' if failures > 1 else ''}, the last time: "
+                          f"{engine.error.message}", engine.error.hint)
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that ends the engine's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
+
+    def __init__(self, config: uvicorn.Config, engine: ServeEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.signal: int | None = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else ""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = sig
+        # End the streams now: uvicorn's graceful shutdown waits for them.
+        threading.Thread(target=self.engine.stop, daemon=True).start()
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in original.items():
+                signal.signal(s, handler)
+
+    def run(self, sockets: Any = None) -> None:
+        super().run(sockets)
+        if not self.started and self.signal is None:
+            raise UsageError("the HTTP server could not start (see above)", "pick another --port or --host")
+
+
+def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:
+    if options.max_concurrency < 1:
+        raise UsageError(f"--max-concurrency must be at least 1, got {options.max_concurrency}")
+    if options.max_queue < 0 or options.max_restarts < 0 or options.prompt_cache_size < 0:
+        raise UsageError("--max-queue, --max-restarts and --prompt-cache-size must be 0 or more")
+    if not options.queue_timeout > 0:
+        raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
+    if max_body_bytes < 1024:
+        raise UsageError(f"--max-body-size must be at least 1024 bytes, got {max_body_bytes}")
+    if not 0 < port < 65536:
+        raise UsageError(f"--port {port}: expected a TCP port, 1-65535")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key (or MLXPIPE_API_KEY) is empty")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})",
+                         "pick another --port, or stop what uses it") from None
+    if host not in _LOOPBACK and api_key is None:
+        console.warn(f"listening on {host} without --api-key: anyone who reaches this machine can use the model")
+
+
+class _LostConnectionFilter(logging.Filter):
+    """asyncio's note for each write to a connection its client already closed (a dropped stream): not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "socket.send() raised exception."
+
+
+def _quiet_lost_connections() -> None:
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _LostConnectionFilter) for f in logger.filters):
+        logger.addFilter(_LostConnectionFilter())
+
+
+def _load_tokenizer(model_dir: Any, config: dict[str, Any]) -> Any:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+
+
+def _context(meta: Any) -> int:
+    n = meta.text_config.get("max_position_embeddings") or meta.config.get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and n > 0 else 1 << 20
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
