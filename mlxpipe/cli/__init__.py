@@ -65,7 +65,7 @@ def _boundary(fn: F) -> F:
         except Exception as e:
             # A hub or network error that reached here unmapped (hub.hub_errors maps them where
             # the hub is called) is still the user's network, not a bug: one line, exit 1.
-            from mlxpipe.hub.client import as_hub_error
+            from mlxpipe.hub.errors import as_hub_error
 
             known = None if os.environ.get(_DEBUG_ENV) else as_hub_error(e)
             if known is None:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from mlxpipe.cluster.hostfile import Host
+from mlxpipe.hub.cache import repo_folder
 from mlxpipe.model.metadata import ModelMetadata
 
 REMOTE_HF_HOME = "~/.cache/huggingface"
@@ -46,5 +47,4 @@ def model_path(host: Host, meta: ModelMetadata) -> str:
     plain = local_dir(host, meta)
     if plain is not None:
         return plain
-    repo_dir = "models--" + meta.source.replace("/", "--")
-    return f"{hf_home(host).rstrip('/')}/hub/{repo_dir}/snapshots/{meta.commit}"
+    return f"{hf_home(host).rstrip('/')}/hub/{repo_folder(meta.source)}/snapshots/{meta.commit}"

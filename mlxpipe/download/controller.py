@@ -28,7 +28,8 @@ from mlxpipe.cluster import remote
 
 from mlxpipe.cluster import storage
 from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
-from mlxpipe.download.fetch import FetchJob, FetchResult, hub_cache_dir
+from mlxpipe.download.fetch import FetchJob, FetchResult
+from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.cluster.hostfile import LOCAL_HOST, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
@@ -156,7 +157,7 @@ def _job(plan: Plan, meta: ModelMetadata, host: Host, ranks: Sequence[int], name
 
 def _fetch_job(meta: ModelMetadata, files: set[str] | Sequence[str], name: str, *, hf_home: str | None,
                local_dir: str | None) -> FetchJob:
-    from mlxpipe.hub.client import offline
+    from mlxpipe.hub.cache import offline
 
     # JSON files first: small, and a repo the host cannot read fails before any weight moves.
     ordered = tuple(sorted(files, key=lambda f: (not f.endswith(".json"), f)))
@@ -373,7 +374,7 @@ def shipment_for(task: HostTask, meta: ModelMetadata, missing: Sequence[str]) ->
     if meta.local:
         return remote.Shipment(meta.source, str(job.local_dir), tuple(missing))
     hub = hub_cache_dir(None)
-    repo_dir = "models--" + meta.source.replace("/", "--")
+    repo_dir = repo_folder(meta.source)
     snapshot = f"{repo_dir}/snapshots/{meta.commit}"
     if job.local_dir:
         return remote.Shipment(str(hub / snapshot), job.local_dir, tuple(missing))

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 from mlxpipe import protocol
 from mlxpipe.errors import DownloadError, MlxpipeError
+from mlxpipe.hub.cache import hub_cache_dir, repo_folder
+from mlxpipe.paths import write_atomic
 
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
@@ -132,7 +134,7 @@ def fetch(job: FetchJob, on_bytes: OnBytes | None = None, on_file: OnFile | None
 
 def is_offline(job: FetchJob) -> bool:
     """The job, or this host's own environment, says not to ask the hub."""
-    from mlxpipe.hub.client import offline
+    from mlxpipe.hub.cache import offline
 
     return job.offline or offline()
 
@@ -165,16 +167,7 @@ def model_dir(job: FetchJob) -> str:
 
 def repo_cache_dir(job: FetchJob) -> Path:
     """``<hf_home>/hub/models--org--name``."""
-    return hub_cache_dir(job.hf_home) / ("models--" + job.repo.replace("/", "--"))
-
-
-def hub_cache_dir(hf_home: str | None) -> Path:
-    """The hub cache under ``hf_home``, else this machine's default one."""
-    if hf_home:
-        return Path(hf_home).expanduser() / "hub"
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
+    return hub_cache_dir(job.hf_home) / repo_folder(job.repo)
 
 
 def is_present(job: FetchJob, name: str) -> bool:
@@ -209,7 +202,7 @@ def _size(job: FetchJob, name: str) -> int:
 
 def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
     """Download one file with bounded retries and backoff; a corrupt file is never kept."""
-    from mlxpipe.hub.client import network_fault
+    from mlxpipe.hub.errors import network_fault
 
     last: BaseException | None = None
     started = time.monotonic()
@@ -244,7 +237,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
                     "free space on that host, or point its hf_home/model_dir at a larger disk, then run download again",
                 ) from None
             if not isinstance(e, _Corrupt) and not _transient(e):
-                from mlxpipe.hub.client import hub_errors
+                from mlxpipe.hub.errors import hub_errors
 
                 with hub_errors(job.repo, job.host):
                     raise
@@ -283,7 +276,7 @@ def _transient(e: BaseException) -> bool:
     """Worth another attempt: the network, a 5xx, or a short read; not offline mode or a TLS failure."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from mlxpipe.hub.client import network_fault
+    from mlxpipe.hub.errors import network_fault
 
     fault = network_fault(e)
     if fault is not None:
@@ -334,9 +327,7 @@ def _write_ref(job: FetchJob) -> None:
         return
     try:
         ref.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-        tmp.write_text(str(job.commit))
-        os.replace(tmp, ref)
+        write_atomic(ref, str(job.commit))
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise DownloadError(f"{job.host}: no space left on the device while writing {ref}") from None

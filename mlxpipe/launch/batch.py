@@ -14,13 +14,13 @@ ranks' ``result`` events into per-request results and a summary.
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
+from mlxpipe.paths import replacing
 from mlxpipe.request import Request, parse_logit_bias
 
 # Requests per decode micro-batch (``--decode-batch``); see the README, "Many prompts at once".
@@ -272,14 +272,11 @@ class ResultsFile:
     def finish(self, results: list[RequestResult]) -> None:
         """Write every result in input order to ``path``; drop the partial file."""
         self._file.close()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
+            with replacing(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 for r in results:
                     f.write(json.dumps(r.to_json()) + "\n")
-            os.replace(tmp, self.path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise UsageError(
                 f"cannot write {self.path}: {e.strerror or e}",
                 f"all {self.saved} results are in {self.partial}",

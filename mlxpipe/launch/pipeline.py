@@ -96,7 +96,8 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
     """A directory on this machine with the model's config and tokenizer (the pre-launch check, serve's tokenizer)."""
     if meta.local:
         return Path(meta.source)
-    from mlxpipe.hub.client import download_file, hub_errors
+    from mlxpipe.hub.client import download_file
+    from mlxpipe.hub.errors import hub_errors
 
     with hub_errors(meta.source):
         for name in meta.support_files:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import os
 import time
 import types
 from dataclasses import asdict, dataclass, field, fields
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mlxpipe.errors import ConfigError, LaunchError, UsageError
+from mlxpipe.paths import replacing
 from mlxpipe.worker.train_schedule import SCHEDULES
 
 ADAPTER_FILE = "adapters.safetensors"
@@ -291,9 +291,8 @@ def save_adapters(weights: dict[str, Any], path: Path) -> None:
     """``weights`` as one safetensors file, written whole (a crash leaves the old one)."""
     import mlx.core as mx
 
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), weights)
-    os.replace(tmp, path)
+    with replacing(path, suffix=".tmp.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), weights)
 
 
 class Training:
