@@ -17,7 +17,8 @@ from mlxpipe.cli import app
 from mlxpipe.cluster.hostfile import GB, load_hostfile
 from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import kv_bytes_per_token
-from mlxpipe.plan.shard import RUNTIME_OVERHEAD, kv_bytes, make_plan
+from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
+from mlxpipe.plan.shard import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"

@@ -16,18 +16,17 @@ import pytest
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.cluster.hostfile import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token, kv_sharing_groups
-from mlxpipe.plan.shard import (
-    RUNTIME_OVERHEAD,
+from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
+from mlxpipe.plan.splits import (
     balanced_split,
     choose_split,
     cut_group,
     even_split,
-    kv_bytes,
     layer_ranges,
     legal_split,
-    make_plan,
     proportional_split,
 )
+from mlxpipe.plan.shard import make_plan
 
 MB = 1024**2
 SUPPORT = {"config.json": 7, "tokenizer.json": 11}
