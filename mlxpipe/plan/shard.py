@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.cluster.hostfile import Host
-from mlxpipe.model.metadata import ModelMetadata, kv_sharing_groups
+from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import (
     RUNTIME_OVERHEAD, Costs, active_experts, budget_bytes, kv_bytes, max_context, model_costs, rank_weight_bytes,
 )

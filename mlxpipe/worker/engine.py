@@ -47,7 +47,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxpipe.errors import MlxpipeError, UsageError
-from mlxpipe.model.metadata import text_config_of
+from mlxpipe.model.facts import text_config_of
 from mlxpipe.request import Request
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline import Exchange, find_exchange

@@ -20,7 +20,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from mlxpipe.errors import ModelError, PlanError
-from mlxpipe.model.metadata import kv_sharing_groups, text_config_of
+from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.pipeline import check_supported, find_layers, learn_layouts, pipeline_generic, pipeline_native

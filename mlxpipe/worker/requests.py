@@ -28,7 +28,7 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, MlxpipeError, UsageError
-from mlxpipe.model.metadata import text_config_of
+from mlxpipe.model.facts import text_config_of
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request
 from mlxpipe.worker.engine import BatchReporter, Engine, StreamReporter, TextReporter, text_of
