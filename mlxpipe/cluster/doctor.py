@@ -25,11 +25,13 @@ import subprocess
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 from mlxpipe.cluster import remote
 
 from mlxpipe.cluster import storage
+from mlxpipe.cluster.probe import MARK
 from mlxpipe.console import human_bytes
 from mlxpipe.errors import LaunchError
 from mlxpipe.cluster.hostfile import GB, Host, Hostfile
@@ -44,80 +46,8 @@ PACKAGES = ("mlx", "mlx-lm", "mlxpipe")
 CHECKS = ("ssh", "python", "versions", "ports", "memory", "disk")
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 
-# Runs on each host as ``python -c PROBE ARGS``; prints one JSON object. Only the
-# standard library, and syntax old Pythons parse, so a wrong interpreter is reported, not a crash.
-PROBE = r"""
-import json, os, platform, shutil, socket, subprocess, sys
-args = json.loads(sys.argv[1])
-out = {"python": platform.python_version(), "executable": sys.executable,
-       "system": platform.system(), "machine": platform.machine(), "versions": {}}
-try:
-    from importlib.metadata import version, PackageNotFoundError
-except ImportError:
-    version = None
-for name in args["packages"]:
-    try:
-        out["versions"][name] = version(name) if version else None
-    except Exception:
-        out["versions"][name] = None
-try:
-    import mlx.core as mx
-    out["mlx_import"] = None
-    out["device"] = str(mx.default_device())
-except Exception as e:
-    out["mlx_import"] = "%s: %s" % (type(e).__name__, e)
-def sysctl(name):
-    try:
-        return int(subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip())
-    except Exception:
-        return None
-if sys.platform == "darwin":
-    out["memory_total"] = sysctl("hw.memsize")
-    wired = sysctl("iogpu.wired_limit_mb")
-    out["wired_limit"] = wired * 1024 * 1024 if wired else None
-else:
-    try:
-        info = dict(line.split(":", 1) for line in open("/proc/meminfo") if ":" in line)
-        out["memory_total"] = int(info["MemTotal"].split()[0]) * 1024
-        out["memory_available"] = int(info["MemAvailable"].split()[0]) * 1024
-    except Exception:
-        out["memory_total"] = None
-def nearest(path):
-    p = os.path.abspath(os.path.expanduser(path))
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return p
-out["disk"] = {}
-for path in args["paths"]:
-    try:
-        where = nearest(path)
-        out["disk"][path] = [where, shutil.disk_usage(where).free]
-    except OSError:
-        out["disk"][path] = None
-out["present"] = {}
-for d, files in args["files"].items():
-    base, n = os.path.expanduser(d), 0
-    for name, size in files.items():
-        try:
-            if os.path.getsize(os.path.join(base, name)) == size:
-                n += size
-        except OSError:
-            pass
-    out["present"][d] = n
-out["ports"] = []
-for ip, port in args["ports"]:
-    s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((ip, port))
-        out["ports"].append([ip, port, None])
-    except OSError as e:
-        out["ports"].append([ip, port, e.strerror or str(e)])
-    finally:
-        s.close()
-print("MLXPIPE-PROBE " + json.dumps(out))
-"""
-_MARK = "MLXPIPE-PROBE "
+# Runs on each host as ``python -c PROBE ARGS`` (see cluster/probe.py: stdlib only).
+PROBE = (Path(__file__).parent / "probe.py").read_text()
 
 
 @dataclass(frozen=True)
@@ -259,9 +189,9 @@ def _run_probe(probe: _Probe) -> None:
         return
     probe.returncode, probe.stderr = proc.returncode, proc.stderr
     for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
+        if line.startswith(MARK):
             try:
-                probe.facts = json.loads(line[len(_MARK):])
+                probe.facts = json.loads(line[len(MARK):])
             except json.JSONDecodeError:
                 pass
 
