@@ -20,27 +20,19 @@ reports it, the median of --runs generations after one warm-up.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the tiny-checkpoint builder lives with the test fixtures
+from common import QWEN2_LAYERS, build_qwen2, cores, cpu_name, pinned_pipeline, placement, rank_cores, run_pinned
 
 PROMPT = "Tell me a story."
-QWEN2_BENCH = {
-    "hidden_size": 768, "intermediate_size": 1024, "num_attention_heads": 12,
-    "num_key_value_heads": 2, "head_dim": 64,
-}
-QWEN2_LAYERS = 20
 WARMUP_TOKENS = 8
 DRAFT_LAYERS = 8  # --draft: a cheap draft made of the demo model's first layers
 NUM_DRAFT_TOKENS = 3  # mlx_lm.generate's default
@@ -73,69 +65,15 @@ class Row:
     tokens: int
 
 
-# --- placement ------------------------------------------------------------------------
-
-
-def cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0))
-
-
-def rank_cores(ranks: int) -> list[int]:
-    """Core of each rank: one each where the machine has enough, else round robin."""
-    available = cores()
-    return [available[r % len(available)] for r in range(ranks)]
-
-
-def placement(ranks: int) -> str:
-    """How ``ranks`` workers were placed, for the table."""
-    if ranks == 0:
-        return f"core {cores()[0]}"
-    chosen = rank_cores(ranks)
-    text = ", ".join(f"r{r}->c{c}" for r, c in enumerate(chosen))
-    return text + (" (shared)" if len(set(chosen)) < ranks else "")
-
-
-def worker_pids(job_text: str) -> dict[int, int]:
-    """rank -> pid of the worker processes running ``job_text`` (found in /proc)."""
-    found: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if argv[1:3] != ["-m", "mlxpipe.worker"] or job_text not in argv:
-                continue
-            env = dict(
-                item.split("=", 1)
-                for item in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-                if "=" in item
-            )
-        except OSError:
-            continue  # gone, or not ours
-        found[int(env.get("MLX_RANK", -1))] = int(proc.name)
-    return found
-
-
-def pin(pid: int, core: int) -> None:
-    """Pin every thread of ``pid`` (the ring's I/O threads included) to ``core``."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), {core})
-        except OSError:
-            pass
-
-
 # --- measurements ---------------------------------------------------------------------
 
 
 def single_process(model: Path, runs: int, max_tokens: int, draft: Path | None = None) -> list[float]:
     """Generation tok/s of single-process mlx-lm, pinned to the first core, in a subprocess."""
-    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
-            "--runs", str(runs), "--max-tokens", str(max_tokens)]
+    args = ["--single-process", str(model), "--runs", str(runs), "--max-tokens", str(max_tokens)]
     if draft is not None:
-        argv += ["--draft-model", str(draft)]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
+        args += ["--draft-model", str(draft)]
+    out = run_pinned(__file__, args).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -161,22 +99,6 @@ def _prompt_tokens(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-@contextlib.contextmanager
-def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
-    """A loaded pipeline of ``ranks`` local ranks started as the CLI starts one (``running_pipeline``),
-    each worker pinned to a core of its own; ``config``: more ``PipelineConfig`` fields."""
-    from mlxpipe.launch.run import PipelineConfig, running_pipeline
-    from mlxpipe.cluster.target import resolve_target
-
-    strategy = config.pop("strategy", None)
-    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
-    with running_pipeline(PipelineConfig(target=target, quiet=True, **config)) as pipe:
-        pids = worker_pids(pipe.job.encode())
-        for rank, core in enumerate(rank_cores(ranks)):
-            pin(pids[rank], core)
-        yield pipe
-
-
 def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path | None = None,
              drafted: list[int] | None = None) -> tuple[list[float], int]:
     """Generation tok/s of a pipeline on local ranks, each worker pinned; and tokens per run
@@ -195,12 +117,6 @@ def pipeline(model: Path, setup: Setup, runs: int, max_tokens: int, draft: Path 
                 if drafted is not None and answer.draft_tokens is not None:
                     drafted.append(answer.draft_tokens)
     return speeds, tokens
-
-
-def build_qwen2(dest: Path, layers: int = QWEN2_LAYERS, overrides: dict[str, int] = QWEN2_BENCH) -> Path:
-    from fixtures.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("qwen2", dest, num_layers=layers, num_shards=10, overrides=overrides)
 
 
 def build_short_draft(model: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:
@@ -248,7 +164,7 @@ def draft_main(runs: int, max_tokens: int) -> None:
                          f"(runs {', '.join(f'{t:.1f}' for t in speeds)}) | {accepted} |")
     print("\n".join(lines))
     print()
-    print(f"- {_cpu_name()}, {len(cores())} usable cores; demo model (SmolLM2-135M 4-bit) as the target; greedy, "
+    print(f"- {cpu_name()}, {len(cores())} usable cores; demo model (SmolLM2-135M 4-bit) as the target; greedy, "
           f"{max_tokens} tokens after a chat-templated prompt, median of {runs} runs after a warm-up; "
           "single process pinned to one core, each rank to its own.")
 
@@ -282,7 +198,7 @@ def notes(runs: int, max_tokens: int, prompt_tokens: dict[str, int]) -> str:
     shared = any(len(set(rank_cores(s.ranks))) < s.ranks for s in SETUPS if s.ranks)
     prompts = ", ".join(f"{m}: {n}" for m, n in prompt_tokens.items())
     lines = [
-        f"- Machine: {_cpu_name()}, {len(cores())} usable cores, {platform.system()} {platform.machine()}; "
+        f"- Machine: {cpu_name()}, {len(cores())} usable cores, {platform.system()} {platform.machine()}; "
         f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; ring backend over 127.0.0.1.",
         f"- Greedy generation of {max_tokens} tokens after a chat-templated prompt (prompt tokens {prompts}); "
         f"median of {runs} generations after a {WARMUP_TOKENS}-token warm-up; tok/s as mlx-lm reports it "
@@ -299,16 +215,6 @@ def notes(runs: int, max_tokens: int, prompt_tokens: dict[str, int]) -> str:
             "with rank 0 (marked shared); those rows measure contention as much as the pipeline."
         )
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from bench_generate import REPO, cores, pin, placement, rank_cores, worker_pids
+from common import REPO, build_qwen2, cores, pin_workers, placement, run_pinned
 
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64}
@@ -56,9 +55,7 @@ class Row:
 
 def build(dest: Path) -> tuple[Path, Path]:
     """A random float32 qwen2 and a text dataset of equal-length lines."""
-    from fixtures.tiny_models import make_tiny_checkpoint
-
-    model = make_tiny_checkpoint("qwen2", dest / "model", num_layers=LAYERS, overrides=MODEL)
+    model = build_qwen2(dest / "model", LAYERS, MODEL, shards=3)
     data = dest / "data"
     data.mkdir()
     rng = random.Random(0)
@@ -83,9 +80,8 @@ def options_for(model: Path, data: Path, out: Path, iters: int, batch: int = BAT
 
 
 def single_process(model: Path, data: Path, out: Path, iters: int, batch: int = BATCH) -> Row:
-    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model), str(data),
-            str(out), "--iters", str(iters), "--batch", str(batch)]
-    result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+    args = ["--single-process", str(model), str(data), str(out), "--iters", str(iters), "--batch", str(batch)]
+    result = run_pinned(__file__, args, check=False)
     if result.returncode:
         raise SystemExit(result.stderr[-2000:])
     tokens, seconds = json.loads(result.stdout.strip().splitlines()[-1])
@@ -135,9 +131,7 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
     try:
         if pinned:
-            pids = worker_pids(pipe.job.encode())
-            for rank, core in enumerate(rank_cores(2)):
-                pin(pids[rank], core)
+            pin_workers(pipe.job.encode(), 2)
         yield types.SimpleNamespace(pipe=pipe, meta=meta, plan=the_plan, datasets=datasets, steps=steps)
     except BaseException:
         pipe.stop()

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO
+
 HOSTFILE = REPO / "hostfiles" / "mac-studio-4-thunderbolt.yaml"
 HUB_REPO = "bench-org/DeepSeek-V3-synthetic-4bit"
 HUB_COMMIT = "d5e1f2a3b4c5d6e7f8091a2b3c4d5e6f70819203"

@@ -23,17 +23,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_generate import _cpu_name, cores, pinned_pipeline, placement  # noqa: E402
+from common import build_qwen2, cores, cpu_name, pinned_pipeline, placement, run_pinned
 
 QWEN2_PREFILL = {
     "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
@@ -70,9 +65,8 @@ def prompt_text(tokenizer: object, length: int) -> str:
 
 
 def single_process(model: Path, length: int, runs: int, step: int | None) -> list[float]:
-    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
-            "--length", str(length), "--runs", str(runs), "--step", str(step or 2048)]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    args = ["--single-process", str(model), "--length", str(length), "--runs", str(runs), "--step", str(step or 2048)]
+    out = run_pinned(__file__, args).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -124,11 +118,8 @@ def main() -> None:
     lengths = (200,) if args.quick else LENGTHS
     runs = 1 if args.quick else args.runs
 
-    from fixtures.tiny_models import make_tiny_checkpoint
-
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_checkpoint("qwen2", Path(tmp) / "qwen2", num_layers=QWEN2_LAYERS, num_shards=6,
-                                     overrides=QWEN2_PREFILL)
+        model = build_qwen2(Path(tmp) / "qwen2", QWEN2_LAYERS, QWEN2_PREFILL, shards=6)
         rows: list[tuple[Setup, dict[int, list[float]]]] = []
         for setup in SETUPS:
             if setup.ranks == 0:
@@ -150,7 +141,7 @@ def main() -> None:
     import mlx.core as mx
     import mlx_lm
 
-    print(f"\n- {_cpu_name()}, {len(cores())} usable cores, {platform.system()} {platform.machine()}; "
+    print(f"\n- {cpu_name()}, {len(cores())} usable cores, {platform.system()} {platform.machine()}; "
           f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; ring over 127.0.0.1.")
     print(f"- Prompt tok/s (prompt tokens / time to first token), median of {runs} after a warm-up; "
           "qwen2 12 layers, hidden 512, float32, random weights, no chat template, 1 generated token.")

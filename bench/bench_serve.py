@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench_generate import QWEN2_LAYERS, REPO, build_qwen2, cores, pin, rank_cores
+from common import QWEN2_LAYERS, REPO, build_qwen2, cores, pin, placement, rank_cores
 
 CONCURRENCY = (1, 2, 4, 8)
 RANKS = 2
@@ -501,11 +501,7 @@ def _env() -> dict[str, str]:
 def placement_text(server: Server, pin_ranks: bool) -> str:
     if not pin_ranks:
         return "unpinned"
-    if server.ranks == 0:
-        return f"core {cores()[0]}"
-    chosen = rank_cores(server.ranks)
-    text = ", ".join(f"r{r}->c{c}" for r, c in enumerate(chosen))
-    return text + (" (shared)" if len(set(chosen)) < server.ranks else "")
+    return placement(server.ranks)
 
 
 def measure(server: Server, args: argparse.Namespace, send_kind: str) -> list[Level]:

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,9 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_generate import (  # the same placement and checkpoints as the latency benchmark
-    QWEN2_LAYERS, REPO, build_qwen2, cores, pinned_pipeline, placement,
-)
+from common import QWEN2_LAYERS, build_qwen2, cores, pinned_pipeline, placement, run_pinned
 
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH
 
@@ -81,9 +78,8 @@ def prompts(count: int) -> list[str]:
 
 
 def single_process(model: Path, texts: list[str], max_tokens: int) -> Row:
-    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process", str(model),
-            "--max-tokens", str(max_tokens), "--prompts", json.dumps(texts)]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    args = ["--single-process", str(model), "--max-tokens", str(max_tokens), "--prompts", json.dumps(texts)]
+    out = run_pinned(__file__, args).stdout
     tokens, seconds = json.loads(out.strip().splitlines()[-1])
     return Row(0, "mlx-lm single process, one request at a time", tokens, seconds)
 
@@ -206,8 +202,7 @@ def decode_batching_rows(model: Path, max_tokens: int, runs: int = 1,
 
 def single_process_batching(model: Path) -> str:
     """What batching gains in one process on one core: mlx-lm's model on B rows of merged caches vs one row."""
-    argv = ["taskset", "-c", str(cores()[0]), sys.executable, __file__, "--single-process-batching", str(model)]
-    return subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    return run_pinned(__file__, ["--single-process-batching", str(model)]).stdout.strip()
 
 
 def _single_process_batching_main(path: str) -> None:

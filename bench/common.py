@@ -1,0 +1,129 @@
+"""What the benchmarks share: core placement and pinning, pinned runs, tiny qwen2 checkpoints.
+
+Every ``bench/bench_*.py`` imports from here (``python bench/<script>.py`` puts ``bench/``
+on ``sys.path``), never from another benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the tiny-checkpoint builder lives with the test fixtures
+
+QWEN2_BENCH = {
+    "hidden_size": 768, "intermediate_size": 1024, "num_attention_heads": 12,
+    "num_key_value_heads": 2, "head_dim": 64,
+}
+QWEN2_LAYERS = 20
+
+
+# --- placement ------------------------------------------------------------------------
+
+
+def cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def rank_cores(ranks: int) -> list[int]:
+    """Core of each rank: one each where the machine has enough, else round robin."""
+    available = cores()
+    return [available[r % len(available)] for r in range(ranks)]
+
+
+def placement(ranks: int) -> str:
+    """How ``ranks`` workers were placed, for the table."""
+    if ranks == 0:
+        return f"core {cores()[0]}"
+    chosen = rank_cores(ranks)
+    text = ", ".join(f"r{r}->c{c}" for r, c in enumerate(chosen))
+    return text + (" (shared)" if len(set(chosen)) < ranks else "")
+
+
+def worker_pids(job_text: str) -> dict[int, int]:
+    """rank -> pid of the worker processes running ``job_text`` (found in /proc)."""
+    found: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if argv[1:3] != ["-m", "mlxpipe.worker"] or job_text not in argv:
+                continue
+            env = dict(
+                item.split("=", 1)
+                for item in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue  # gone, or not ours
+        found[int(env.get("MLX_RANK", -1))] = int(proc.name)
+    return found
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of ``pid`` (the ring's I/O threads included) to ``core``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), {core})
+        except OSError:
+            pass
+
+
+def pin_workers(job_text: str, ranks: int) -> None:
+    """Pin each of the ``ranks`` workers running ``job_text`` to its core (``rank_cores``)."""
+    pids = worker_pids(job_text)
+    for rank, core in enumerate(rank_cores(ranks)):
+        pin(pids[rank], core)
+
+
+# --- pinned runs ----------------------------------------------------------------------
+
+
+def run_pinned(script: str, args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``script`` run with ``args`` in a subprocess pinned to the first core (``taskset``), from the repo."""
+    argv = ["taskset", "-c", str(cores()[0]), sys.executable, script, *args]
+    return subprocess.run(argv, capture_output=True, text=True, check=check, cwd=REPO)
+
+
+@contextlib.contextmanager
+def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
+    """A loaded pipeline of ``ranks`` local ranks started as the CLI starts one (``running_pipeline``),
+    each worker pinned to a core of its own; ``config``: more ``PipelineConfig`` fields."""
+    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig, running_pipeline
+
+    strategy = config.pop("strategy", None)
+    target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)
+    with running_pipeline(PipelineConfig(target=target, quiet=True, **config)) as pipe:
+        pin_workers(pipe.job.encode(), ranks)
+        yield pipe
+
+
+# --- checkpoints and the machine ------------------------------------------------------
+
+
+def build_qwen2(dest: Path, layers: int = QWEN2_LAYERS, overrides: dict[str, int] = QWEN2_BENCH,
+                shards: int = 10) -> Path:
+    """A random float32 qwen2 of ``layers`` layers in ``dest`` (``overrides``: config keys)."""
+    from fixtures.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen2", dest, num_layers=layers, num_shards=shards, overrides=overrides)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the notes under a table."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
