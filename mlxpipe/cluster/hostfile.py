@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from mlxpipe.errors import HostfileError
+from mlxpipe.errors import HostfileError, UsageError
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 LOCAL_HOST = "127.0.0.1"
@@ -38,6 +38,25 @@ _SSH_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?[A-Za-z0-9_:.\[\]%][A-Z
 _KNOWN_KEYS = {
     "ssh", "ips", "rdma", "memory_gb", "wired_limit_gb", "hf_home", "model_dir", "python",
 }
+
+
+def check_port(port: int | None, flag: str | None = None) -> int | None:
+    """``port`` as given when it is a TCP port (or None); else ``UsageError``, naming ``flag`` when given."""
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(_named(flag, f"{port} is not a TCP port (1-65535)"))
+    return port
+
+
+def check_backend(backend: str | None, flag: str | None = None) -> str | None:
+    """``backend`` as given when mlx.launch has it (or None); else ``UsageError``, naming ``flag`` when given."""
+    if backend is not None and backend not in BACKENDS:
+        raise UsageError(_named(flag, f"{backend!r}: use one of {', '.join(BACKENDS)}"))
+    return backend
+
+
+def _named(flag: str | None, problem: str) -> str:
+    # Typer's callbacks name the flag themselves ("Invalid value for '--port': ..."); the rest say it first.
+    return f"{flag} {problem}" if flag else problem
 
 
 @dataclass(frozen=True)

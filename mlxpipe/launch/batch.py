@@ -26,6 +26,13 @@ from mlxpipe.request import Request, parse_logit_bias
 # Requests per decode micro-batch (``--decode-batch``); see the README, "Many prompts at once".
 DEFAULT_DECODE_BATCH = 4
 
+
+def check_decode_batch(decode_batch: int) -> int:
+    """``--decode-batch`` as given when it is at least 1; else ``UsageError``."""
+    if decode_batch < 1:
+        raise UsageError(f"--decode-batch must be at least 1, got {decode_batch}")
+    return decode_batch
+
 _NUMBER = (int, float)
 # Per-prompt options a JSONL line may set (``Request``'s fields: mlx_lm.generate's flags without
 # the dashes), with the JSON types they take.

@@ -17,10 +17,10 @@ from mlxpipe import console
 from mlxpipe.cluster.presets import DEFAULT_BACKEND, pick
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.launch.pipeline import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
-from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.cluster.hostfile import check_backend, check_port
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
+from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
 from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
 
 
@@ -57,18 +57,15 @@ class PipelineConfig:
             raise UsageError(f"--prefill-step-size must be positive, got {self.prefill_step_size}")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be positive, got {self.timeout:g}")
-        if self.port is not None and not 0 < self.port < 65536:
-            raise UsageError(f"--port {self.port}: expected a TCP port, 1-65535")
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise UsageError(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        check_port(self.port, "--port")
+        check_backend(self.backend, "--backend")
         if self.context is not None and self.context < 1:
             raise UsageError(f"--context must be at least 1, got {self.context}")
         if self.adapter_path is not None:
             check_adapters(self.adapter_path)
             if self.mode != "generic":
                 raise UsageError("--adapter-path needs the generic pipeline", "drop --pipeline native")
-        if self.num_draft_tokens < 1:
-            raise UsageError(f"--num-draft-tokens must be at least 1, got {self.num_draft_tokens}")
+        check_fields({"num_draft_tokens": self.num_draft_tokens}, lambda _: "--num-draft-tokens")  # Request's range
         if self.draft_model is not None:
             check_draft_source(self.draft_model)
 

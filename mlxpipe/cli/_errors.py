@@ -1,0 +1,72 @@
+"""The command line's one error boundary: known errors become one line plus a hint and an exit code.
+
+Exit codes: 0 success, 1 failure (a failed rank included), 2 usage error, 128 + the signal when
+interrupted (130, 143, 129). ``--debug`` (``MLXPIPE_DEBUG``) keeps the tracebacks instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+import typer
+
+from mlxpipe import console
+from mlxpipe.errors import MlxpipeError, UsageError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEBUG_ENV = "MLXPIPE_DEBUG"
+
+
+def set_debug(debug: bool) -> None:
+    """``--debug``: let every error through with its traceback."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+def boundary(fn: F) -> F:
+    """The one error boundary: known errors -> one line + hint + exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MlxpipeError as e:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            console.error(e.message, e.hint)
+            raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
+        except Exception as e:
+            # A hub or network error that reached here unmapped (hub.hub_errors maps them where
+            # the hub is called) is still the user's network, not a bug: one line, exit 1.
+            from mlxpipe.hub.errors import as_hub_error
+
+            known = None if os.environ.get(DEBUG_ENV) else as_hub_error(e)
+            if known is None:
+                raise
+            console.error(known.message, known.hint)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            console.error("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stop_on_signals(fn: F) -> F:
+    """SIGINT, SIGTERM and SIGHUP stop every rank on the way out; exit 128 + the signal (130, 143, 129)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from mlxpipe.launch.ranks import Interrupted, interrupt_on_signals
+
+        try:
+            with interrupt_on_signals():
+                return fn(*args, **kwargs)
+        except Interrupted as e:
+            console.error(f"interrupted by {e.name}")
+            raise typer.Exit(e.exit_status) from None
+
+    return wrapper  # type: ignore[return-value]

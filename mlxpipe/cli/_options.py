@@ -1,0 +1,198 @@
+"""The options the commands share, each defined once as a ``typing.Annotated`` alias.
+
+A command names an option by its alias and gives its default: ``max_tokens: MaxTokens = None``.
+Options whose default is None mean something all the same: ``show_default`` says what, in the same
+place and style as a real default. (Rich markup would swallow a hand-written "[default: ...]".)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlxpipe.cluster.hostfile import check_backend, check_port
+from mlxpipe.errors import UsageError
+from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
+
+FROM_PRESET = "or the --config preset's"
+# launch.pipeline.DEFAULT_STEP_TIMEOUT, written out: importing the launch code would slow `mlxpipe --help`.
+DEFAULT_TIMEOUT = 120.0
+
+
+# Ports and backends are checked while parsing, so that every command refuses a bad one before it
+# reads a hostfile or a model, and the error names the flag as given (--port or --ring-port).
+
+
+def tcp_port(value: Optional[int]) -> Optional[int]:
+    """Typer callback: ``check_port``'s refusal as a bad value of the flag."""
+    try:
+        return check_port(value)
+    except UsageError as e:
+        raise typer.BadParameter(e.message) from None
+
+
+def backend_name(value: Optional[str]) -> Optional[str]:
+    """Typer callback: ``check_backend``'s refusal as a bad value of the flag."""
+    try:
+        return check_backend(value)
+    except UsageError as e:
+        raise typer.BadParameter(e.message) from None
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """``"10,12,8"`` -> ``(10, 12, 8)``."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--split {text!r}: expected comma-separated layer counts such as 10,12,8") from None
+
+
+# --- what a command works on ---------------------------------------------------------
+
+Model = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Hub repo id or local directory.",
+    show_default="the --config preset's, else the demo model",
+)]
+Revision = Annotated[Optional[str], typer.Option(
+    "--revision", help="Hub branch, tag or commit.", show_default="main, or the --config preset's for its model"
+)]
+Hostfile = Annotated[Optional[Path], typer.Option(
+    "--hostfile", help="mlx.launch hostfile (JSON or YAML).",
+    show_default="hostfiles/local-2.json: two local ranks",
+)]
+Strategy = Annotated[Optional[str], typer.Option(
+    "--strategy",
+    help="balanced (the busiest stage does the least work per token: the weight bytes each stage reads, rank 0's "
+    "vocabulary head included) | even (mlx-lm's split: the same number of layers on every rank) | memory (by each "
+    "host's memory).",
+    show_default="the --config preset's, else memory when every host has memory_gb, else balanced",
+)]
+Split = Annotated[Optional[str], typer.Option(
+    "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).",
+    show_default="the --config preset's, else from --strategy",
+)]
+Config = Annotated[Optional[Path], typer.Option(
+    "--config", help="A preset from configs/*.yaml; flags override it.", show_default="none"
+)]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+
+# --- generation: the Request's fields (mlx_lm.generate's options, by its names) ---------------
+
+MaxTokens = Annotated[Optional[int], typer.Option(
+    "--max-tokens", "-n", help="Most tokens to generate.", show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}"
+)]
+Temp = Annotated[Optional[float], typer.Option(
+    "--temp", help="Sampling temperature; 0 is greedy.", show_default=f"{Request.temp:g}, {FROM_PRESET}"
+)]
+TopP = Annotated[Optional[float], typer.Option(
+    "--top-p", help="Nucleus sampling threshold.", show_default=f"{Request.top_p:g}, {FROM_PRESET}"
+)]
+MinP = Annotated[Optional[float], typer.Option(
+    "--min-p", help="Min-p sampling threshold.", show_default=f"{Request.min_p:g}, {FROM_PRESET}"
+)]
+Seed = Annotated[Optional[int], typer.Option(
+    "--seed", help="Sampling seed, shared by every rank.", show_default="the --config preset's, else a random one",
+)]
+SystemPrompt = Annotated[Optional[str], typer.Option(
+    "--system-prompt", help="System message for the chat template.", show_default=f"none, {FROM_PRESET}"
+)]
+IgnoreChatTemplate = Annotated[bool, typer.Option(
+    "--ignore-chat-template", help="Feed the prompt as is, without the chat template."
+)]
+TopK = Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens only; 0 is off.")]
+MinTokensToKeep = Annotated[int, typer.Option("--min-tokens-to-keep", help="Tokens min-p sampling always keeps.")]
+XtcProbability = Annotated[float, typer.Option(
+    "--xtc-probability", help="XTC sampling: the chance, at each token, to drop the likeliest."
+)]
+XtcThreshold = Annotated[float, typer.Option(
+    "--xtc-threshold", help="XTC sampling: tokens above this probability may be dropped."
+)]
+ExtraEosToken = Annotated[Optional[list[str]], typer.Option(
+    "--extra-eos-token", help="A token (or token id) that also ends the reply; repeat for several.",
+    show_default="none",
+)]
+MaxKvSize = Annotated[Optional[int], typer.Option(
+    "--max-kv-size", help="Keep at most this many tokens in each KV cache (a rotating cache).",
+    show_default="none: unbounded",
+)]
+KvBits = Annotated[Optional[int], typer.Option(
+    "--kv-bits", help="Quantize the KV cache to these bits (2, 3, 4, 5, 6 or 8).", show_default="none: no quantization"
+)]
+KvGroupSize = Annotated[int, typer.Option("--kv-group-size", help="Group size of KV-cache quantization.")]
+QuantizedKvStart = Annotated[int, typer.Option(
+    "--quantized-kv-start", help="With --kv-bits: quantize once a cache holds this many tokens."
+)]
+ChatTemplateConfig = Annotated[Optional[str], typer.Option(
+    "--chat-template-config",
+    help="Extra arguments of the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'.",
+    show_default="none",
+)]
+UseDefaultChatTemplate = Annotated[bool, typer.Option(
+    "--use-default-chat-template",
+    help="A tokenizer without a chat template uses its default one (as mlx-lm; none in transformers >= 4.44).",
+)]
+PrefillResponse = Annotated[Optional[str], typer.Option(
+    "--prefill-response", help="The start of the assistant's reply, which the model continues.", show_default="none"
+)]
+
+# --- launching the pipeline ---------------------------------------------------------------
+
+Context = Annotated[Optional[int], typer.Option(
+    "--context", help="Context length (tokens): what the fit check reserves KV cache for.", show_default="4096",
+)]
+AdapterPath = Annotated[Optional[Path], typer.Option(
+    "--adapter-path",
+    help="LoRA adapters (mlx-lm's adapter_config.json and adapters.safetensors), at this path on every host; "
+    "each rank loads only its own layers' adapters.",
+    show_default="none",
+)]
+DraftModel = Annotated[Optional[str], typer.Option(
+    "--draft-model",
+    help="Speculative decoding: a small model with the same tokenizer drafts tokens, the pipeline verifies "
+    "--num-draft-tokens of them in one pass through the stages. Each rank loads all of it: a hub repo id "
+    "(fetched to every host before the launch) or a model directory at this path on every host.",
+    show_default="none: no draft model",
+)]
+NumDraftTokens = Annotated[int, typer.Option(
+    "--num-draft-tokens", help="With --draft-model: tokens drafted per verification pass."
+)]
+Backend = Annotated[Optional[str], typer.Option(
+    "--backend",
+    help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), jaccl-ring (ring over Thunderbolt RDMA), "
+    "mpi, nccl (CUDA).",
+    show_default="the --config preset's, else the hostfile's, else ring", callback=backend_name,
+)]
+PipelineMode = Annotated[str, typer.Option(
+    "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline())."
+)]
+PrefillStepSize = Annotated[Optional[int], typer.Option(
+    "--prefill-step-size",
+    help="Prompt tokens per prefill chunk. On a pipeline a prompt's chunks flow through the stages one behind "
+    "the other, so every host prefills at once: smaller chunks pipeline better, larger ones use each host better.",
+    show_default="128 on a pipeline of 2 or more ranks, else mlx-lm's 2048",
+)]
+RingPort = Annotated[Optional[int], typer.Option(
+    "--port", help="First ring port.", show_default=f"{DEFAULT_PORT}; a free one when every rank is local",
+    callback=tcp_port,
+)]
+Timeout = Annotated[float, typer.Option(
+    "--timeout",
+    help="Watchdog: seconds without progress before the run is ended. Ranks cut off from this machine "
+    "stop themselves after as long (5 to 30 s).",
+)]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Allow the model's own Python code to run (off by default)."
+)]
+FromController = Annotated[bool, typer.Option(
+    "--from-controller", help="Hosts without internet: fetch on this machine once and send each host its own files."
+)]
+DecodeBatch = Annotated[int, typer.Option(
+    "--decode-batch",
+    help="Requests whose decode steps share one micro-batch (batched KV caches), so ranks x this many requests "
+    "are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
+)]

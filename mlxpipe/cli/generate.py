@@ -1,0 +1,271 @@
+"""``mlxpipe generate`` (one prompt, or many with ``--prompts-file``) and ``mlxpipe chat``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from mlxpipe import console
+from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
+from mlxpipe.cli._options import (
+    DEFAULT_TIMEOUT, AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
+    ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, MaxKvSize, MaxTokens,
+    MinP, MinTokensToKeep, Model, NumDraftTokens, PipelineMode, PrefillResponse, PrefillStepSize, QuantizedKvStart,
+    Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, TopP, TrustRemoteCode,
+    UseDefaultChatTemplate, XtcProbability, XtcThreshold, parse_split,
+)
+from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
+from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
+from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+
+Prompt = Annotated[Optional[str], typer.Option(
+    "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
+    show_default="none: required without --prompts-file",
+)]
+PromptsFile = Annotated[Optional[Path], typer.Option(
+    "--prompts-file",
+    help="Many prompts: one per line, or JSON Lines with per-prompt options (prompt or messages, max_tokens, "
+    "temp, top_p, min_p, seed, id). Overlapped across the ranks so every stage is busy.",
+    show_default="none: one --prompt",
+)]
+Concurrency = Annotated[Optional[int], typer.Option(
+    "--concurrency", help="With --prompts-file: requests in flight at once.", show_default="ranks x --decode-batch",
+)]
+Output = Annotated[Optional[Path], typer.Option(
+    "--output", "-o",
+    help="With --prompts-file: write one JSON object per request here, in input order, instead of printing the "
+    "texts. Until the batch is done, finished results are kept in FILE.partial as they come.",
+    show_default="none: texts printed",
+)]
+
+
+def generate(
+    prompt: Prompt = None,
+    model: Model = None,
+    hostfile: Hostfile = None,
+    revision: Revision = None,
+    strategy: Strategy = None,
+    split: Split = None,
+    config: Config = None,
+    max_tokens: MaxTokens = None,
+    temp: Temp = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    seed: Seed = None,
+    system_prompt: SystemPrompt = None,
+    ignore_chat_template: IgnoreChatTemplate = False,
+    top_k: TopK = Request.top_k,
+    min_tokens_to_keep: MinTokensToKeep = Request.min_tokens_to_keep,
+    xtc_probability: XtcProbability = Request.xtc_probability,
+    xtc_threshold: XtcThreshold = Request.xtc_threshold,
+    extra_eos_token: ExtraEosToken = None,
+    max_kv_size: MaxKvSize = None,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = Request.kv_group_size,
+    quantized_kv_start: QuantizedKvStart = Request.quantized_kv_start,
+    chat_template_config: ChatTemplateConfig = None,
+    use_default_chat_template: UseDefaultChatTemplate = False,
+    prefill_response: PrefillResponse = None,
+    context: Context = None,
+    adapter_path: AdapterPath = None,
+    draft_model: DraftModel = None,
+    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS,
+    backend: Backend = None,
+    pipeline_mode: PipelineMode = "generic",
+    prefill_step_size: PrefillStepSize = None,
+    port: RingPort = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+    trust_remote_code: TrustRemoteCode = False,
+    from_controller: FromController = False,
+    prompts_file: PromptsFile = None,
+    concurrency: Concurrency = None,
+    output: Output = None,
+    decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH,
+    json_out: Json = False,
+) -> None:
+    """Run the model as a pipeline across the hosts and stream the answer.
+
+    With no --model and no --hostfile: the demo model on two local ranks (hostfiles/local-2.json).
+    With --prompts-file: many requests, overlapped so that every rank computes at once.
+
+    Example: mlxpipe generate --prompt "What is the capital of France?"
+
+    Example: mlxpipe generate --prompts-file prompts.txt --concurrency 2 --output results.jsonl
+    """
+    import sys
+
+    from mlxpipe.cli.render import answer_table
+    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.pipeline import request_for
+    from mlxpipe.launch.run import running_pipeline
+
+    flags = RequestFlags.of(locals())
+    if prompts_file is not None and prompt is not None:
+        raise UsageError("give --prompt or --prompts-file, not both")
+    if prompts_file is None and (concurrency is not None or output is not None):
+        raise UsageError("--concurrency and --output go with --prompts-file")
+    if prompts_file is None and prompt is None:
+        raise UsageError("--prompt is required ('-' reads standard input)", 'mlxpipe generate --prompt "Hello"')
+    if prompts_file is not None and draft_model is not None and concurrency not in (None, 1):
+        raise UsageError("--concurrency: with --draft-model the prompts run one at a time (speculative decoding "
+                         "is not batched, as in mlx-lm)", "drop --concurrency")
+    check_draft_flags(draft_model, max_kv_size)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    options = flags.request(target.preset)
+    run_config = pipeline_config(
+        target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
+        trust_remote_code=trust_remote_code, quiet=json_out, from_controller=from_controller, context=context,
+        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+    )
+    if prompts_file is not None:
+        _generate_batch(run_config, options, prompts_file, concurrency, output, json_out, decode_batch)
+        return
+    with running_pipeline(run_config) as pipe:
+        answer = pipe.generate(request_for(prompt, None, options), None if json_out else _stream_text)
+    if json_out:
+        console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
+    else:
+        console.out.print()
+        console.err.print(answer_table(answer))
+
+
+def _generate_batch(config: Any, defaults: Request, prompts_file: Path,
+                    concurrency: int | None, output: Path | None, json_out: bool, decode_batch: int) -> None:
+    """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
+    from mlxpipe.cli.render import batch_table
+    from mlxpipe.launch.batch import ResultsFile, read_prompts
+    from mlxpipe.launch.run import running_pipeline
+
+    if config.mode != "generic":
+        raise UsageError("--prompts-file overlaps requests with the generic pipeline", "drop --pipeline native")
+    if concurrency is not None and concurrency < 1:
+        raise UsageError(f"--concurrency must be at least 1, got {concurrency}")
+    check_decode_batch(decode_batch)
+    if config.draft_model is not None:
+        concurrency, decode_batch = 1, 1  # one prompt after another (checked above)
+    if output is not None and not output.parent.is_dir():
+        raise UsageError(f"--output {output}: no directory {output.parent}")
+    requests = read_prompts(prompts_file, defaults)
+    saved = ResultsFile(output) if output is not None else None
+    try:
+        with running_pipeline(config) as pipe:
+            on_result = None if json_out or output else _print_result
+            result = pipe.generate_batch(requests, concurrency, on_result, saved.add if saved else None,
+                                         decode_batch=decode_batch)
+    except BaseException as e:
+        kept = saved.abandon() if saved else None
+        if kept and isinstance(e, MlxpipeError):
+            e.hint = f"{e.hint}; {kept}" if e.hint else kept
+        elif kept:
+            console.warn(kept)
+        raise
+    if saved is not None:
+        saved.finish(result.results)
+    if json_out:
+        results = {} if output else {"results": [r.to_json() for r in result.results]}
+        console.print_json({**results, "summary": result.summary(), "run_dir": str(pipe.run_dir)})
+    else:
+        console.err.print(batch_table(result))
+    if result.failed:
+        names = ", ".join(str(r.id) for r in result.failed[:5]) + (" ..." if len(result.failed) > 5 else "")
+        raise RequestFailed(f"{len(result.failed)} of {len(result.results)} requests failed ({names}): "
+                            f"{result.failed[0].error}", "the others ran to their end; their results are kept")
+
+
+def _print_result(result: Any) -> None:
+    console.out.rule(f"{result.id}", align="left")
+    if result.error is not None:
+        console.error(f"request {result.id} failed: {result.error}")
+        return
+    console.out.print(result.text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _stream_text(text: str) -> None:
+    import sys
+
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def chat(
+    model: Model = None,
+    hostfile: Hostfile = None,
+    revision: Revision = None,
+    strategy: Strategy = None,
+    split: Split = None,
+    config: Config = None,
+    max_tokens: MaxTokens = None,
+    temp: Temp = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    seed: Seed = None,
+    system_prompt: SystemPrompt = None,
+    top_k: TopK = Request.top_k,
+    min_tokens_to_keep: MinTokensToKeep = Request.min_tokens_to_keep,
+    xtc_probability: XtcProbability = Request.xtc_probability,
+    xtc_threshold: XtcThreshold = Request.xtc_threshold,
+    extra_eos_token: ExtraEosToken = None,
+    max_kv_size: MaxKvSize = None,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = Request.kv_group_size,
+    quantized_kv_start: QuantizedKvStart = Request.quantized_kv_start,
+    chat_template_config: ChatTemplateConfig = None,
+    use_default_chat_template: UseDefaultChatTemplate = False,
+    context: Context = None,
+    adapter_path: AdapterPath = None,
+    draft_model: DraftModel = None,
+    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS,
+    backend: Backend = None,
+    pipeline_mode: PipelineMode = "generic",
+    prefill_step_size: PrefillStepSize = None,
+    port: RingPort = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+    trust_remote_code: TrustRemoteCode = False,
+    from_controller: FromController = False,
+) -> None:
+    """Multi-turn chat with a pipelined model; each turn reuses the prompt cache.
+
+    Type a message and press Enter; an empty line or Ctrl-D ends the chat.
+    """
+    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.run import running_pipeline
+
+    flags = RequestFlags.of(locals())
+    check_draft_flags(draft_model, max_kv_size)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    options = flags.request(target.preset)
+    run_config = pipeline_config(
+        target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
+        trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
+        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+    )
+    with running_pipeline(run_config) as pipe:
+        _chat_turns(pipe, options)
+
+
+def _chat_turns(pipe: Any, options: Request) -> None:
+    """Read a message, stream the reply, until an empty line or the end of the input."""
+    import sys
+
+    from mlxpipe.launch.pipeline import request_for
+
+    messages: list[dict[str, str]] = []
+    while True:
+        console.err.print("[bold]>[/] ", end="")
+        line = sys.stdin.readline()
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            answer = pipe.generate(request_for(None, messages, options, keep_cache=True), _stream_text)
+        except RequestFailed as e:  # this turn failed, the pipeline did not: the chat goes on
+            messages.pop()
+            console.error(e.message, e.hint)
+            continue
+        console.out.print()
+        messages.append({"role": "assistant", "content": answer.text})
+        console.err.print(f"[dim]{answer.generation_tokens} tokens, {answer.generation_tps:.1f} tok/s[/]")

@@ -1,0 +1,107 @@
+"""``mlxpipe lora``: LoRA fine-tuning with the model pipelined across the hosts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlxpipe.cli._generation import pipeline_config
+from mlxpipe.cli._options import (
+    DEFAULT_TIMEOUT, Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout,
+    TrustRemoteCode, parse_split,
+)
+
+
+def lora(
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="Hub repo id or local directory.", show_default="the -c file's, else the demo model"
+    )] = None,
+    train: Annotated[bool, typer.Option("--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead).")] = False,
+    data: Annotated[Optional[str], typer.Option(
+        "--data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl): mlx_lm.lora's text, "
+        "completions or chat formats.", show_default="data, or the -c file's",
+    )] = None,
+    fine_tune_type: Annotated[Optional[str], typer.Option("--fine-tune-type", help="lora or dora.", show_default="lora")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(
+        "--optimizer", help="adam, adamw, muon, sgd or adafactor.", show_default="adam"
+    )] = None,
+    mask_prompt: Annotated[bool, typer.Option("--mask-prompt", help="Leave the prompt out of the loss.")] = False,
+    num_layers: Annotated[Optional[int], typer.Option("--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per step.", show_default="4")] = None,
+    iters: Annotated[Optional[int], typer.Option("--iters", help="Training steps.", show_default="1000")] = None,
+    val_batches: Annotated[Optional[int], typer.Option(
+        "--val-batches", help="Validation batches; -1 for the whole validation set.", show_default="25"
+    )] = None,
+    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", help="Learning rate.", show_default="1e-5")] = None,
+    steps_per_report: Annotated[Optional[int], typer.Option("--steps-per-report", help="Steps between loss reports.", show_default="10")] = None,
+    steps_per_eval: Annotated[Optional[int], typer.Option("--steps-per-eval", help="Steps between validations.", show_default="200")] = None,
+    resume_adapter_file: Annotated[Optional[str], typer.Option(
+        "--resume-adapter-file", help="Start from these adapter weights.", show_default="none"
+    )] = None,
+    adapter_path: Annotated[Optional[str], typer.Option(
+        "--adapter-path", help="Where adapters.safetensors, adapter_config.json and checkpoints go (this machine).",
+        show_default="adapters",
+    )] = None,
+    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Steps between checkpoints.", show_default="100")] = None,
+    test: Annotated[bool, typer.Option("--test", help="Evaluate on test.jsonl after training.")] = False,
+    test_batches: Annotated[Optional[int], typer.Option("--test-batches", help="Test batches; -1 for all.", show_default="500")] = None,
+    max_seq_length: Annotated[Optional[int], typer.Option("--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048")] = None,
+    train_config: Annotated[Optional[Path], typer.Option(
+        "--config", "-c", help="mlx_lm.lora YAML file (lora_parameters, lr_schedule, ...); flags win over it.",
+        show_default="none",
+    )] = None,
+    grad_checkpoint: Annotated[bool, typer.Option("--grad-checkpoint", help="Recompute activations in the backward to save memory.")] = False,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0")] = None,
+    micro_batches: Annotated[Optional[int], typer.Option(
+        "--micro-batches", help="Micro-batches per step, flowing through the stages one behind the other; "
+        "gradients are accumulated, so the result equals one batch's.", show_default="1",
+    )] = None,
+    schedule: Annotated[Optional[str], typer.Option(
+        "--schedule", help="1f1b (each stage alternates forwards and backwards, holding at most as many "
+        "micro-batches as stages after it) or gpipe (all forwards, then all backwards).", show_default="1f1b",
+    )] = None,
+    hostfile: Hostfile = None,
+    revision: Revision = None,
+    strategy: Strategy = None,
+    split: Split = None,
+    backend: Backend = None,
+    port: RingPort = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+    trust_remote_code: TrustRemoteCode = False,
+    from_controller: FromController = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per line: every step, validation, checkpoint, then a summary.")] = False,
+) -> None:
+    """Fine-tune LoRA adapters with the model pipelined across the hosts (mlx_lm.lora's flags and data).
+
+    Each rank holds its own layers (frozen; quantized bases work) and their adapters; rank 0 runs the
+    last layers and the loss. Losses and adapters equal single-process mlx_lm.lora's with the same flags.
+    The adapters are written here, in mlx-lm's format: mlx_lm.generate --adapter-path loads them.
+
+    Example: mlxpipe lora --model mlx-community/Llama-3.2-1B-Instruct-4bit --train --data data --iters 100
+    """
+    from mlxpipe.lora import run as training
+    from mlxpipe.lora.report import LoraReporter
+    from mlxpipe.cluster.target import resolve_target
+
+    flags = {
+        "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,
+        "mask_prompt": mask_prompt or None, "num_layers": num_layers, "batch_size": batch_size, "iters": iters,
+        "val_batches": val_batches, "learning_rate": learning_rate, "steps_per_report": steps_per_report,
+        "steps_per_eval": steps_per_eval, "resume_adapter_file": resume_adapter_file, "adapter_path": adapter_path,
+        "save_every": save_every, "test": test or None, "test_batches": test_batches, "max_seq_length": max_seq_length,
+        "grad_checkpoint": grad_checkpoint or None, "seed": seed, "micro_batches": micro_batches, "schedule": schedule,
+        "trust_remote_code": trust_remote_code or None,
+    }
+    options = training.TrainOptions.build(flags, train_config)
+    target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None)
+    run_config = pipeline_config(target, backend=backend, port=port, timeout=timeout,
+                                 trust_remote_code=options.trust_remote_code, quiet=json_out,
+                                 from_controller=from_controller)
+    reporter = LoraReporter(json_out)
+    result = training.train(run_config, options, reporter)
+    reporter.summary(result)
+
+
+
