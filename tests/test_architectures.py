@@ -5,7 +5,7 @@
 mlx-lm), ``refused`` (``check_pipelinable`` must refuse it before launch, with
 the reason written there) or ``untested`` (the suite cannot run it here, with
 why). A newer mlx-lm's new architecture fails ``test_status_covers_installed_mlx_lm``
-until someone runs it and records what happens. The README's table is
+until someone runs it and records what happens. docs/architectures.md's table is
 generated from the same file (``PYTHONPATH=tests python tests/fixtures/arch_suite.py``).
 """
 
@@ -93,9 +93,9 @@ def test_refusals_match_the_pipeline() -> None:
     assert refused == UNSUPPORTED_MODEL_TYPES
 
 
-def test_readme_table_is_generated_from_the_status_file() -> None:
-    section = suite.readme_section(suite.README.read_text())
-    assert section == suite.readme_table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/arch_suite.py"
+def test_docs_table_is_generated_from_the_status_file() -> None:
+    section = suite.table_section(suite.DOC.read_text())
+    assert section == suite.table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/arch_suite.py"
 
 
 def test_no_architecture_is_lost() -> None:

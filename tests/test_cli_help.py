@@ -30,10 +30,12 @@ from mlxpipe.request import DEFAULT_MAX_TOKENS
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 REFERENCE = REPO / "docs" / "cli.md"
+# The pages whose examples are checked: the README and every page of docs/ but the generated reference.
+PAGES = [README] + sorted(page for page in (REPO / "docs").glob("*.md") if page != REFERENCE)
 # Files that examples name and that must ship with the repo (prompts files and outputs are the user's).
 REPO_FILE = re.compile(r"^(hostfiles|configs)/")
-# A command line in the README: at the start of a code line, possibly as .venv/bin/mlxpipe.
-README_COMMAND = re.compile(r"^(\S*/)?mlxpipe\s")
+# A command line in a page: at the start of a code line, possibly as .venv/bin/mlxpipe.
+PAGE_COMMAND = re.compile(r"^(\S*/)?mlxpipe\s")
 INLINE_CODE = re.compile(r"`(mlxpipe [^`]*)`")
 CLICK_ERROR_BOX = re.compile(r"[│╭╮╰╯─]")
 
@@ -133,8 +135,11 @@ def help_examples() -> list[tuple[str, list[str]]]:
     return found
 
 
-def readme_commands(text: str) -> list[tuple[str, list[str]]]:
-    """``(where, argv)`` for every mlxpipe command line in the README's code (fenced, indented or inline)."""
+def page_commands(text: str, name: str) -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` for every mlxpipe command line in a page's code (fenced, indented or inline).
+
+    ``name`` is the page's path from the repo root; ``where`` is ``name:line``.
+    """
     found: list[tuple[str, list[str]]] = []
     fenced = False
     pending: tuple[int, str] | None = None  # a command line continued with a backslash
@@ -144,20 +149,20 @@ def readme_commands(text: str) -> list[tuple[str, list[str]]]:
             continue
         code = line if fenced else line[4:] if line.startswith("    ") else None
         if code is None:
-            found += [(f"README.md:{number}", command_argv(span)) for span in INLINE_CODE.findall(line)
+            found += [(f"{name}:{number}", command_argv(span)) for span in INLINE_CODE.findall(line)
                       if "--" in span and "..." not in span]
             continue
         if pending is not None:
             start, joined = pending
             code, pending = joined + " " + code.strip(), None
-        elif README_COMMAND.match(code.strip()):
+        elif PAGE_COMMAND.match(code.strip()):
             start = number
         else:
             continue
         if code.rstrip().endswith("\\"):
             pending = (start, code.rstrip()[:-1])
         else:
-            found.append((f"README.md:{start}", command_argv(code)))
+            found.append((f"{name}:{start}", command_argv(code)))
     return found
 
 
@@ -180,25 +185,36 @@ def parse(argv: list[str]) -> Any:
     return cmd.make_context(argv[at], argv[at + 1:], parent=root_ctx)
 
 
-EXAMPLES = help_examples() + readme_commands(README.read_text())
+def docs_examples() -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` for every mlxpipe command line in the README and docs/ (docs/cli.md aside)."""
+    return [found for page in PAGES for found in page_commands(page.read_text(), page.relative_to(REPO).as_posix())]
+
+
+EXAMPLES = help_examples() + docs_examples()
 
 
 def test_the_examples_are_found() -> None:
-    # The extractors themselves: each command's examples, a README line continued with a backslash,
-    # a redirection dropped, an inline span.
+    # The extractors themselves: each command's examples, a line continued with a backslash,
+    # a redirection dropped, an inline span; each page named in `where`.
     assert {where for where, _ in help_examples()} == {
         "plan --help", "download --help", "generate --help", "serve --help", "lora --help", "doctor --help",
     }
-    readme = [argv for where, argv in EXAMPLES if where.startswith("README.md:")]
+    names = [page.relative_to(REPO).as_posix() for page in PAGES]
+    assert "README.md" in names and "docs/serve.md" in names and "docs/cli.md" not in names
+    by_page: dict[str, list[list[str]]] = {}
+    for where, argv in docs_examples():
+        by_page.setdefault(where.rsplit(":", 1)[0], []).append(argv)
     assert [
         "generate", "--model", "mlx-community/Llama-3.3-70B-Instruct-4bit",
         "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json", "--prompt", "Write a haiku about Thunderbolt cables",
-    ] in readme
+    ] in by_page["README.md"]
     assert [
         "generate", "--config", "configs/llama-3.3-70b-4bit.yaml", "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json",
         "--prompt", "-",
-    ] in readme
-    assert ["plan", "--json"] in readme
+    ] in by_page["docs/generate.md"]
+    assert ["plan", "--json"] in by_page["docs/benchmarks.md"]
+    for page in ["docs/generate.md", "docs/serve.md", "docs/lora.md"]:
+        assert by_page.get(page), f"no example found in {page}"
 
 
 @pytest.mark.parametrize(("where", "argv"), EXAMPLES, ids=[f"{w}:{' '.join(a[:1])}" for w, a in EXAMPLES])
@@ -226,7 +242,7 @@ def test_a_bad_example_would_be_caught() -> None:
 
 @pytest.fixture
 def llama_on_the_hub(hub_env: FakeHub, tmp_path: Path) -> Iterator[str]:
-    """The README's 70B repo id, served by the fake hub as a tiny 6-layer llama (metadata is all plan reads)."""
+    """The docs' 70B repo id, served by the fake hub as a tiny 6-layer llama (metadata is all plan reads)."""
     repo = "mlx-community/Llama-3.3-70B-Instruct-4bit"
     hub_env.add_repo(repo, make_tiny_checkpoint("llama", tmp_path / "llama"))
     yield repo
