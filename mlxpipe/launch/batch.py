@@ -23,7 +23,7 @@ from mlxpipe.errors import UsageError
 from mlxpipe.paths import replacing
 from mlxpipe.request import Request, parse_logit_bias
 
-# Requests per decode micro-batch (``--decode-batch``); see the README, "Many prompts at once".
+# Requests per decode micro-batch (``--decode-batch``); see docs/generate.md, "Many prompts at once".
 DEFAULT_DECODE_BATCH = 4
 
 

@@ -26,7 +26,7 @@ from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
 
 MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate's --prefill-step-size
 # A prompt's chunks flow through the stages one behind the other (the engine's pipelined prefill).
-# Measured (README, "Prefill"): a 600-token prompt on 2 ranks prefills at 21.8 tok/s in one 2048-token
+# Measured (docs/benchmarks.md, "Prefill"): a 600-token prompt on 2 ranks prefills at 21.8 tok/s in one 2048-token
 # chunk, 33.8 in chunks of 256 and 39.7 in chunks of 128 (single process: 24.1).
 PIPELINE_PREFILL_STEP = 128
 
