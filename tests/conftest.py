@@ -18,6 +18,7 @@ from fixtures.tiny_models import tiny_models  # noqa: E402,F401
 from fixtures.fake_hub import fake_hub, hub_env  # noqa: E402,F401
 from fixtures.demo_model import demo_model, demo_reference  # noqa: E402,F401
 from fixtures.cluster import cluster, cluster_session  # noqa: E402,F401
+from fixtures.serve_process import server  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

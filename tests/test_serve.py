@@ -1,6 +1,7 @@
 """``mlxpipe serve`` end to end: the real console script on 2 local ranks, the ``openai`` package as client.
 
-One server (the demo model, an API key) serves every test that is not about
+One server (the demo model, an API key; the session's ``server`` fixture, shared with the
+other test files that talk to a running server) serves every test that is not about
 starting, breaking or stopping one; a second, small one is broken on purpose
 (a rank killed, SIGTERM). Greedy output must equal single-process mlx-lm's,
 whatever else is in flight: the main server batches up to 3 requests' decode
@@ -28,13 +29,11 @@ import pytest
 
 from fixtures.faulty_worker import FAILING_SEED
 from fixtures.option_reference import reference as option_reference
-from fixtures.processes import _alive, local_rank_processes
-from fixtures.serve_process import ServeProcess
+from fixtures.processes import local_rank_processes
+from fixtures.serve_process import CONTEXT, KEY, ServeProcess, stop_all, wait_gone
 
 pytestmark = pytest.mark.ranks
 
-KEY = "test-key-0123456789"
-CONTEXT = 6000  # below the demo model's 8192 positions: --context is the bound
 MAX_TOKENS = 10
 QUESTIONS = [
     "What is the capital of France?",
@@ -46,20 +45,6 @@ QUESTIONS = [
     "What day comes after Monday?",
     "Who wrote Hamlet?",
 ]
-
-
-@pytest.fixture(scope="module")
-def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(
-        ["--model", str(demo_model), "--hostfile", "hostfiles/local-2.json", "--max-concurrency", "6", "--decode-batch", "3",
-         "--max-queue", "8", "--context", str(CONTEXT)],
-        tmp_path_factory.mktemp("serve-home"), env={"MLXPIPE_API_KEY": KEY},
-    )
-    try:
-        proc.wait_for("ready")
-        yield proc
-    finally:
-        _stop_all(proc)
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +435,7 @@ def fragile(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         proc.wait_for("ready")
         yield proc
     finally:
-        _stop_all(proc)
+        stop_all(proc)
 
 
 def _ask(url: str, question: str, temperature: float = 0, **kwargs: Any) -> Any:
@@ -505,7 +490,7 @@ def test_sigterm_stops_every_rank_and_exits_143(fragile: ServeProcess) -> None:
     assert pids
     tic = time.monotonic()
     assert fragile.stop(signal.SIGTERM) == 143
-    left = _wait_gone(pids, 5 - (time.monotonic() - tic))
+    left = wait_gone(pids, 5 - (time.monotonic() - tic))
     assert left == set(), left
     assert "stopped by SIGTERM" in fragile.stderr
 
@@ -520,7 +505,7 @@ def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(demo_mode
         signal_pid(worker, signal.SIGKILL)
         code = proc.proc.wait(timeout=60)
     finally:
-        _stop_all(proc)
+        stop_all(proc)
     assert code == 1, proc.stderr
     errors = [line for line in proc.err if line.startswith("error: ")]
     assert errors == ["error: the pipeline failed 1 time, the last time: rank 0 on 127.0.0.1: "
@@ -542,7 +527,7 @@ def faulty(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc.wait_for("ready")
         yield proc
     finally:
-        _stop_all(proc)
+        stop_all(proc)
 
 
 def test_a_request_that_waits_beyond_the_queue_timeout_gets_a_503_saying_why(faulty: ServeProcess) -> None:
@@ -576,25 +561,6 @@ def test_a_request_whose_sampler_fails_ends_alone(faulty: ServeProcess, demo_mod
 
 def signal_pid(pid: int, sig: int) -> None:
     os.kill(pid, sig)
-
-
-def _wait_gone(pids: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + max(timeout, 0.1)
-    while True:
-        left = {p for p in pids if _alive(p)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
-def _stop_all(proc: ServeProcess) -> None:
-    pids = set(local_rank_processes(proc.proc.pid)) if proc.proc.poll() is None else set()
-    proc.stop(signal.SIGTERM)
-    for pid in _wait_gone(pids, 5):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _run_dir(server: ServeProcess) -> Path:
