@@ -26,7 +26,7 @@ messages out of turn:
 A send can only block on its receiver's step 2, which never waits on the
 sender's own later steps, so the ring cannot deadlock, even with prefill
 chunks too large for the sockets' buffers. The stand-ins of the generic
-pipeline (``pipeline.Exchange``) keep every model's own masks and cache
+pipeline (``pipeline.stage.Exchange``) keep every model's own masks and cache
 bookkeeping; each request has its own caches on every rank, made with mlx-lm's
 ``make_prompt_cache`` or taken from mlx-lm's ``LRUPromptCache`` (the longest
 cached prefix of its prompt: every rank makes the same choice, since every rank
@@ -50,7 +50,8 @@ from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.metadata import text_config_of
 from mlxpipe.request import Request
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.pipeline import Exchange, find_exchange
+from mlxpipe.worker.pipeline.cut import find_exchange
+from mlxpipe.worker.pipeline.stage import Exchange
 from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, keyed_sampler, logits_processors
 from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 

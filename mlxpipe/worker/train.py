@@ -46,7 +46,8 @@ from mlxpipe.errors import UsageError
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
-from mlxpipe.worker.pipeline import find_exchange, find_layers
+from mlxpipe.worker.pipeline.cut import find_exchange
+from mlxpipe.worker.pipeline.layers import find_layers
 from mlxpipe.worker.requests import PROGRESS_SECONDS, init_group, loaded_fields
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
