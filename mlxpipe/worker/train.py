@@ -48,7 +48,8 @@ from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.pipeline.cut import find_exchange
 from mlxpipe.worker.pipeline.layers import find_layers
-from mlxpipe.worker.requests import PROGRESS_SECONDS, init_group, loaded_fields
+from mlxpipe.worker.progress import PROGRESS_SECONDS
+from mlxpipe.worker.requests import init_group, loaded_fields
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
 Emit = Callable[..., None]
