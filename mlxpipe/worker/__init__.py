@@ -2,6 +2,7 @@
 
 ``python -m mlxpipe.worker --job <base64 JSON>`` loads this rank's layers
 (``load``), pipelines them (``pipeline``) and answers the controller's
-requests (``serve``). ``job`` is light and safe for the controller to import;
+requests (``requests``: overlapped in the ``engine``, or one at a time through
+mlx-lm in ``streamed``; ``train`` for LoRA). ``job`` is light and safe for the controller to import;
 the other modules import MLX.
 """

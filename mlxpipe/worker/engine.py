@@ -26,7 +26,7 @@ messages out of turn:
 A send can only block on its receiver's step 2, which never waits on the
 sender's own later steps, so the ring cannot deadlock, even with prefill
 chunks too large for the sockets' buffers. The stand-ins of the generic
-pipeline (``pipeline.Exchange``) keep every model's own masks and cache
+pipeline (``pipeline.stage.Exchange``) keep every model's own masks and cache
 bookkeeping; each request has its own caches on every rank, made with mlx-lm's
 ``make_prompt_cache`` or taken from mlx-lm's ``LRUPromptCache`` (the longest
 cached prefix of its prompt: every rank makes the same choice, since every rank
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -49,23 +49,17 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.request import Request
+from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
+from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.pipeline import Exchange, find_exchange
+from mlxpipe.worker.pipeline.cut import find_exchange
+from mlxpipe.worker.pipeline.stage import Exchange
 from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, keyed_sampler, logits_processors
+from mlxpipe.worker.reporters import Reporter, Timing
 from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
-
-if TYPE_CHECKING:
-    from mlxpipe.worker.requests import Server
 
 _CLEAR_CACHE_TICKS = 256
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
-
-@dataclass
-class Timing:
-    """Rank 0's clock for one request."""
-
-    admitted: float
-    first_token: float | None = None
 
 
 @dataclass
@@ -84,44 +78,15 @@ class TimeSpent:
         return {**asdict(self), "wall": wall, "busy": self.compute / working if working > 0 else 0.0}
 
 
-def decode_batch_for(model: Any, job: Any, requested: int) -> int:
-    """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
-
-    mlx-lm's own test (its server's ``is_batchable``): every cache has
-    ``merge``. Quantized and chunked caches, for two, have none; mlx-lm's server
-    then serves one request at a time, and the engine one request per decode
-    micro-batch.
-    """
-    if requested < 1:
-        raise UsageError(f"decode_batch must be at least 1, got {requested}")
-    if requested == 1:
-        return 1
-    caches = make_prompt_cache(model, max_kv_size=job.max_kv_size)
-    return requested if all(hasattr(c, "merge") for c in caches) else 1
-
-
-def merge_caches(caches: list[list[Any]]) -> list[Any]:
-    """Requests' own caches as one batch cache per layer (as ``BatchGenerator`` merges them)."""
-    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
-
-
-class Reporter(Protocol):
-    """What rank 0 tells the controller about requests (the other ranks report nothing)."""
-
-    def token(self, engine: "Engine", index: int, token: int) -> None: ...
-
-    def finished(self, engine: "Engine", index: int, timing: Timing, now: float) -> None: ...
-
-
 class Engine:
     """The overlapped requests of one rank; see the module docstring."""
 
     def __init__(
-        self, server: "Server", slots: int, reporter: Reporter, prompt_cache_size: int = 0,
+        self, context: RankContext, slots: int, reporter: Reporter, prompt_cache_size: int = 0,
         prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1,
     ) -> None:
-        loaded, group = server.loaded, server.group
-        self.server, self.reporter = server, reporter
+        loaded, group = context.loaded, context.group
+        self.context, self.reporter = context, reporter
         self.model = loaded.model
         self.rank, self.size = group.rank(), group.size()
         self.stage = self.size - 1 - self.rank  # the first stage is the highest rank
@@ -130,15 +95,13 @@ class Engine:
             raise UsageError(
                 "overlapped requests need the generic pipeline", hint="run without --pipeline native"
             )
-        self.decode_batch = decode_batch_for(self.model, server.job, decode_batch)
+        self.decode_batch = decode_batch_for(self.model, context.job, decode_batch)
         self.schedule = Schedule(
-            [], [], stages=self.size, slots=slots, prefill_step=server.job.prefill_step_size,
+            [], [], stages=self.size, slots=slots, prefill_step=context.job.prefill_step_size,
             eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch,
         )
         self.requests: list[Request] = []
-        self.caches: dict[int, list[Any]] = {}  # a request's own caches, until it joins a decode group
-        # group -> (its requests in row order, their batch caches) as this stage last ran it
-        self.group_caches: dict[int, tuple[list[int], list[Any]]] = {}
+        self.caches = BatchCaches(self.schedule, self.decode_batch)
         self.spent = TimeSpent()
         # Serving: called on every rank with its time figures whenever a request ends.
         self.on_time: Callable[[dict[str, float]], None] | None = None
@@ -161,7 +124,7 @@ class Engine:
     def add(self, request: Request, prompt: list[int]) -> int:
         """Queue ``request`` (its prompt as tokens); it starts when a slot frees. A request this rank cannot run
         (its options out of range here) ends at once with an error: every rank refuses it alike."""
-        tokenizer = self.server.loaded.tokenizer
+        tokenizer = self.context.loaded.tokenizer
         try:
             if not prompt:
                 raise UsageError("the prompt has no tokens")
@@ -172,10 +135,10 @@ class Engine:
         cache, cached = self._cached(prompt, request)
         # Decode groups merge their members' caches: quantized ones cannot merge (mlx-lm's
         # is_batchable), and caches of one kind only, so requests group by their cache settings.
-        key = None if request.kv_bits is not None else (request.max_kv_size or self.server.job.max_kv_size,)
+        key = None if request.kv_bits is not None else (request.max_kv_size or self.context.job.max_kv_size,)
         index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra, batch_key=key)
         self.requests.append(request)
-        self.caches[index] = cache
+        self.caches.own[index] = cache
         self.eos[index] = set(tokenizer.eos_token_ids) | extra
         if request.id is not None:
             self._by_id[request.id] = index
@@ -201,7 +164,7 @@ class Engine:
                 rest = prompt[-1:] if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1 else prompt
             if cache is not None and len(rest) < len(prompt):
                 return cache, len(prompt) - len(rest)
-        return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.server.job.max_kv_size), 0
+        return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.context.job.max_kv_size), 0
 
     def apply(self, message: dict[str, Any] | None) -> None:
         """A message every rank applies at the same tick: submit, cancel or exit (None: end of input)."""
@@ -235,7 +198,7 @@ class Engine:
         tic = self._tic = time.perf_counter()
         self._probe_incoming()
         hidden_in = None
-        progress = self.server.progress
+        progress = self.context.progress
         progress.reset()
         while not self._exit and (inbox is not None or not self.schedule.done):
             if inbox is not None and self.schedule.idle:
@@ -269,7 +232,7 @@ class Engine:
         for index in self.schedule.ended:
             self._finish(index)
         for group in self.schedule.ended_groups:
-            self.group_caches.pop(group, None)
+            self.caches.groups.pop(group, None)
         batch = self.schedule.at(self.stage)
         sampled = self._run_stage(batch, hidden_in) if batch is not None else None
         hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
@@ -314,13 +277,13 @@ class Engine:
         request = self.requests[index]
         self.timing[index] = Timing(admitted=time.perf_counter())
         if self.rank == 0:
-            self.samplers[index] = keyed_sampler(request, self.server.loaded.tokenizer, self.eos[index])
+            self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
             self.processors[index] = logits_processors(request)
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
         tic = time.perf_counter()
-        cache = self._caches_for(batch)
+        cache = self.caches.for_batch(batch)
         if self.exchange is not None:
             self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
         logits = self.model(mx.array(batch.rows), cache=cache)
@@ -335,7 +298,7 @@ class Engine:
             mx.eval(hidden_out, state)
             sending = time.perf_counter()
             self.spent.compute += sending - tic
-            mx.eval(mx.distributed.send(hidden_out, self.rank - 1, group=self.server.group))
+            mx.eval(mx.distributed.send(hidden_out, self.rank - 1, group=self.context.group))
             self.spent.send += time.perf_counter() - sending
             return None
         if not batch.samples:
@@ -366,70 +329,13 @@ class Engine:
             self.errors[index] = f"sampling failed on rank 0: {type(e).__name__}: {e}"
             return FAILED
 
-    def _caches_for(self, batch: MicroBatch) -> list[Any]:
-        """The caches ``batch`` runs with on this stage: its request's own, or its group's batch caches.
-
-        A group's batch caches follow its members: requests that left are
-        filtered out (those that moved to another group take their own caches
-        along), requests that joined (at the end of the rows) have their own
-        caches merged in, as ``BatchGenerator`` extends its batch.
-        """
-        if batch.group is None or self.decode_batch == 1 or self.schedule.requests[batch.requests[0]].batch_key is None:
-            return self.caches[batch.request]  # a prefill chunk, or a request that decodes alone
-        wanted = list(batch.requests)
-        rows, _ = self.group_caches.get(batch.group, ([], []))
-        for index in rows:
-            if index not in wanted and self.schedule.requests[index].finish_reason is None:
-                self.caches[index] = self._take_own(index)  # it moved to another group
-        rows, cache = self.group_caches.get(batch.group, ([], []))
-        keep = [i for i, index in enumerate(rows) if index in wanted]
-        if len(keep) < len(rows):
-            if keep:
-                for c in cache:
-                    c.filter(keep)
-            else:
-                cache = []
-        rows = [rows[i] for i in keep]
-        if wanted[: len(rows)] != rows:
-            raise RuntimeError(f"group {batch.group}: rows {wanted} do not extend {rows}")
-        joining = wanted[len(rows) :]
-        if joining:
-            merged = merge_caches([self._take_own(index) for index in joining])
-            if cache:
-                for c, new in zip(cache, merged):
-                    c.extend(new)
-            else:
-                cache = merged
-        self.group_caches[batch.group] = (wanted, cache)
-        return cache
-
-    def _take_own(self, index: int) -> list[Any]:
-        """A request's own caches: kept apart, or taken out of the batch caches of the group it was in."""
-        if index in self.caches:
-            return self.caches.pop(index)
-        group = self._group_of(index)
-        if group is None:
-            raise RuntimeError(f"request {index}: no caches on this stage")
-        rows, cache = self.group_caches[group]
-        row = rows.index(index)
-        own = [c.extract(row) for c in cache]
-        keep = [i for i in range(len(rows)) if i != row]
-        for c in cache if keep else ():
-            c.filter(keep)
-        self.group_caches[group] = ([rows[i] for i in keep], cache if keep else [])
-        return own
-
-    def _group_of(self, index: int) -> int | None:
-        """The group whose batch caches on this stage hold the request's row, if any."""
-        return next((g for g, (rows, _) in self.group_caches.items() if index in rows), None)
-
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
         """Step 2: the hidden state of the next tick's micro-batch, from rank + 1."""
         if batch is None:
             return None
         tic = time.perf_counter()
         shape, dtype = self._incoming_shape(len(batch.requests), batch.width)
-        hidden = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.server.group)
+        hidden = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.context.group)
         mx.eval(hidden)
         self.spent.recv += time.perf_counter() - tic
         return hidden
@@ -455,20 +361,20 @@ class Engine:
             if sampling is None:
                 return None, 0
             mine = sampled.astype(mx.int32) if self.rank == 0 else mx.zeros((rows,), mx.int32)
-            return mx.distributed.all_sum(mine, group=self.server.group, stream=mx.cpu).tolist(), 0
+            return mx.distributed.all_sum(mine, group=self.context.group, stream=mx.cpu).tolist(), 0
         tokens = (
             sampled.astype(mx.int32) if self.rank == 0 and sampled is not None else mx.full((rows,), -1, mx.int32)
         )
         mine = mx.concatenate([tokens, mx.array([received], mx.int32)])
-        every = mx.distributed.all_gather(mine, group=self.server.group, stream=mx.cpu).reshape(self.size, rows + 1)
+        every = mx.distributed.all_gather(mine, group=self.context.group, stream=mx.cpu).reshape(self.size, rows + 1)
         values = every.tolist()
         return (values[0][:rows] if sampling is not None else None), min(int(v[rows]) for v in values)
 
     def _finish(self, index: int) -> None:
         """Drop a request's caches (keeping them in the prompt cache) and report it."""
-        cache = self.caches.pop(index, None)
-        if cache is None and self.prompt_cache is not None and self._group_of(index) is not None:
-            cache = self._take_own(index)
+        cache = self.caches.own.pop(index, None)
+        if cache is None and self.prompt_cache is not None and self.caches.group_of(index) is not None:
+            cache = self.caches.take_own(index)
         self.samplers.pop(index, None)
         self.processors.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
@@ -505,125 +411,3 @@ class Engine:
         # tokens, hidden)); a packed message is (batch, tokens, bytes).
         axis = 0 if self.exchange.incoming_layout is not None else self.exchange.token_axis - 1
         return (*shape[:axis], rows, *shape[axis + 1 :]), dtype
-
-
-def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:
-    """The text ``stream_generate`` would have streamed: the end-of-sequence token is not shown."""
-    eos_ids = tokenizer.eos_token_ids if eos_ids is None else eos_ids
-    detokenizer = tokenizer.detokenizer
-    for token in tokens:
-        if token not in eos_ids:
-            detokenizer.add_token(token)
-    detokenizer.finalize()
-    return detokenizer.text
-
-
-def _error(engine: Engine, index: int) -> dict[str, str]:
-    """A failed request's ``error`` field, for its event."""
-    state = engine.schedule.requests[index]
-    if state.finish_reason != "error":
-        return {}
-    return {"error": engine.errors.get(index, "the request failed on another rank")}
-
-
-@dataclass
-class BatchReporter:
-    """``generate --prompts-file``: one ``result`` event per request, with its text and figures."""
-
-    emit: Callable[..., None]
-
-    def token(self, engine: Engine, index: int, token: int) -> None:
-        pass
-
-    def finished(self, engine: Engine, index: int, timing: Timing, now: float) -> None:
-        state = engine.schedule.requests[index]
-        request = engine.requests[index]
-        tokens = state.generated
-        first = timing.first_token or now
-        after_first = now - first
-        self.emit(
-            "result",
-            rank=engine.rank,
-            index=index,
-            id=request.id if request.id is not None else index,
-            tokens=tokens,
-            text=text_of(engine.server.loaded.tokenizer, tokens, engine.eos.get(index)),
-            prompt_tokens=len(state.prompt),
-            generation_tokens=len(tokens),
-            finish_reason=state.finish_reason,
-            ttft=first - timing.admitted,
-            latency=now - timing.admitted,
-            # As mlx-lm's stream_generate: every token over the time after the first.
-            generation_tps=len(tokens) / after_first if after_first > 0 else 0.0,
-            slot=state.slot,
-            ticks=[state.admitted_tick, state.finished_tick],
-            **_error(engine, index),
-        )
-
-
-@dataclass
-class StreamReporter:
-    """``serve``: every token as it is sampled, then ``finished`` (the controller makes the text)."""
-
-    emit: Callable[..., None]
-
-    def token(self, engine: Engine, index: int, token: int) -> None:
-        self.emit("token", rank=0, id=engine.requests[index].id, token=token)
-
-    def finished(self, engine: Engine, index: int, timing: Timing, now: float) -> None:
-        state = engine.schedule.requests[index]
-        self.emit(
-            "finished",
-            rank=0,
-            id=engine.requests[index].id,
-            finish_reason=state.finish_reason,
-            prompt_tokens=len(state.prompt),
-            cached_tokens=state.cached,
-            generation_tokens=len(state.generated),
-            **_error(engine, index),
-        )
-
-
-class TextReporter:
-    """``generate`` and ``chat``: rank 0 streams text as mlx-lm's ``stream_generate`` does.
-
-    Each token's new text goes out as a ``token`` event as soon as it is
-    sampled (the end-of-sequence token shows no text); the timing figures of
-    the one request are kept for the ``done`` event.
-    """
-
-    def __init__(self, emit: Callable[..., None], tokenizer: Any, request_id: Any = None) -> None:
-        self.emit, self.request_id = emit, request_id
-        self.eos_ids = set(tokenizer.eos_token_ids)
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
-        self.figures: dict[str, Any] = {}
-
-    def token(self, engine: Engine, index: int, token: int) -> None:
-        if token in engine.eos.get(index, self.eos_ids):  # the request's own, --extra-eos-token included
-            return
-        self.detokenizer.add_token(token)
-        self._send(self.detokenizer.last_segment, token)
-
-    def finished(self, engine: Engine, index: int, timing: Timing, now: float) -> None:
-        self.detokenizer.finalize()
-        self._send(self.detokenizer.last_segment, None)
-        state = engine.schedule.requests[index]
-        first = timing.first_token or now
-        fed = len(state.prompt) - state.cached
-        self.figures = {
-            # As stream_generate: the tokens fed over the time to the first token, then
-            # every token over the time after the first.
-            "prompt_tps": fed / (first - timing.admitted) if first > timing.admitted else 0.0,
-            "generation_tps": len(state.generated) / (now - first) if now > first else 0.0,
-            "ttft": first - timing.admitted,
-            **_error(engine, index),
-        }
-
-    def _send(self, text: str, token: int | None) -> None:
-        if not text and token is None:
-            return  # every shown token gets its event; the end only when text is left
-        fields: dict[str, Any] = {"text": text, "token": token}
-        if self.request_id is not None:
-            fields["id"] = self.request_id
-        self.emit("token", **fields)

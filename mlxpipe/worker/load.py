@@ -23,7 +23,8 @@ from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.pipeline import check_supported, find_layers, learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.pipeline.cut import learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.pipeline.layers import check_supported, find_layers
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 

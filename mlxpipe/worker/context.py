@@ -1,0 +1,20 @@
+"""What a rank runs requests with: its loaded layers, its group, its job, its progress reporter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxpipe.worker.job import JobSpec
+from mlxpipe.worker.load import LoadedModel
+from mlxpipe.worker.progress import Progress
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank's model and peers, as the request loops (``engine``, ``streamed``) read them."""
+
+    loaded: LoadedModel  # this rank's layers, its tokenizer, its draft model if any
+    group: Any  # the job's distributed group
+    job: JobSpec
+    progress: Progress  # the stall watchdog's reports

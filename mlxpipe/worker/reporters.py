@@ -1,0 +1,160 @@
+"""What rank 0 tells the controller about the engine's requests: text, tokens, results and their figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from mlxpipe.request import Request
+from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.schedule import Schedule
+
+
+@dataclass
+class Timing:
+    """Rank 0's clock for one request."""
+
+    admitted: float
+    first_token: float | None = None
+
+
+class EngineView(Protocol):
+    """What reporters read of the engine (``engine.Engine``): a protocol, so that the engine imports the
+    reporters and not the reverse."""
+
+    rank: int
+    context: RankContext
+    schedule: Schedule
+    requests: list[Request]
+    eos: dict[int, set[int]]  # each request's end-of-sequence ids
+    errors: dict[int, str]  # why a request ended with "error"
+
+
+class Reporter(Protocol):
+    """What rank 0 tells the controller about requests (the other ranks report nothing)."""
+
+    def token(self, engine: EngineView, index: int, token: int) -> None: ...
+
+    def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None: ...
+
+
+def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:
+    """The text ``stream_generate`` would have streamed: the end-of-sequence token is not shown."""
+    eos_ids = tokenizer.eos_token_ids if eos_ids is None else eos_ids
+    detokenizer = tokenizer.detokenizer
+    for token in tokens:
+        if token not in eos_ids:
+            detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def _error(engine: EngineView, index: int) -> dict[str, str]:
+    """A failed request's ``error`` field, for its event."""
+    state = engine.schedule.requests[index]
+    if state.finish_reason != "error":
+        return {}
+    return {"error": engine.errors.get(index, "the request failed on another rank")}
+
+
+@dataclass
+class BatchReporter:
+    """``generate --prompts-file``: one ``result`` event per request, with its text and figures."""
+
+    emit: Callable[..., None]
+
+    def token(self, engine: EngineView, index: int, token: int) -> None:
+        pass
+
+    def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None:
+        state = engine.schedule.requests[index]
+        request = engine.requests[index]
+        tokens = state.generated
+        first = timing.first_token or now
+        after_first = now - first
+        self.emit(
+            "result",
+            rank=engine.rank,
+            index=index,
+            id=request.id if request.id is not None else index,
+            tokens=tokens,
+            text=text_of(engine.context.loaded.tokenizer, tokens, engine.eos.get(index)),
+            prompt_tokens=len(state.prompt),
+            generation_tokens=len(tokens),
+            finish_reason=state.finish_reason,
+            ttft=first - timing.admitted,
+            latency=now - timing.admitted,
+            # As mlx-lm's stream_generate: every token over the time after the first.
+            generation_tps=len(tokens) / after_first if after_first > 0 else 0.0,
+            slot=state.slot,
+            ticks=[state.admitted_tick, state.finished_tick],
+            **_error(engine, index),
+        )
+
+
+@dataclass
+class StreamReporter:
+    """``serve``: every token as it is sampled, then ``finished`` (the controller makes the text)."""
+
+    emit: Callable[..., None]
+
+    def token(self, engine: EngineView, index: int, token: int) -> None:
+        self.emit("token", rank=0, id=engine.requests[index].id, token=token)
+
+    def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None:
+        state = engine.schedule.requests[index]
+        self.emit(
+            "finished",
+            rank=0,
+            id=engine.requests[index].id,
+            finish_reason=state.finish_reason,
+            prompt_tokens=len(state.prompt),
+            cached_tokens=state.cached,
+            generation_tokens=len(state.generated),
+            **_error(engine, index),
+        )
+
+
+class TextReporter:
+    """``generate`` and ``chat``: rank 0 streams text as mlx-lm's ``stream_generate`` does.
+
+    Each token's new text goes out as a ``token`` event as soon as it is
+    sampled (the end-of-sequence token shows no text); the timing figures of
+    the one request are kept for the ``done`` event.
+    """
+
+    def __init__(self, emit: Callable[..., None], tokenizer: Any, request_id: Any = None) -> None:
+        self.emit, self.request_id = emit, request_id
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.figures: dict[str, Any] = {}
+
+    def token(self, engine: EngineView, index: int, token: int) -> None:
+        if token in engine.eos.get(index, self.eos_ids):  # the request's own, --extra-eos-token included
+            return
+        self.detokenizer.add_token(token)
+        self._send(self.detokenizer.last_segment, token)
+
+    def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None:
+        self.detokenizer.finalize()
+        self._send(self.detokenizer.last_segment, None)
+        state = engine.schedule.requests[index]
+        first = timing.first_token or now
+        fed = len(state.prompt) - state.cached
+        self.figures = {
+            # As stream_generate: the tokens fed over the time to the first token, then
+            # every token over the time after the first.
+            "prompt_tps": fed / (first - timing.admitted) if first > timing.admitted else 0.0,
+            "generation_tps": len(state.generated) / (now - first) if now > first else 0.0,
+            "ttft": first - timing.admitted,
+            **_error(engine, index),
+        }
+
+    def _send(self, text: str, token: int | None) -> None:
+        if not text and token is None:
+            return  # every shown token gets its event; the end only when text is left
+        fields: dict[str, Any] = {"text": text, "token": token}
+        if self.request_id is not None:
+            fields["id"] = self.request_id
+        self.emit("token", **fields)
