@@ -38,7 +38,8 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     reply a request may make (default: the model's ``max_position_embeddings``).
     """
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.serve.app import ServerSettings, build_app
+    from mlxpipe.serve.app import build_app
+    from mlxpipe.serve.door import ServerSettings
 
     _check(options, host, port, api_key, max_body_bytes)
     meta, plan = prepare(config)
