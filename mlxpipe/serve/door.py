@@ -34,6 +34,8 @@ DISCONNECT_POLL_SECONDS = 0.5
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """What every door reads of the server's command line."""
+
     model_id: str
     api_key: str | None
     context: int  # the longest prompt + completion the model takes (--context, else the model's own)

@@ -98,5 +98,6 @@ class Shapes:
         return {**self.head(True), "choices": [choice]}
 
     def head(self, streaming: bool) -> dict[str, Any]:
+        """The fields every body and chunk starts with."""
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if streaming and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
