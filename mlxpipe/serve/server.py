@@ -1,10 +1,10 @@
 """``mlxpipe serve``: the pipeline kept up behind an OpenAI-compatible API.
 
-``engine.py`` keeps the pipeline (launch, requests, restarts), ``api.py`` is
-the HTTP API, ``text.py`` turns tokens into what a client sees. ``serve()``
-ties them to uvicorn: it plans, checks and downloads once (errors end the
-command before anything listens), then listens while the ranks load, and
-serves until SIGINT or SIGTERM.
+``controller`` keeps the pipeline (launch, requests, restarts), ``app`` is
+the HTTP API (its doors: ``openai_api``), ``text`` turns tokens into what a
+client sees. ``serve()`` ties them to uvicorn: it plans, checks and downloads
+once (errors end the command before anything listens), then listens while the
+ranks load, and serves until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     reply a request may make (default: the model's ``max_position_embeddings``).
     """
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.serve.app import ServerSettings, build_app
+    from mlxpipe.serve.app import build_app
+    from mlxpipe.serve.door import ServerSettings
 
     _check(options, host, port, api_key, max_body_bytes)
     meta, plan = prepare(config)

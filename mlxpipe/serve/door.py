@@ -1,0 +1,132 @@
+"""What every API door of ``mlxpipe serve`` shares: the server's settings, the gate, errors, clients that leave.
+
+A door (``openai_api`` today) turns one HTTP dialect into ``mlxpipe.request.Request`` and the reply back into
+that dialect's shapes; everything here is the same whatever the dialect: the API key, the body-size limit, the
+room for one more request (admission), how a failure maps to a status, and a client that goes away. Errors are
+``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mlxpipe import console
+from mlxpipe.errors import RequestFailed
+from mlxpipe.request import Request as GenerationRequest
+from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, ServeEngine
+
+T = TypeVar("T")
+
+# A body over the limit is read to its end (and dropped) so that the client reads the 413, up to this many times
+# the limit; beyond, the connection is closed.
+_DRAIN_FACTOR = 16
+# How often a request answered in one body checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What every door reads of the server's command line."""
+
+    model_id: str
+    api_key: str | None
+    context: int  # the longest prompt + completion the model takes (--context, else the model's own)
+    defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
+    vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class ApiError(Exception):
+    """An error response: its status, the field at fault (``param``) and a machine-readable ``code``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """Nothing without ``--api-key``; else the request must bring it as ``Authorization: Bearer <key>``."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                       code="invalid_api_key", kind="authentication_error")
+
+
+def admit(engine: ServeEngine) -> None:
+    """Room for one more request (it waits here while the ranks load or relaunch), else 429."""
+    if engine.in_flight >= engine.capacity:
+        raise ApiError(429, f"{engine.in_flight} requests in flight, the most this server takes "
+                            f"(--max-concurrency + --max-queue); try again shortly",
+                       code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; over ``limit`` bytes, a 413 (the body read to its end first, up to a point, so
+    that the client, still sending, reads the answer instead of a reset connection)."""
+    length = request.headers.get("content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
+    raw = bytearray()
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received <= limit and (declared is None or declared <= limit):
+            raw += chunk
+        elif received > _DRAIN_FACTOR * limit:
+            break  # too much to read only to refuse it: the connection closes
+    if received > limit or (declared is not None and declared > limit):
+        raise ApiError(413, f"the body has {declared or received} bytes, over this server's limit of {limit} "
+                            "(--max-body-size)", code="request_too_large",
+                       headers={"Connection": "close"} if received > _DRAIN_FACTOR * limit else None)
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity (Python's reader takes them)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+async def until(item: Awaitable[T], request: Request) -> T | None:
+    """``item``, or None when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
+    task = asyncio.ensure_future(item)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
+
+
+def gone(request: Request) -> Response:
+    """The client went away: nobody reads the answer (nginx's 499), and one line says so."""
+    console.err.print(f"[dim]{request.method} {request.url.path}: the client went away[/]")
+    return Response(status_code=499)
+
+
+def failure(error: Exception) -> ApiError:
+    """A request that failed alone (500), or whose pipeline failed or never came up (503)."""
+    message = getattr(error, "message", str(error))
+    hint = getattr(error, "hint", None)
+    text = f"{message} ({hint})" if hint else message
+    if isinstance(error, RequestFailed):
+        return ApiError(500, text, code="request_failed", kind="server_error")
+    return ApiError(503, text, code="pipeline_failed", kind="server_error", headers={"Retry-After": "5"})

@@ -1,0 +1,138 @@
+"""One request's generation as an API door reads it: its deltas from the first token to the last, and its log line.
+
+Whatever the door's dialect, a reply is the same walk: tokens from the controller's ``Stream`` become text
+(``serve.text.Reply``: stop strings, reasoning, tool calls), a stop string or a client that goes away cancels
+the request on the ranks, a reply whose text fails ends that request alone, and the request log gets one line.
+The door only shapes what it reads here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Callable
+
+from mlxpipe import console
+from mlxpipe.errors import MlxpipeError, RequestFailed
+from mlxpipe.serve.controller import Job, Outcome, RequestLog, ServeEngine, Stream
+from mlxpipe.serve.text import Delta, Reply
+
+
+class Generation:
+    """One request, from its first token to its last."""
+
+    def __init__(self, engine: ServeEngine, tokenizer: Any, log: RequestLog, job: Job, stream: Stream,
+                 stops: list[str]) -> None:
+        self.engine, self.log_file, self.job, self.stream = engine, log, job, stream
+        self.reply = Reply(tokenizer, stops)
+        self.outcome: Outcome | None = None
+        self._logged = False
+
+    @property
+    def error(self) -> MlxpipeError | None:
+        """Why the request failed, once it has."""
+        return self.outcome.error if self.outcome is not None else None
+
+    def cancel(self) -> None:
+        """Stop the request on the ranks."""
+        self.engine.cancel(self.job.id)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
+        done = False
+        try:
+            while True:
+                item = await self.stream.next()
+                if isinstance(item, Outcome):
+                    self.outcome = item
+                    if item.error is not None:
+                        done = True
+                        return
+                    break
+                delta = self._text(lambda: self.reply.add(item))
+                if delta is None:
+                    break  # this reply's text failed: it ends here, with the error
+                if delta:
+                    yield delta
+                if self.reply.stopped:  # a stop string: nothing more is wanted
+                    self.cancel()
+                    break
+            done = True
+            last = self._text(lambda: self.reply.finish(self.finish_reason))
+            if last:
+                yield last
+        finally:
+            if not done:
+                self.cancel()  # the client went away
+            self.log()
+
+    async def collect(self) -> tuple[str, str, list[str]]:
+        """The whole reply: its text, its reasoning and its raw tool-call texts."""
+        text, reasoning, calls = "", "", []
+        async for delta in self.deltas():
+            text, reasoning = text + delta.text, reasoning + delta.reasoning
+            calls.extend(delta.tool_calls)
+        return text, reasoning, calls
+
+    def _text(self, step: Callable[[], Delta]) -> Delta | None:
+        """A step of the reply's text; when it raises (a tokenizer's detokenizer, say), this request fails alone."""
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - one reply's text: that request ends, the server does not
+            self.cancel()
+            self.outcome = Outcome(error=RequestFailed(f"turning its tokens into text failed: {type(e).__name__}: {e}"))
+            return None
+
+    @property
+    def finish_reason(self) -> str:
+        """``stop``, ``length`` or ``tool_calls``."""
+        if self.reply.stopped:
+            return "stop"
+        reason = self.outcome.finish_reason if self.outcome else None
+        if reason == "stop" and self.reply.made_tool_call:
+            return "tool_calls"
+        return "length" if reason == "length" else "stop"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.job.tokens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.reply.tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.outcome.cached_tokens if self.outcome else 0
+
+    def log(self, status: str | None = None) -> None:
+        """The request's line in the request log (once)."""
+        if self._logged:
+            return
+        self._logged = True
+        record = self._record(status)
+        self.log_file.write(record)
+        ttft_text = f"{record['ttft']:.2f} s" if record["ttft"] is not None else "-"
+        busy = "/".join(f"{b:.0%}" for b in record["busy"])
+        console.err.print(
+            f"[dim]{record['id']}: {record['status']}, prompt {record['prompt_tokens']} "
+            f"({record['cached_tokens']} cached), {record['generation_tokens']} tokens, ttft {ttft_text}, "
+            f"{record['tps']:.1f} tok/s" + (f", ranks busy {busy}" if busy else "") + "[/]"
+        )
+
+    def _record(self, status: str | None) -> dict[str, Any]:
+        stream, outcome = self.stream, self.outcome
+        now = time.monotonic()
+        ttft = (stream.first_token - stream.submitted) if stream.first_token else None
+        tokens = len(self.reply.tokens)
+        after_first = now - stream.first_token if stream.first_token else 0.0
+        error = outcome.error.message if outcome and outcome.error else None
+        status = status or ("error" if error else
+                            ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
+        return {
+            "id": self.job.id, "status": status, "prompt_tokens": len(self.job.tokens),
+            "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
+            "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
+            "seconds": now - stream.submitted, "error": error,
+            # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
+            "busy": [round(t["busy"], 3) for _, t in sorted(self.engine.time.items())],
+        }

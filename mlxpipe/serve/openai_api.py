@@ -1,0 +1,144 @@
+"""The OpenAI door of ``mlxpipe serve``: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+Streaming as server-sent events ending with ``data: [DONE]``, or one JSON body. Shapes follow OpenAI's
+(``openai_shapes``), so the ``openai`` package and any OpenAI client work unchanged; every error is a 4xx/5xx in
+OpenAI's error shape naming the field at fault (``openai_schemas`` checks every field before anything reaches a
+rank). A response starts only once its first token (or its error) is there, so a request that waited for the
+ranks to load and gave up still gets a plain 503. A client that goes away, at any moment, costs one line in the
+log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
+from mlxpipe.serve import openai_shapes as shapes
+from mlxpipe.serve.controller import Outcome, RequestLog, ServeEngine
+from mlxpipe.serve.door import ApiError, ServerSettings, admit, authorize, failure, gone, read_json, until
+from mlxpipe.serve.generation import Generation
+from mlxpipe.serve.openai_schemas import Parsed, parse
+from mlxpipe.serve.text import tool_calls
+
+
+class OpenAIApi:
+    """The OpenAI endpoints over one engine."""
+
+    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+
+    def routes(self) -> list[Route]:
+        """This door's routes."""
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+        except ApiError as e:
+            return shapes.error_response(e)
+        model = {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "mlxpipe"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
+            admit(self.engine)
+            stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
+        except ApiError as e:
+            return shapes.error_response(e)
+        except UsageError as e:
+            return shapes.error_response(ApiError(400, e.message))
+        except MlxpipeError as e:  # the pipeline gave up
+            return shapes.error_response(failure(e))
+        except ClientDisconnect:
+            return gone(request)
+        generation = Generation(self.engine, self.tokenizer, self.log, parsed.job, stream, parsed.stops)
+        run = _Run(self, parsed, generation, chat)
+        # Nothing is sent before the first token or the error: a request that waited for the ranks
+        # and gave up is a plain 503, a request refused by a rank a plain error.
+        first = await until(stream.peek(), request)
+        if first is None:
+            generation.cancel()
+            generation.log("cancelled")
+            return gone(request)
+        if isinstance(first, Outcome) and first.error is not None:
+            generation.outcome = first
+            generation.log()
+            return shapes.error_response(failure(first.error))
+        if parsed.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await run.whole(request)
+
+
+class _Run:
+    """One request's reply in OpenAI's shapes: SSE chunks or one body."""
+
+    def __init__(self, api: OpenAIApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
+        self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
+        self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.job.id, int(time.time()),
+                                    api.settings.model_id, chat)
+
+    def _tool_calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        try:
+            return tool_calls(self.api.tokenizer, texts, self.parsed.tools, self.parsed.stream)
+        except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
+            raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
+
+    async def whole(self, request: Request) -> Response:
+        """The whole reply as one body; a client that goes away before it is ready cancels it."""
+        generation = self.generation
+        collected = await until(generation.collect(), request)  # a cancelled collect cancels it on the ranks
+        if collected is None:
+            return gone(request)
+        text, reasoning, raw_calls = collected
+        if generation.error is not None:
+            return shapes.error_response(failure(generation.error))
+        calls = None
+        if self.chat and raw_calls:
+            try:
+                calls = self._tool_calls(raw_calls)
+            except RequestFailed as e:
+                return shapes.error_response(failure(e))
+        body = self.shapes.whole(text, reasoning, calls, generation.finish_reason, shapes.usage(generation))
+        return JSONResponse(body)
+
+    async def events(self) -> AsyncIterator[str]:
+        """The reply as server-sent events; an error after the first chunk is the last event."""
+        generation = self.generation
+        if self.chat:
+            yield shapes.sse(self.shapes.opening())
+        deltas = generation.deltas()
+        try:
+            async for delta in deltas:
+                calls = self._tool_calls(delta.tool_calls) if self.chat and delta.tool_calls else []
+                yield shapes.sse(self.shapes.chunk(self.shapes.delta(delta, calls)))
+        except RequestFailed as e:
+            await deltas.aclose()
+            yield shapes.sse(shapes.error_body(failure(e)))
+            return
+        if generation.error is not None:
+            yield shapes.sse(shapes.error_body(failure(generation.error)))
+            return
+        yield shapes.sse(self.shapes.closing(generation.finish_reason))
+        if self.parsed.include_usage:
+            yield shapes.sse(self.shapes.usage_chunk(shapes.usage(generation)))
+        yield shapes.DONE

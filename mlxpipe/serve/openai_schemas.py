@@ -1,0 +1,179 @@
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed ``mlxpipe.request.Request``.
+
+Every field is checked before anything reaches a rank, and every error names the body's own field
+(``'temperature'``, ``'max_completion_tokens'``, ``'messages[2].content'``). The options a body may set, and
+their JSON types, come from ``Request`` itself: a body field is a ``Request`` field under OpenAI's name (or
+mlx_lm.server's, which is ``Request``'s own); only which fields a body may set is listed here.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from mlxpipe.errors import UsageError
+from mlxpipe.prompts import prompt_tokens
+from mlxpipe.request import Request, RequestError, parse_logit_bias
+from mlxpipe.serve.controller import Job
+from mlxpipe.serve.door import ApiError, ServerSettings
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000  # characters of one stop string
+MAX_TOOLS = 128
+
+# The Request fields a body may set, in the order they are checked; the rest (the KV cache, the prompt's
+# template switches...) are the server's flags alone.
+_BODY_FIELDS = ("max_tokens", "temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold", "seed",
+                "logit_bias", "repetition_penalty", "repetition_context_size", "presence_penalty",
+                "presence_context_size", "frequency_penalty", "frequency_context_size", "chat_template_config",
+                "num_draft_tokens")
+# OpenAI's names where they differ from Request's.
+_OPENAI_NAMES = {"temp": "temperature", "chat_template_config": "chat_template_kwargs"}
+
+
+@dataclass
+class Parsed:
+    """A validated request body."""
+
+    job: Job
+    stream: bool
+    include_usage: bool
+    stops: list[str]
+    tools: list[Any] | None
+
+
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+          new_id: Callable[[], str]) -> Parsed:
+    """``body`` checked and turned into a job for the ranks (its prompt as token ids); raises ``ApiError``."""
+    model = body.get("model")
+    if model is not None and model != settings.model_id:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {settings.model_id!r}",
+                       param="model", code="model_not_found")
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
+    request = _options(body, settings)
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, None) or {}
+    include_usage = bool(options.get("include_usage", False))
+    stops = _stops(body)
+    tools = _field(body, "tools", list, None) if chat else None
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    tokens = _tokens(body, chat, tools, request, tokenizer)
+    if len(tokens) + 1 > settings.context:
+        param = "messages" if chat else "prompt"
+        raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
+                            f"{settings.context} tokens", param=param, code="context_length_exceeded")
+    max_tokens = min(request.max_tokens, settings.context - len(tokens))
+    job = replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens)
+    return Parsed(job, stream, include_usage, stops, tools)
+
+
+def _json_types(annotation: Any) -> Any:
+    """The JSON values a ``Request`` field takes: a float field takes integers too, ``None`` means absent."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    kinds = [typing.get_origin(a) or a for a in args if a is not type(None)]
+    if kinds == [float]:
+        return (int, float)
+    (kind,) = kinds
+    return kind
+
+
+_HINTS = typing.get_type_hints(Request)
+# Body field -> (Request field, JSON types).
+_BODY_OPTIONS: dict[str, tuple[str, Any]] = {
+    _OPENAI_NAMES.get(key, key): (key, _json_types(_HINTS[key])) for key in _BODY_FIELDS
+}
+
+
+def _options(body: dict[str, Any], settings: ServerSettings) -> Request:
+    """The body's options over the server's defaults, checked; errors name the body's field."""
+    values: dict[str, Any] = {}
+    for name, (key, kinds) in _BODY_OPTIONS.items():
+        value = _field(body, name, kinds, None)
+        if value is not None:
+            values[key] = value
+    max_tokens = _field(body, "max_completion_tokens", _BODY_OPTIONS["max_tokens"][1], None)
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    names = {key: name for name, (key, _) in _BODY_OPTIONS.items()}
+    if max_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    try:
+        if "logit_bias" in values:
+            values["logit_bias"] = parse_logit_bias(values["logit_bias"], "'logit_bias'")
+        return replace(settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'",
+                                                          settings.vocab_size)
+    except RequestError as e:
+        raise ApiError(400, e.message, param=names.get(e.field, e.field)) from None
+
+
+def _tokens(body: dict[str, Any], chat: bool, tools: list[Any] | None, options: Request,
+            tokenizer: Any) -> list[int]:
+    if chat:
+        messages = _field(body, "messages", list, None)
+        if not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+        request = replace(options, messages=[_message(m, i) for i, m in enumerate(messages)])
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
+        request = replace(options, prompt=prompt, ignore_chat_template=True)
+    try:
+        tokens = prompt_tokens(tokenizer, request, tools)
+    except UsageError as e:
+        raise ApiError(400, e.message, param="messages" if chat else "prompt") from None
+    except Exception as e:  # noqa: BLE001 - a chat template that rejects these messages
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    if not tokens:
+        raise ApiError(400, "the prompt has no tokens", param="messages" if chat else "prompt")
+    return tokens
+
+
+def _field(body: dict[str, Any], name: str, kinds: Any, default: Any) -> Any:
+    """``body[name]`` checked against ``kinds`` (bools are not numbers), or ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        names = " or ".join({int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+                             dict: "an object", str: "a string"}[t] for t in allowed)
+        raise ApiError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
+    return value
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                            "characters", param="stop")
+    return [s for s in stops if s]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """A chat message for the template: string content, or the text of its parts."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, f"'{where}.content' may hold only text parts", param=f"{where}.content")
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ApiError(400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content")
+    return {**m, "content": content if content is not None else ""}
