@@ -171,7 +171,7 @@ def median_time(fn: Callable[[], Any], runs: int) -> tuple[float, float]:
 def in_process(model: str) -> Callable[[], Any]:
     from mlxpipe.cluster.hostfile import load_hostfile
     from mlxpipe.hub.client import load_metadata
-    from mlxpipe.model.facts import validate
+    from mlxpipe.model.metadata import validate
     from mlxpipe.plan.shard import make_plan
 
     def run() -> Any:

@@ -106,8 +106,7 @@ def test_no_architecture_is_lost() -> None:
 @pytest.mark.parametrize("model_type", IDENTICAL)
 def test_metadata_finds_the_blocks(arch_root: Path, model_type: str) -> None:
     """plan and download see the same blocks as the worker, from tensor names alone."""
-    from mlxpipe.model.metadata import load_local
-    from mlxpipe.model.facts import validate
+    from mlxpipe.model.metadata import load_local, validate
 
     meta = load_local(suite.build(model_type, arch_root))
     validate(meta)

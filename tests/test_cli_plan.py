@@ -16,7 +16,7 @@ from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
 from mlxpipe.cluster.hostfile import GB, load_hostfile
 from mlxpipe.hub.client import load_metadata
-from mlxpipe.model.facts import kv_bytes_per_token
+from mlxpipe.model.metadata import kv_bytes_per_token
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
 from mlxpipe.plan.shard import make_plan
 

@@ -11,8 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlxpipe.errors import ModelError
-from mlxpipe.model.metadata import ModelMetadata, Tensor, check_repo_filename, load_local
-from mlxpipe.model.facts import validate
+from mlxpipe.model.metadata import ModelMetadata, Tensor, check_repo_filename, load_local, validate
 
 LLAMA = {
     "model_type": "llama", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,

@@ -15,8 +15,8 @@ import pytest
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.cluster.hostfile import GB, Host
-from mlxpipe.model.metadata import ModelMetadata, Tensor
-from mlxpipe.model.facts import kv_bytes_per_token, kv_sharing_groups
+from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token
+from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
 from mlxpipe.plan.splits import (
     balanced_split,

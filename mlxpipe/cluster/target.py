@@ -13,8 +13,7 @@ from typing import Sequence
 from mlxpipe.cluster.presets import Preset, load_preset, pick
 from mlxpipe.errors import ModelError
 from mlxpipe.cluster.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
-from mlxpipe.model.metadata import ModelMetadata
-from mlxpipe.model.facts import validate
+from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.shard import DEFAULT_CONTEXT, Plan, make_plan
 
 DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")

@@ -1,7 +1,7 @@
-"""What a model's config says about it: layer count, the text config, KV cache per token, layers that
-share a KV cache, and which mlx-lm module runs it (read from mlx-lm's sources, without importing it).
+"""What a model's config says about it: layer count, the text config, layers that share a KV cache,
+sliding windows, and which mlx-lm module runs it (read from mlx-lm's sources, without importing it).
 
-Pure over plain data (``config.json``'s dict, a ``ModelMetadata``): no weights, no MLX.
+Pure over ``config.json``'s dict: no weights, no MLX.
 """
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ import ast
 import importlib.util
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any
 
 from mlxpipe.errors import ModelError
-
-if TYPE_CHECKING:
-    from mlxpipe.model.metadata import ModelMetadata
 
 # Where architectures keep their layer count, in mlx-lm's ModelArgs spellings.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_transformer_layers")
@@ -27,32 +24,7 @@ DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
     "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
 }
-_CONFIG_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-def validate(meta: ModelMetadata) -> None:
-    """Refuse models mlxpipe cannot pipeline, before anything is launched."""
-    model_type = meta.model_type
-    if not model_type:
-        raise ModelError(f"{meta.source}: config.json has no 'model_type'")
-    if meta.mlx_lm_module not in mlx_lm_model_types():
-        raise ModelError(
-            f"{meta.source}: model_type {model_type!r} is not supported by the installed mlx-lm",
-            "upgrade mlx-lm (pip install -U mlx-lm) or pick a supported model",
-        )
-    n = meta.num_layers
-    present = {meta.layer_of(t) for t in meta.tensors} - {None}
-    if not present:
-        raise ModelError(
-            f"{meta.source}: no tensor belongs to a numbered block ('layers.N', 'h.N', ...)",
-            "mlxpipe pipelines models whose blocks are a numbered list",
-        )
-    missing = sorted(set(range(n)) - present)
-    if missing:
-        raise ModelError(
-            f"{meta.source}: the checkpoint has no weights for layers {_ranges(missing)} of {n}",
-            "convert the model with mlx_lm.convert first",
-        )
+CONFIG_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def config_layer_count(config: dict[str, Any], source: str) -> int | None:
@@ -159,38 +131,7 @@ def _mlx_lm_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def kv_bytes_per_token(meta: ModelMetadata) -> list[tuple[int, int | None]]:
-    """Per layer: KV-cache bytes per token of context, and its window (None = unbounded).
-
-    An estimate from the config: full attention stores keys and values for every
-    token; MLA stores one latent; sliding-window layers stop growing at the window.
-    """
-    c = meta.text_config
-    width = _activation_bytes(meta)
-    heads = c.get("num_attention_heads") or 1
-    kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or (c.get("hidden_size", 0) // heads)
-    if c.get("kv_lora_rank"):
-        per_token = (c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0)) * width
-    else:
-        per_token = 2 * kv_heads * head_dim * width
-    windows = _layer_windows(c, meta.num_layers)
-    return [(per_token, w) for w in windows]
-
-
-def _activation_bytes(meta: ModelMetadata) -> int:
-    c = meta.text_config
-    dtype = c.get("torch_dtype") or c.get("dtype") or meta.config.get("torch_dtype")
-    if dtype in _CONFIG_DTYPE_BYTES:
-        return _CONFIG_DTYPE_BYTES[dtype]
-    # Quantized or untyped checkpoints compute in the dtype of their norms.
-    for t in meta.tensors:
-        if t.name.endswith("norm.weight"):
-            return DTYPE_BYTES.get(t.dtype, 2)
-    return 2
-
-
-def _layer_windows(c: dict[str, Any], n: int) -> list[int | None]:
+def layer_windows(c: dict[str, Any], n: int) -> list[int | None]:
     window = c.get("sliding_window")
     types = c.get("layer_types")
     if not window:
@@ -203,18 +144,3 @@ def _layer_windows(c: dict[str, Any], n: int) -> list[int | None]:
     if c.get("model_type") == "gemma2":
         return [window if i % 2 == 0 else None for i in range(n)]
     return [None] * n
-
-
-def _ranges(numbers: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
-    nums = sorted(numbers)
-    start = prev = nums[0]
-    for x in nums[1:] + [None]:  # type: ignore[list-item]
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(f"{start}-{prev}" if prev > start else str(start))
-        if x is not None:
-            start = prev = x
-    return ", ".join(out)

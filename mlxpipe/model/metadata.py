@@ -16,10 +16,13 @@ import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from mlxpipe.errors import ModelError
-from mlxpipe.model.facts import DTYPE_BYTES, LAYER_COUNT_KEYS, config_layer_count, resolve_model_type, text_config_of
+from mlxpipe.model.facts import (
+    CONFIG_DTYPE_BYTES, DTYPE_BYTES, LAYER_COUNT_KEYS, layer_windows, config_layer_count, mlx_lm_model_types,
+    resolve_model_type, text_config_of,
+)
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"
@@ -304,3 +307,74 @@ def read_json(path: Path, source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelError(f"{source}: {path.name} is not a JSON object")
     return data
+
+
+def validate(meta: ModelMetadata) -> None:
+    """Refuse models mlxpipe cannot pipeline, before anything is launched."""
+    model_type = meta.model_type
+    if not model_type:
+        raise ModelError(f"{meta.source}: config.json has no 'model_type'")
+    if meta.mlx_lm_module not in mlx_lm_model_types():
+        raise ModelError(
+            f"{meta.source}: model_type {model_type!r} is not supported by the installed mlx-lm",
+            "upgrade mlx-lm (pip install -U mlx-lm) or pick a supported model",
+        )
+    n = meta.num_layers
+    present = {meta.layer_of(t) for t in meta.tensors} - {None}
+    if not present:
+        raise ModelError(
+            f"{meta.source}: no tensor belongs to a numbered block ('layers.N', 'h.N', ...)",
+            "mlxpipe pipelines models whose blocks are a numbered list",
+        )
+    missing = sorted(set(range(n)) - present)
+    if missing:
+        raise ModelError(
+            f"{meta.source}: the checkpoint has no weights for layers {_ranges(missing)} of {n}",
+            "convert the model with mlx_lm.convert first",
+        )
+
+
+def kv_bytes_per_token(meta: ModelMetadata) -> list[tuple[int, int | None]]:
+    """Per layer: KV-cache bytes per token of context, and its window (None = unbounded).
+
+    An estimate from the config: full attention stores keys and values for every
+    token; MLA stores one latent; sliding-window layers stop growing at the window.
+    """
+    c = meta.text_config
+    width = _activation_bytes(meta)
+    heads = c.get("num_attention_heads") or 1
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (c.get("hidden_size", 0) // heads)
+    if c.get("kv_lora_rank"):
+        per_token = (c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0)) * width
+    else:
+        per_token = 2 * kv_heads * head_dim * width
+    windows = layer_windows(c, meta.num_layers)
+    return [(per_token, w) for w in windows]
+
+
+def _activation_bytes(meta: ModelMetadata) -> int:
+    c = meta.text_config
+    dtype = c.get("torch_dtype") or c.get("dtype") or meta.config.get("torch_dtype")
+    if dtype in CONFIG_DTYPE_BYTES:
+        return CONFIG_DTYPE_BYTES[dtype]
+    # Quantized or untyped checkpoints compute in the dtype of their norms.
+    for t in meta.tensors:
+        if t.name.endswith("norm.weight"):
+            return DTYPE_BYTES.get(t.dtype, 2)
+    return 2
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    nums = sorted(numbers)
+    start = prev = nums[0]
+    for x in nums[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)

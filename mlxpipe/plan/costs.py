@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mlxpipe.cluster.hostfile import GB, Host
-from mlxpipe.model.metadata import ModelMetadata
-from mlxpipe.model.facts import kv_bytes_per_token
+from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
 
 # Activations, the runtime and the tokenizer: held back from every host's budget.
 RUNTIME_OVERHEAD = GB // 2
