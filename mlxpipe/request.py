@@ -72,6 +72,12 @@ class Request:
     # Speculative decoding's drafted tokens per pass for this request (mlx_lm.server's body field);
     # None: the run's --num-draft-tokens. Without a draft model it changes nothing, as in mlx-lm.
     num_draft_tokens: int | None = None
+    # What rank 0 reports with each token: its log-probability and the ``top_logprobs`` most likely tokens'.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Constrained decoding (``worker.constraints``): OpenAI's ``{"type": "json_object"}`` or
+    # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
+    response_format: dict[str, Any] | None = None
 
     def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> "Request":
         """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
@@ -146,6 +152,8 @@ MAX_PENALTY = 100.0
 MAX_BIAS = 100.0  # OpenAI's logit_bias range
 MAX_BIAS_ENTRIES = 1024
 MAX_EXTRA_EOS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs range
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _positive(v: Any) -> bool:
@@ -174,11 +182,13 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_group_size": (lambda v: v in KV_GROUP_SIZES, f"one of {', '.join(map(str, KV_GROUP_SIZES))}"),
     "quantized_kv_start": (lambda v: v >= 0, ">= 0"),
     "num_draft_tokens": (_positive, "at least 1"),
+    "top_logprobs": (lambda v: v >= 0, ">= 0"),
 }
 # The most each number may be: what the ranks can represent (integers), or what still means something.
 _HIGHEST: dict[str, float] = {
     **{key: MAX_COUNT for key in _RANGES if key not in ("temp", "top_p", "min_p", "xtc_probability", "xtc_threshold")},
     "seed": MAX_SEED,
+    "top_logprobs": MAX_TOP_LOGPROBS,
     "temp": MAX_TEMP,
     "repetition_penalty": MAX_PENALTY,
     "presence_penalty": MAX_PENALTY,
@@ -186,7 +196,7 @@ _HIGHEST: dict[str, float] = {
 }
 _INTEGER = {"max_tokens", "min_tokens_to_keep", "top_k", "seed", "repetition_context_size", "presence_context_size",
             "frequency_context_size", "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start",
-            "num_draft_tokens"}
+            "num_draft_tokens", "top_logprobs"}
 
 
 def check_fields(values: Mapping[str, Any], name: Name, vocab_size: int | None = None) -> dict[str, Any]:
@@ -218,7 +228,37 @@ def check_fields(values: Mapping[str, Any], name: Name, vocab_size: int | None =
     config = values.get("chat_template_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("chat_template_config", f"{name('chat_template_config')} must be a JSON object")
+    if not isinstance(values.get("logprobs", False), bool):
+        raise RequestError("logprobs", f"{name('logprobs')} must be true or false")
+    if "response_format" in values:
+        normalized["response_format"] = check_response_format(values["response_format"], name)
+        if normalized["response_format"] is not None and values.get("prefill_response") is not None:
+            raise RequestError("response_format", f"{name('response_format')} cannot be combined with a prefilled "
+                                                  "reply (the grammar starts at the reply's first token)")
     return normalized
+
+
+def check_response_format(value: Any, name: Name) -> dict[str, Any] | None:
+    """``response_format``'s shape (the schema itself is compiled by ``worker.constraints``): ``{"type": "text"}``
+    is None (free text); ``json_schema`` needs ``json_schema.schema``, an object."""
+    if value is None:
+        return None
+    field = name("response_format")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError("response_format", f"{field} must be an object whose 'type' is one of "
+                                              f"{', '.join(RESPONSE_FORMATS)}, got {_shown(value)}")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise RequestError("response_format", f"{field} of type json_schema needs 'json_schema': "
+                                                  "{'name': ..., 'schema': {...}} with the schema an object")
+        name_ = spec.get("name")
+        if name_ is not None and not isinstance(name_, str):
+            raise RequestError("response_format", f"{field}.json_schema.name must be a string")
+    return value
 
 
 def _number(value: Any, integer: bool) -> int | float | None:

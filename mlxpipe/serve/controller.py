@@ -75,35 +75,45 @@ class Outcome:
     error: MlxpipeError | None = None
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A token with its log-probability and the top tokens' (``[id, logprob]``, best first), for a request that
+    asked for logprobs; the others' tokens are plain ints."""
+
+    token: int
+    logprob: float
+    top: list[list[float]]
+
+
 class Stream:
     """The tokens of one request, readable from the HTTP server's event loop."""
 
     def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
         self.job = job
         self._loop = loop
-        self._queue: asyncio.Queue[int | Outcome] = asyncio.Queue()
-        self._peeked: list[int | Outcome] = []
+        self._queue: asyncio.Queue[int | Sampled | Outcome] = asyncio.Queue()
+        self._peeked: list[int | Sampled | Outcome] = []
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.outcome: Outcome | None = None
 
-    def put(self, item: int | Outcome) -> None:
+    def put(self, item: int | Sampled | Outcome) -> None:
         """From the pump thread."""
-        if isinstance(item, int) and self.first_token is None:
+        if not isinstance(item, Outcome) and self.first_token is None:
             self.first_token = time.monotonic()
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:
             pass  # the HTTP server has shut down: nobody reads this stream any more
 
-    async def next(self) -> int | Outcome:
+    async def next(self) -> int | Sampled | Outcome:
         """The next token, or the outcome once the request has ended."""
         item = self._peeked.pop() if self._peeked else await self._queue.get()
         if isinstance(item, Outcome):
             self.outcome = item
         return item
 
-    async def peek(self) -> int | Outcome:
+    async def peek(self) -> int | Sampled | Outcome:
         """The first item ``next`` will give, without taking it."""
         if not self._peeked:
             self._peeked.append(await self._queue.get())
@@ -215,7 +225,9 @@ class ServeEngine:
         if stream is None:
             return  # a request already ended here (cancelled, failed)
         if kind == "token":
-            stream.put(int(event["token"]))
+            token = int(event["token"])
+            logprob = event.get("logprob")
+            stream.put(token if logprob is None else Sampled(token, float(logprob), event.get("top") or []))
         elif kind == "finished":
             with self._lock:
                 self._streams.pop(stream.job.id, None)

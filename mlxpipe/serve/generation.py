@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, RequestFailed
-from mlxpipe.serve.controller import Job, Outcome, RequestLog, ServeEngine, Stream
+from mlxpipe.serve.controller import Job, Outcome, RequestLog, Sampled, ServeEngine, Stream
 from mlxpipe.serve.text import Delta, Reply
 
 
@@ -26,6 +26,13 @@ class Generation:
         self.reply = Reply(tokenizer, stops)
         self.outcome: Outcome | None = None
         self._logged = False
+        self.logprobs: list[Sampled] = []  # every shown token's, when the request asked for logprobs
+        self._logprobs_taken = 0
+
+    def take_logprobs(self) -> list[Sampled]:
+        """The logprobs of the tokens since the last call (a stream's chunk carries its own tokens')."""
+        taken, self._logprobs_taken = self.logprobs[self._logprobs_taken:], len(self.logprobs)
+        return taken
 
     @property
     def error(self) -> MlxpipeError | None:
@@ -48,7 +55,10 @@ class Generation:
                         done = True
                         return
                     break
-                delta = self._text(lambda: self.reply.add(item))
+                token = item.token if isinstance(item, Sampled) else item
+                if isinstance(item, Sampled) and token not in self.reply.tokenizer.eos_token_ids:
+                    self.logprobs.append(item)  # as its text: the end-of-sequence token is not shown
+                delta = self._text(lambda: self.reply.add(token))
                 if delta is None:
                     break  # this reply's text failed: it ends here, with the error
                 if delta:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import lru_cache
 from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
@@ -32,6 +33,8 @@ class OpenAIApi:
 
     def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
         self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+        # A token's own text, for logprobs (the same few thousand tokens come back again and again).
+        self.decode = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
 
     def routes(self) -> list[Route]:
         """This door's routes."""
@@ -60,6 +63,7 @@ class OpenAIApi:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
+            self._check_draft(parsed)
             admit(self.engine)
             stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
         except ApiError as e:
@@ -88,6 +92,16 @@ class OpenAIApi:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await run.whole(request)
 
+    def _check_draft(self, parsed: Parsed) -> None:
+        """Speculative decoding samples inside mlx-lm, where neither a grammar mask nor logprobs reach."""
+        if getattr(self.engine.config, "draft_model", None) is None:
+            return
+        field = "response_format" if parsed.job.response_format is not None else "logprobs" if parsed.job.logprobs \
+            else None
+        if field is not None:
+            raise ApiError(400, f"'{field}' is not supported by this server: it runs a draft model (--draft-model); "
+                                "serve without one for it", param=field)
+
 
 class _Run:
     """One request's reply in OpenAI's shapes: SSE chunks or one body."""
@@ -96,6 +110,19 @@ class _Run:
         self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
         self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.job.id, int(time.time()),
                                     api.settings.model_id, chat)
+        self._text_offset = 0  # the legacy completions' text_offset of the next token
+
+    def _logprobs(self) -> dict[str, Any] | None:
+        """The logprobs of the tokens since the last call, in this API's shape (None: not asked for)."""
+        if not self.parsed.job.logprobs:
+            return None
+        entries = self.generation.take_logprobs()
+        decode = self.api.decode
+        if self.chat:
+            return shapes.chat_logprobs(entries, decode)
+        body = shapes.completion_logprobs(entries, decode, self._text_offset)
+        self._text_offset += sum(len(t) for t in body["tokens"])
+        return body
 
     def _tool_calls(self, texts: list[str]) -> list[dict[str, Any]]:
         try:
@@ -118,7 +145,8 @@ class _Run:
                 calls = self._tool_calls(raw_calls)
             except RequestFailed as e:
                 return shapes.error_response(failure(e))
-        body = self.shapes.whole(text, reasoning, calls, generation.finish_reason, shapes.usage(generation))
+        body = self.shapes.whole(text, reasoning, calls, generation.finish_reason, shapes.usage(generation),
+                                 self._logprobs())
         return JSONResponse(body)
 
     async def events(self) -> AsyncIterator[str]:
@@ -130,7 +158,7 @@ class _Run:
         try:
             async for delta in deltas:
                 calls = self._tool_calls(delta.tool_calls) if self.chat and delta.tool_calls else []
-                yield shapes.sse(self.shapes.chunk(self.shapes.delta(delta, calls)))
+                yield shapes.sse(self.shapes.chunk(self.shapes.delta(delta, calls), logprobs=self._logprobs()))
         except RequestFailed as e:
             await deltas.aclose()
             yield shapes.sse(shapes.error_body(failure(e)))
@@ -138,7 +166,10 @@ class _Run:
         if generation.error is not None:
             yield shapes.sse(shapes.error_body(failure(generation.error)))
             return
-        yield shapes.sse(self.shapes.closing(generation.finish_reason))
+        leftover = self._logprobs()  # tokens that showed no text of their own yet
+        yield shapes.sse(self.shapes.closing(generation.finish_reason,
+                                             leftover if leftover and (leftover.get("content") or
+                                                                       leftover.get("tokens")) else None))
         if self.parsed.include_usage:
             yield shapes.sse(self.shapes.usage_chunk(shapes.usage(generation)))
         yield shapes.DONE

@@ -19,6 +19,7 @@ from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.worker.constraints import compile_error
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters of one stop string
@@ -55,7 +56,7 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     n = _field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
-    request = _options(body, settings)
+    request = _options(body, settings, chat)
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, None) or {}
     include_usage = bool(options.get("include_usage", False))
@@ -90,9 +91,12 @@ _BODY_OPTIONS: dict[str, tuple[str, Any]] = {
 }
 
 
-def _options(body: dict[str, Any], settings: ServerSettings) -> Request:
+def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Request:
     """The body's options over the server's defaults, checked; errors name the body's field."""
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = _logprobs(body, chat)
+    response_format = _field(body, "response_format", dict, None)
+    if response_format is not None:
+        values["response_format"] = response_format
     for name, (key, kinds) in _BODY_OPTIONS.items():
         value = _field(body, name, kinds, None)
         if value is not None:
@@ -103,13 +107,42 @@ def _options(body: dict[str, Any], settings: ServerSettings) -> Request:
     names = {key: name for name, (key, _) in _BODY_OPTIONS.items()}
     if max_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
+    if not chat:
+        names["top_logprobs"] = "logprobs"  # the legacy completions' logprobs: how many top tokens
     try:
         if "logit_bias" in values:
             values["logit_bias"] = parse_logit_bias(values["logit_bias"], "'logit_bias'")
-        return replace(settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'",
-                                                          settings.vocab_size)
+        request = replace(settings.defaults, **values).check(lambda key: f"'{names.get(key, key)}'",
+                                                             settings.vocab_size)
     except RequestError as e:
         raise ApiError(400, e.message, param=names.get(e.field, e.field)) from None
+    if request.response_format is not None:
+        _compile(request.response_format)
+    return request
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, with ``logprobs``); the legacy
+    completions' ``logprobs``: how many top tokens to list (0 too: only the chosen token's)."""
+    if not chat:
+        top = _field(body, "logprobs", int, None)
+        return {} if top is None else {"logprobs": True, "top_logprobs": top}
+    wanted = _field(body, "logprobs", bool, False)
+    top = _field(body, "top_logprobs", int, None)
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return {"logprobs": True, "top_logprobs": top or 0} if wanted else {}
+
+
+def _compile(response_format: dict[str, Any]) -> None:
+    """A schema llguidance cannot compile is a 400 naming it, before anything reaches a rank."""
+    error = compile_error(response_format)
+    if error is None:
+        return
+    name = (response_format.get("json_schema") or {}).get("name")
+    what = f"the schema {name!r}" if name else "the schema"
+    raise ApiError(400, f"'response_format': {what} cannot be used for constrained decoding: {error[:300]}",
+                   param="response_format", code="invalid_json_schema")
 
 
 def _tokens(body: dict[str, Any], chat: bool, tools: list[Any] | None, options: Request,

@@ -54,7 +54,9 @@ from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline.cut import find_exchange
 from mlxpipe.worker.pipeline.stage import Exchange
-from mlxpipe.worker.sampling import LogitsProcessor, Sampler, extra_eos_ids, keyed_sampler, logits_processors
+from mlxpipe.worker.constraints import Constraint
+from mlxpipe.worker.sampling import (LogitsProcessor, Sampler, TokenLogprobs, extra_eos_ids, keyed_sampler,
+                                     logits_processors, token_logprobs)
 from mlxpipe.worker.reporters import Reporter, Timing
 from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 
@@ -109,6 +111,8 @@ class Engine:
         self.samplers: dict[int, Sampler] = {}
         self.processors: dict[int, list[LogitsProcessor]] = {}
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
+        self.constraints: dict[int, Constraint] = {}  # rank 0: the grammar of each request with a response_format
+        self.logprobs: dict[int, TokenLogprobs] = {}  # rank 0: the last token's, for its reporter (when asked)
         self.timing: dict[int, Timing] = {}
         # Why a request ended with "error" (rank 0 knows what its sampling raised; every rank, a refusal).
         self.errors: dict[int, str] = {}
@@ -323,11 +327,31 @@ class Engine:
                 history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
                 for processor in processors:
                     logits = processor(history, logits)
+            constraint = self._constraint(index, logits.shape[-1])
+            if constraint is not None:  # after logit_bias and penalties: the grammar has the last word
+                logits = mx.where(mx.array(constraint.allowed(logits.shape[-1])), logits, -mx.inf)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return int(self.samplers[index](logprobs).item())
+            token = int(self.samplers[index](logprobs).item())
+            if constraint is not None:
+                constraint.accept(token)
+            wanted = self.requests[index]
+            if wanted.logprobs:  # from the very logprobs the sampler drew from
+                self.logprobs[index] = token_logprobs(logprobs, token, wanted.top_logprobs)
+            return token
         except Exception as e:  # noqa: BLE001 - one request's options or sampler: that request fails, not the rank
             self.errors[index] = f"sampling failed on rank 0: {type(e).__name__}: {e}"
             return FAILED
+
+    def _constraint(self, index: int, width: int) -> Constraint | None:
+        """Rank 0: the grammar state of a request with a ``response_format``, made at its first token (``width``:
+        the logits', the model's vocabulary)."""
+        request = self.requests[index]
+        if request.response_format is None:
+            return None
+        if index not in self.constraints:
+            self.constraints[index] = Constraint(request.response_format, self.context.loaded.tokenizer, width,
+                                                 self.eos[index])
+        return self.constraints[index]
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
         """Step 2: the hidden state of the next tick's micro-batch, from rank + 1."""
@@ -377,6 +401,7 @@ class Engine:
             cache = self.caches.take_own(index)
         self.samplers.pop(index, None)
         self.processors.pop(index, None)
+        self.constraints.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
         state = self.schedule.requests[index]
         if cache is not None and self.prompt_cache is not None and state.fed_tokens:
@@ -386,6 +411,7 @@ class Engine:
             self.reporter.finished(self, index, timing, time.perf_counter())
         self.eos.pop(index, None)
         self.errors.pop(index, None)
+        self.logprobs.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
 

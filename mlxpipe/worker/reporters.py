@@ -28,6 +28,7 @@ class EngineView(Protocol):
     requests: list[Request]
     eos: dict[int, set[int]]  # each request's end-of-sequence ids
     errors: dict[int, str]  # why a request ended with "error"
+    logprobs: dict[int, Any]  # rank 0: a request's last token's logprobs (sampling.TokenLogprobs), when asked
 
 
 class Reporter(Protocol):
@@ -99,7 +100,9 @@ class StreamReporter:
     emit: Callable[..., None]
 
     def token(self, engine: EngineView, index: int, token: int) -> None:
-        self.emit("token", rank=0, id=engine.requests[index].id, token=token)
+        logprobs = engine.logprobs.pop(index, None)
+        extra = {"logprob": logprobs[0], "top": logprobs[1]} if logprobs is not None else {}
+        self.emit("token", rank=0, id=engine.requests[index].id, token=token, **extra)
 
     def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None:
         state = engine.schedule.requests[index]

@@ -69,3 +69,22 @@ class KeyedSampler:
         high, low = after.tolist()
         self.key = (int(high) << 32) | int(low)
         return token
+
+
+TokenLogprobs = tuple[float, list[list[float]]]  # the token's logprob; the top tokens as [id, logprob], best first
+
+
+def token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
+    """The sampled ``token``'s log-probability in ``logprobs`` (one row: what the sampler was given) and the
+    ``top`` most likely tokens', best first (ties: the lower id first, as ``argmax`` picks); tokens a grammar
+    ruled out (``-inf``) are never listed."""
+    row = logprobs.reshape(-1)
+    chosen = float(row[token].item())
+    if top <= 0:
+        return chosen, []
+    top = min(top, row.size)
+    order = mx.argpartition(-row, top - 1)[:top]  # the top ones, unordered: cheaper than sorting the vocabulary
+    values = row[order]
+    mx.eval(order, values)
+    ranked = sorted(zip(order.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+    return chosen, [[int(i), float(v)] for i, v in ranked if v != -float("inf")]

@@ -137,12 +137,24 @@ class Streamed:
                     return {}
                 if kind == "submit":
                     queue.append(Request.from_wire(message))
+                    if self._refused(queue[-1]):
+                        queue.pop()
                 elif kind == "cancel":
                     queue = [r for r in queue if r.id != message.get("id")]
                 else:
                     raise UsageError(f"unknown message {kind!r} while serving")
             if queue:
                 self._speculate(queue.pop(0))
+
+    def _refused(self, request: Request) -> bool:
+        """Speculative decoding samples inside mlx-lm's ``speculative_generate_step``, where no grammar mask or
+        logprobs of ours reach: such a request ends at once (the server refuses it before; this is the net)."""
+        if request.response_format is None and not request.logprobs:
+            return False
+        if self.rank == 0:
+            self._emit("finished", rank=0, id=request.id, finish_reason="error", prompt_tokens=0, cached_tokens=0,
+                       generation_tokens=0, error="response_format and logprobs are not supported with a draft model")
+        return True
 
     def _speculate(self, request: Request) -> None:
         """One served request through ``stream_generate`` with the draft model; rank 0 streams its token ids."""

@@ -1,0 +1,184 @@
+"""``response_format`` (``json_object``, ``json_schema``): constrained decoding, through the ``openai`` package.
+
+A tiny random model's free text is noise, so only the grammar mask can make its replies JSON: sampled replies
+must all parse and validate against their schema and end (``stop``) when the JSON does. One server on 2 ranks
+for the module; constrained and free requests in flight together must each equal their solo (greedy) output,
+since each request keeps its own grammar state. The fast tests check the fields and the grammar itself.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from mlxpipe.request import Request, RequestError
+from mlxpipe.worker.constraints import Constraint, compile_error
+
+from fixtures.serve_process import ServeProcess, stop_all
+from fixtures.tiny_models import VOCAB_SIZE, TinyModels
+
+# Bounded strings and numbers: a noise model would otherwise write until max_tokens inside a string.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "ok"],
+    "additionalProperties": False,
+}
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                          "tag": {"enum": ["a", "b"]}},
+         "required": ["x", "tag"], "additionalProperties": False}
+MAX_TOKENS = 120
+
+
+def _schema_format(schema: dict[str, Any], name: str = "person") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def _ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- fields and grammar, no ranks ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "prefill_response": "{"}, "response_format"),
+])
+def test_request_checks_the_new_fields(values: dict[str, Any], field: str) -> None:
+    with pytest.raises(RequestError) as e:
+        Request(prompt="p", **values).check()
+    assert e.value.field == field
+
+
+def test_text_format_is_free_text() -> None:
+    assert Request(prompt="p", response_format={"type": "text"}).check().response_format is None
+
+
+@pytest.mark.parametrize(("schema", "fragment"), [
+    ({"type": "strang"}, "strang"),
+    ({"$ref": "#/definitions/nowhere"}, "nowhere"),
+    ({"type": "string", "pattern": "(("}, "unclosed"),
+])
+def test_a_schema_llguidance_cannot_compile_says_why(schema: dict[str, Any], fragment: str) -> None:
+    error = compile_error(_schema_format(schema))
+    assert error is not None and fragment in error
+
+
+def test_the_mask_allows_only_json_of_the_schema_and_then_only_the_end(tiny_models: TinyModels) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_models["llama"])
+    eos = set(tokenizer.eos_token_ids)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        constraint = Constraint(_schema_format(PERSON), tokenizer, VOCAB_SIZE, eos)
+        tokens: list[int] = []
+        while True:
+            allowed = np.flatnonzero(constraint.allowed(VOCAB_SIZE))
+            token = int(rng.choice(allowed))
+            if token in eos:
+                break
+            constraint.accept(token)
+            tokens.append(token)
+            assert len(tokens) < 400
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), PERSON)
+        assert set(np.flatnonzero(constraint.allowed(VOCAB_SIZE))) <= eos  # complete: nothing but the end
+
+
+# --- a server on 2 ranks ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(["--model", str(tiny_models["llama"]), "--hostfile", "hostfiles/local-2.json",
+                         "--max-concurrency", "4", "--decode-batch", "2"], tmp_path_factory.mktemp("grammar-home"))
+    try:
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        stop_all(proc)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def _reply(client: openai.OpenAI, text: str, response_format: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    extra = {"response_format": response_format} if response_format is not None else {}
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=_ask(text), max_tokens=MAX_TOKENS, **extra, **kwargs)
+
+
+@pytest.mark.ranks
+def test_sampled_json_schema_replies_all_parse_and_validate(client: openai.OpenAI) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda seed: _reply(client, f"Person {seed}?", _schema_format(PERSON),
+                                                    temperature=1.0, seed=seed), range(4)))
+    contents = [r.choices[0].message.content for r in replies]
+    assert len(set(contents)) > 1, contents  # sampled, not one fixed string
+    for reply, content in zip(replies, contents):
+        jsonschema.validate(json.loads(content), PERSON)
+        assert reply.choices[0].finish_reason == "stop"  # it ended with the JSON
+
+
+@pytest.mark.ranks
+def test_json_object_replies_are_objects(client: openai.OpenAI) -> None:
+    # A noise model's keys and values would run on: the bias on '}' (byte 125) lets the objects close early.
+    reply = _reply(client, "Any object.", {"type": "json_object"}, temperature=1.0, seed=3,
+                   logit_bias={"125": 6})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.ranks
+def test_constrained_and_free_requests_together_each_equal_their_solo_output(client: openai.OpenAI) -> None:
+    asks = [("Who?", _schema_format(PERSON)), ("Hello", None), ("Where?", _schema_format(POINT, "point")),
+            ("Tell me more", None)]
+    solo = [_reply(client, text, fmt, temperature=0).choices[0].message.content for text, fmt in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: _reply(client, a[0], a[1], temperature=0).choices[0].message.content,
+                                 asks))
+    assert together == solo
+    jsonschema.validate(json.loads(solo[0]), PERSON)
+    jsonschema.validate(json.loads(solo[2]), POINT)
+    for free in (solo[1], solo[3]):
+        with pytest.raises(ValueError):
+            json.loads(free)  # the model alone writes noise
+
+
+@pytest.mark.ranks
+def test_logprobs_under_a_grammar_list_only_allowed_tokens(client: openai.OpenAI) -> None:
+    reply = _reply(client, "Where?", _schema_format(POINT, "point"), temperature=0, logprobs=True, top_logprobs=5)
+    entries = reply.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    assert entries[0].token == "{" and entries[0].logprob == pytest.approx(0.0, abs=1e-5)  # the only choice
+    for entry in entries:
+        assert entry.top_logprobs[0].token == entry.token
+        assert sum(np.exp(t.logprob) for t in entry.top_logprobs) <= 1 + 1e-4
+
+
+@pytest.mark.ranks
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(tiny_server: ServeProcess) -> None:
+    body = {"messages": _ask("x"), "max_tokens": 4,
+            "response_format": _schema_format({"type": "object", "properties": {"a": {"type": "strang"}}}, "broken")}
+    r = httpx.post(f"{tiny_server.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "'broken'" in error["message"] and "strang" in error["message"]
+    assert httpx.get(f"{tiny_server.base}/health", timeout=10).json()["status"] == "ready"
