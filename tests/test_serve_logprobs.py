@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from fixtures.option_reference import _reference_model
 from fixtures.serve_process import KEY, ServeProcess
 
 pytestmark = pytest.mark.ranks
@@ -33,9 +34,9 @@ def client(server: ServeProcess) -> openai.OpenAI:
 @lru_cache(maxsize=None)
 def _reference(model_dir: str, prompt: str | None = None) -> tuple[list[int], list[list[float]], Any]:
     """Single-process mlx-lm, greedy: the tokens and each step's full log-softmax (as ``stream_generate`` gives it)."""
-    from mlx_lm import load, stream_generate
+    from mlx_lm import stream_generate
 
-    model, tokenizer = load(model_dir)
+    model, tokenizer = _reference_model(model_dir, None)  # loaded once for every test file that compares
     if prompt is None:
         text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
         tokens = tokenizer.encode(text, add_special_tokens=False)

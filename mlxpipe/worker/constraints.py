@@ -60,6 +60,12 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
+def warm(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+    """Build llguidance's tokenizer ahead of the first constrained request (rank 0, when serving starts), so that
+    request does not stall the pipeline for it."""
+    _ll_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), vocab_size, tuple(sorted(eos_ids)))
+
+
 class Constraint:
     """One request's grammar state on the rank that samples: the mask before each token, the token after."""
 

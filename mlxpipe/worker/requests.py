@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import IO, Any
@@ -207,8 +208,19 @@ class Server:
         engine = Engine(self.context, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
                         decode_batch=decode_batch)
         engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
+        if self.rank == 0 and engine.vocab_size:
+            self._warm_constraints(engine.vocab_size)
         self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
         return engine.run(inbox)
+
+    def _warm_constraints(self, vocab_size: int) -> None:
+        """llguidance's tokenizer takes a second or two to build: built aside now, not at the first
+        ``response_format`` request, in the middle of every request's ticks. Without llguidance, nothing."""
+        from mlxpipe.worker.constraints import warm
+
+        tokenizer = self.loaded.tokenizer
+        threading.Thread(target=_quietly, args=(warm, tokenizer, vocab_size, set(tokenizer.eos_token_ids)),
+                         daemon=True, name="mlxpipe-grammar-warm").start()
 
     def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
         """A batch or serve request's concurrency and requests per decode micro-batch."""
@@ -231,6 +243,14 @@ class Server:
 def _reason(e: BaseException) -> str:
     """What a failed request's client is told."""
     return e.message if isinstance(e, MlxpipeError) else f"{type(e).__name__}: {e}"
+
+
+def _quietly(work: Any, *args: Any) -> None:
+    """Work aside whose failure only means it is done later, where its error reaches the request."""
+    try:
+        work(*args)
+    except Exception:  # noqa: BLE001, S110 - a constrained request rebuilds it and fails with the reason
+        pass
 
 
 def _no_emit(*args: Any, **kwargs: Any) -> None:
