@@ -20,8 +20,7 @@ import pytest
 
 from fixtures.processes import local_rank_processes
 from fixtures.serve_process import KEY, ServeProcess, stop_all
-
-pytestmark = pytest.mark.ranks
+from mlxpipe.serve.cluster_view import History
 
 WAIT_SECONDS = 60.0  # for the page to show what the server does; the ranks' relaunch gets longer
 RELAUNCH_SECONDS = 180.0
@@ -92,6 +91,7 @@ def _open(browser: Any, base: str, key: str | None) -> None:
     _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#ranks .rank"), "the ranks")
 
 
+@pytest.mark.ranks
 def test_the_page_shows_every_rank_as_health_reports_it_and_chats(server: ServeProcess, browser: Any) -> None:
     from selenium.webdriver.common.by import By
 
@@ -133,6 +133,7 @@ def test_the_page_shows_every_rank_as_health_reports_it_and_chats(server: ServeP
     assert cells[0] == request_id and cells[1] in ("stop", "length") and 0 < int(cells[4]) <= 6, cells
 
 
+@pytest.mark.ranks
 def test_the_page_is_open_and_its_data_behind_the_key(server: ServeProcess) -> None:
     page = httpx.get(f"{server.base}/", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -159,6 +160,7 @@ def breakable(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
         stop_all(proc)
 
 
+@pytest.mark.ranks
 def test_a_killed_rank_shows_restarting_then_ready(breakable: ServeProcess, browser: Any) -> None:
     from selenium.webdriver.common.by import By
 
@@ -175,3 +177,13 @@ def test_a_killed_rank_shows_restarting_then_ready(breakable: ServeProcess, brow
     states = {e.get_attribute("data-rank"): e.get_attribute("data-state")
               for e in browser.find_elements(By.CSS_SELECTOR, "#ranks .rank")}
     assert states == {"0": "ready", "1": "ready"}
+
+
+def test_the_history_is_a_bounded_ring_of_rates() -> None:
+    history = History(size=3)
+    history.sample(100.0, tokens=0, in_flight=0)
+    history.sample(102.0, tokens=10, in_flight=2)
+    history.sample(103.0, tokens=10, in_flight=1)
+    history.sample(103.5, tokens=13, in_flight=1)
+    assert [(s["t"], s["tps"], s["in_flight"]) for s in history.samples] == [(102.0, 5.0, 2), (103.0, 0.0, 1),
+                                                                             (103.5, 6.0, 1)]
