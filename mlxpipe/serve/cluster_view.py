@@ -89,12 +89,14 @@ class ClusterView:
         }
 
     def _rank(self, rank: dict[str, Any], time_spent: dict[str, Any] | None) -> dict[str, Any]:
-        state = self.engine.ranks[rank["rank"]]
-        budget = self.engine.plan.ranks[rank["rank"]].budget_bytes
+        # Looked up by number, not position: /health may come to name ranks the plan's list does not order so.
+        state = next((r for r in self.engine.ranks if r.rank == rank["rank"]), None)
+        planned = next((r for r in self.engine.plan.ranks if r.rank == rank["rank"]), None)
+        budget = planned.budget_bytes if planned is not None else None
         return {
             **rank,
-            "peak_memory_gb": state.peak_memory_gb,
-            "memory_gb": state.memory_gb,
+            "peak_memory_gb": state.peak_memory_gb if state is not None else None,
+            "memory_gb": state.memory_gb if state is not None else None,
             "budget_gb": budget / 1e9 if budget else None,
             "busy": time_spent["busy"] if time_spent else None,
         }

@@ -10,6 +10,7 @@ const $ = (id) => document.getElementById(id);
 let modelId = null;
 let chat = [];          // the conversation so far: {role, content}
 let chatBusy = false;
+let lastCause = null;   // the root cause the server last gave: kept when it then stops answering (it gave up)
 
 // --- the API key: asked for when the server answers 401, kept in this tab's sessionStorage -----------------
 
@@ -73,7 +74,8 @@ async function poll() {
     $("main").hidden = false;
     render(data);
   } catch (err) {
-    setStatus("unreachable", `the server does not answer (${err.message}); retrying`);
+    const why = lastCause ? `${lastCause}; ` : "";
+    setStatus("unreachable", `${why}the server does not answer (${err.message}); retrying`);
   }
   pollTimer = setTimeout(poll, POLL_MS);
 }
@@ -92,6 +94,7 @@ function render(data) {
   modelId = data.model_id;
   $("model").textContent = data.model_id;
   const cause = data.status === "failed" ? (data.error || data.detail) : data.status === "restarting" ? data.detail : null;
+  lastCause = data.status === "failed" ? `Failed: ${cause}` : null;
   setStatus(data.status, cause ? `${data.status === "failed" ? "Failed" : "Restarting"}: ${cause}` : null);
   $("restarts").textContent = data.restarts ? `${data.restarts} restart${data.restarts > 1 ? "s" : ""}` : "";
   renderRanks(data);
