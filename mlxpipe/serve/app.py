@@ -1,4 +1,5 @@
-"""The HTTP app of ``mlxpipe serve`` (Starlette): every API door's routes, ``GET /health``, unknown routes.
+"""The HTTP app of ``mlxpipe serve`` (Starlette): every API door's routes, ``GET /health``, the
+cluster's page (``cluster_view``), unknown routes.
 
 Each door is a module of its own that turns one HTTP dialect into requests for the engine and the replies back
 (``openai_api`` today: OpenAI's chat completions and completions); what every door shares (the API key, the
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxpipe.serve.cluster_view import ClusterView, page_routes
 from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.serve.openai_api import OpenAIApi
@@ -36,4 +38,7 @@ def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
     routes = [Route("/health", health, methods=["GET"]), *OpenAIApi(engine, tokenizer, settings, log).routes()]
+    view = ClusterView(engine, log, settings.model_id)  # the cluster's page at /
+    view.start()
+    routes += page_routes(view, settings.api_key)
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})

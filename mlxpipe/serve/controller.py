@@ -126,6 +126,8 @@ class RankState:
     host: str
     layers: tuple[int, int]
     state: str = "loading"
+    peak_memory_gb: float | None = None  # since the rank started: at load, then as each request ends
+    memory_gb: float | None = None  # in use when a request last ended
 
 
 class ServeEngine:
@@ -139,6 +141,8 @@ class ServeEngine:
         self.restarts = 0
         self.ranks = [RankState(r.rank, r.host, (r.start, r.end)) for r in plan.ranks]
         self.time: dict[int, dict[str, float]] = {}  # rank -> its latest engine.TimeSpent report
+        self.detail: str | None = None  # why the state is what it is (the root cause while restarting, failed)
+        self.tokens_out = 0  # tokens streamed since the server started: the page's tok/s
         self.run_dir: Path | None = None
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
@@ -206,12 +210,16 @@ class ServeEngine:
             pipe.stop()
 
     def _loaded(self, stats: RankStats) -> None:
-        self.ranks[stats.rank].state = "loaded"
+        rank = self.ranks[stats.rank]
+        rank.state, rank.peak_memory_gb, rank.memory_gb = "loaded", stats.peak_memory_gb, None
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "time":
-            self.time[int(event["rank"])] = {k: float(v) for k, v in event.items() if k not in ("event", "rank")}
+            rank = self.ranks[int(event["rank"])]
+            rank.memory_gb = _gb(event.pop("memory", None), rank.memory_gb)
+            rank.peak_memory_gb = _gb(event.pop("peak_memory", None), rank.peak_memory_gb)
+            self.time[rank.rank] = {k: float(v) for k, v in event.items() if k not in ("event", "rank")}
             return
         if kind == "serving":
             self.ranks[int(event["rank"])].state = "ready"
@@ -227,6 +235,7 @@ class ServeEngine:
         if kind == "token":
             token = int(event["token"])
             logprob = event.get("logprob")
+            self.tokens_out += 1
             stream.put(token if logprob is None else Sampled(token, float(logprob), event.get("top") or []))
         elif kind == "finished":
             with self._lock:
@@ -241,7 +250,7 @@ class ServeEngine:
             ))
 
     def _set_state(self, state: str, detail: str | None) -> None:
-        self.state = state
+        self.state, self.detail = state, detail
         if state != "ready":
             for r in self.ranks:
                 r.state = state
@@ -338,15 +347,40 @@ class ServeEngine:
         return out
 
 
+def _gb(value: Any, before: float | None) -> float | None:
+    """A rank's memory figure from an event (older ranks send none: the figure before stays)."""
+    return float(value) if isinstance(value, (int, float)) else before
+
+
+RECENT_REQUESTS = 50  # the requests the page lists
+
+
 @dataclass
 class RequestLog:
-    """One line per request in the run directory's ``requests.jsonl``."""
+    """One line per request in the run directory's ``requests.jsonl``; the last ones and the totals in memory."""
 
     path: Path | None = None
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    requests: int = 0
+    cache_hits: int = 0  # requests whose prompt began with tokens a kept KV cache held
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with self._lock:
+            self.recent.append(record)
+            self.requests += 1
+            self.cache_hits += record.get("cached_tokens", 0) > 0
+            self.cached_tokens += record.get("cached_tokens", 0)
+            self.prompt_tokens += record.get("prompt_tokens", 0)
+            if self.path is None:
+                return
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def figures(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """The recent requests, newest first, and the totals since the server started."""
+        with self._lock:
+            return list(self.recent)[::-1], {"requests": self.requests, "hits": self.cache_hits,
+                                             "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}

@@ -50,6 +50,8 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         if state == "ready":
             log.path = engine.run_dir / "requests.jsonl" if engine.run_dir else None
             console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {engine.run_dir}")
+            if engine.restarts == 0:  # once: a relaunch changes nothing there
+                console.err.print(f"the cluster's page: http://{_url_host(host)}:{port}/ (open it in a browser)")
         elif state == "restarting":
             console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {engine.restarts} "
                          f"of {options.max_restarts})")

@@ -207,7 +207,9 @@ class Server:
         self._forget_chats()
         engine = Engine(self.context, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
                         decode_batch=decode_batch)
-        engine.on_time = lambda spent: self._emit("time", rank=self.rank, **spent)
+        # With the rank's memory, for the server's page (figures in GB, as in ``loaded``).
+        engine.on_time = lambda spent: self._emit("time", rank=self.rank, memory=mx.get_active_memory() / 1e9,
+                                                  peak_memory=mx.get_peak_memory() / 1e9, **spent)
         if self.rank == 0 and engine.vocab_size:
             self._warm_constraints(engine.vocab_size)
         self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
