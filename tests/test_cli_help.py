@@ -258,6 +258,13 @@ def test_plan_examples_run(llama_on_the_hub: str, monkeypatch: pytest.MonkeyPatc
     result = invoke(*argv, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    if "--tp" in argv:  # groups of --tp hosts, one stage each (docs/tensor-parallel.md)
+        tp = int(argv[argv.index("--tp") + 1])
+        assert (data["model"], data["tp"], len(data["split"]), sum(data["split"])) == (
+            llama_on_the_hub, tp, len(data["ranks"]) // tp, 6)
+        assert [(r["stage"], r["tp_index"]) for r in data["ranks"]] == [
+            (i // tp, i % tp) for i in range(len(data["ranks"]))]
+        return
     assert (data["model"], data["split"], [r["host"] for r in data["ranks"]]) == (
         llama_on_the_hub, [3, 3], ["studio-1.local", "studio-2.local"],
     )

@@ -76,6 +76,13 @@ Split = Annotated[Optional[str], typer.Option(
     "--split", help="Layers per rank in rank order, e.g. 10,12,8 (rank 0 runs the LAST layers).",
     show_default="the --config preset's, else from --strategy",
 )]
+Tp = Annotated[Optional[int], typer.Option(
+    "--tp",
+    help="Tensor parallelism: each N consecutive hosts of the hostfile form one group that splits every layer "
+    "of its stage (N = the number of hosts: one group, pure tensor parallelism). Faster single-conversation "
+    "decode over RDMA links (JACCL); see docs/tensor-parallel.md.",
+    show_default="the --config preset's, else 1: pipeline only", metavar="N",
+)]
 Config = Annotated[Optional[Path], typer.Option(
     "--config", help="A preset from configs/*.yaml; flags override it.", show_default="none"
 )]

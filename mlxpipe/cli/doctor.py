@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Backend, Config, Hostfile, Json, Revision, Split, Strategy, parse_split, tcp_port
+from mlxpipe.cli._options import Backend, Config, Hostfile, Json, Revision, Split, Strategy, Tp, parse_split, tcp_port
 from mlxpipe.launch.ranks import DEFAULT_PORT
 
 
@@ -21,6 +21,7 @@ def doctor(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     port: Annotated[Optional[int], typer.Option(
         "--port", help="First ring port to check.",
@@ -30,7 +31,8 @@ def doctor(
     context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = 4096,
     json_out: Json = False,
 ) -> None:
-    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk.
+    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, the
+    groups' links (a group over TCP gets a warning: tensor parallelism wants RDMA).
 
     Each failed check comes with its fix. Exit status 1 if any check fails.
 
@@ -39,21 +41,24 @@ def doctor(
     from mlxpipe.cluster.presets import pick
     from mlxpipe.cluster.doctor import preflight
     from mlxpipe.cluster.hostfile import check_backend, load_hostfile
+    from mlxpipe.plan.tensor import check_tp
     from mlxpipe.cli.render import doctor_table
     from mlxpipe.cluster.target import default_hostfile, load_model_metadata, plan_target, resolve_target
 
     the_plan = meta = None
     if all(v is None for v in (model, revision, strategy, split, config)):  # no model: no plan to check against
         hosts = load_hostfile(hostfile) if hostfile else default_hostfile()
+        tp = check_tp(1 if tp is None else tp, hosts.size)
     else:
-        target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+        target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
         hosts, backend = target.hostfile, pick(backend, target.preset.backend)
         with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
             meta = load_model_metadata(target, progress=progress)
         the_plan = plan_target(target, meta, context=context)
+        tp = target.tp
     check_backend(backend, "--backend")  # the flag's was checked while parsing; the preset's is checked here
     with console.err.status(f"checking {hosts.size} ranks...") if not json_out else contextlib.nullcontext():
-        results = preflight(hosts, the_plan, meta, port=port, backend=backend)
+        results = preflight(hosts, the_plan, meta, port=port, backend=backend, tp=tp)
     failed = [r for r in results if r.failed]
     if json_out:
         console.print_json({"ok": not failed, "checks": [r.to_json() for r in results]})

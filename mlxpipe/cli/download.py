@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, parse_split
+from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
 from mlxpipe.errors import UsageError
 
 
@@ -17,6 +17,7 @@ def download(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     rank: Annotated[Optional[int], typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
@@ -44,7 +45,7 @@ def download(
     from mlxpipe.launch.run import require_fit
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     hosts = target.hostfile.hosts
     if local and rank is None:
         here = [h.rank for h in hosts if h.is_local]

@@ -13,7 +13,7 @@ from mlxpipe.cli._options import (
     DEFAULT_TIMEOUT, AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
     ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, MaxKvSize, MaxTokens,
     MinP, MinTokensToKeep, Model, NumDraftTokens, PipelineMode, PrefillResponse, PrefillStepSize, QuantizedKvStart,
-    Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, TopP, TrustRemoteCode,
+    Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, Tp, TopP, TrustRemoteCode,
     UseDefaultChatTemplate, XtcProbability, XtcThreshold, parse_split,
 )
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
@@ -48,6 +48,7 @@ def generate(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -114,7 +115,7 @@ def generate(
     check_draft_flags(draft_model, max_kv_size)
     if prompt == "-":
         prompt = sys.stdin.read()
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
@@ -197,6 +198,7 @@ def chat(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -236,7 +238,7 @@ def chat(
 
     flags = RequestFlags.of(locals())
     check_draft_flags(draft_model, max_kv_size)
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,

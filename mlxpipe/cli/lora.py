@@ -7,9 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlxpipe.errors import UsageError
+
 from mlxpipe.cli._generation import pipeline_config
 from mlxpipe.cli._options import (
-    DEFAULT_TIMEOUT, Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout,
+    DEFAULT_TIMEOUT, Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout, Tp,
     TrustRemoteCode, parse_split,
 )
 
@@ -66,6 +68,7 @@ def lora(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     backend: Backend = None,
     port: RingPort = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
@@ -94,6 +97,9 @@ def lora(
         "grad_checkpoint": grad_checkpoint or None, "seed": seed, "micro_batches": micro_batches, "schedule": schedule,
         "trust_remote_code": trust_remote_code or None,
     }
+    if tp not in (None, 1):
+        raise UsageError(f"--tp {tp}: LoRA training does not run on tensor-parallel groups yet",
+                         "drop --tp: each rank trains its own layers of the pipeline")
     options = training.TrainOptions.build(flags, train_config)
     target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None)
     run_config = pipeline_config(target, backend=backend, port=port, timeout=timeout,

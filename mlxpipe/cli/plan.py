@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, parse_split
+from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
 
 
 def plan(
@@ -16,6 +16,7 @@ def plan(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     context: Annotated[int, typer.Option("--context", help="Context length (tokens) the fit check reserves KV cache for.")] = 4096,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-read metadata from the hub even if cached.")] = False,
@@ -30,7 +31,7 @@ def plan(
     from mlxpipe.cli.render import plan_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, refresh=refresh, progress=progress)
     the_plan = plan_target(target, meta, context=context)

@@ -13,12 +13,17 @@ from mlxpipe.plan.shard import Plan
 
 
 def plan_table(plan: Plan) -> RenderableType:
-    """One row per rank, with totals; sizes in binary units (K = KiB, G = GiB)."""
+    """One row per rank, with totals; sizes in binary units (K = KiB, G = GiB). With --tp, each rank's
+    stage and place in the stage's tensor-parallel group ("1 · 0": stage 1, first member)."""
     title = f"{plan.model}  ·  {plan.num_layers} layers  ·  strategy {plan.strategy}"
+    if plan.tp > 1:
+        title += f"  ·  --tp {plan.tp}: {len(plan.split)} stage{'s' if len(plan.split) > 1 else ''} of {plan.tp} ranks"
     t = Table(show_footer=True, padding=(0, 1))
     has_memory = any(r.budget_bytes is not None for r in plan.ranks)
     total_download = sum(r.download_bytes for r in plan.ranks)
     t.add_column("rank", justify="right", footer="total", min_width=5)
+    if plan.tp > 1:
+        t.add_column("stage · tp", no_wrap=True)
     t.add_column("host", min_width=9, overflow="fold")
     t.add_column("layers", footer=str(plan.num_layers), no_wrap=True)
     t.add_column("weights", justify="right", footer=short_bytes(plan.model_bytes), no_wrap=True)
@@ -32,7 +37,7 @@ def plan_table(plan: Plan) -> RenderableType:
         t.add_column("max ctx", justify="right", no_wrap=True)
     for r in plan.ranks:
         row = [
-            str(r.rank), r.host, f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
+            str(r.rank), *([f"{r.stage} · {r.tp_index}"] if plan.tp > 1 else []), r.host, f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
             f"{short_bytes(r.download_bytes)} in {len(r.files)}", short_bytes(r.kv_bytes_per_1k),
             f"{r.work_share:.0%}",
         ]
@@ -110,11 +115,13 @@ def answer_table(answer: Any) -> RenderableType:
     if answer.draft_tokens is not None:
         title += f"  ·  {answer.draft_tokens} of {answer.generation_tokens} drafted"
     t = Table()
-    for name in ("rank", "host", "layers", "peak memory", "load"):
+    groups = any(r.stage is not None for r in answer.ranks)  # --tp: the stage and place in its group
+    for name in ("rank", *(["stage · tp"] if groups else []), "host", "layers", "peak memory", "load"):
         t.add_column(name, justify="right" if name in ("rank", "peak memory", "load") else "left")
     for r in answer.ranks:
         load = "-" if r.load_seconds is None else f"{r.load_seconds:.1f} s"
-        t.add_row(str(r.rank), r.host, f"{r.start}-{r.end - 1}", f"{r.peak_memory_gb:.2f} GB", load)
+        group = [f"{r.stage} · {r.tp_index}"] if groups else []
+        t.add_row(str(r.rank), *group, r.host, f"{r.start}-{r.end - 1}", f"{r.peak_memory_gb:.2f} GB", load)
     return titled(title, t)
 
 

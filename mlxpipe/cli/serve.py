@@ -10,7 +10,7 @@ from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_co
 from mlxpipe.cli._options import (
     DEFAULT_TIMEOUT, FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
     Hostfile, KvBits, KvGroupSize, MaxKvSize, Model, NumDraftTokens, PrefillStepSize, QuantizedKvStart, Revision,
-    Split, Strategy, Timeout, TrustRemoteCode, UseDefaultChatTemplate, parse_split, tcp_port,
+    Split, Strategy, Timeout, Tp, TrustRemoteCode, UseDefaultChatTemplate, parse_split, tcp_port,
 )
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
@@ -75,6 +75,7 @@ def serve(
     revision: Revision = None,
     strategy: Strategy = None,
     split: Split = None,
+    tp: Tp = None,
     config: Config = None,
     host: Host = "127.0.0.1",
     port: HttpPort = 8080,
@@ -118,7 +119,7 @@ def serve(
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
     defaults = flags.request(Preset(max_tokens=target.preset.max_tokens))
     check_draft_flags(draft_model, max_kv_size)

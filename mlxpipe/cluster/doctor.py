@@ -14,6 +14,10 @@ bind. The checks compare those facts across hosts and against the plan:
   its addresses.
 * ``memory`` / ``disk`` (with a plan): the host holds its ranks' share, and has
   room for the files it still has to download.
+* ``tp links`` (with ``--tp``): a tensor-parallel group does two all-reduces per
+  layer per token, so its speed is its links' latency: a group whose hosts talk
+  over TCP (the ring backend, or MPI, over Ethernet) gets a warning pointing to
+  JACCL over Thunderbolt 5 RDMA. A group on one machine needs no network.
 
 ``preflight`` is what ``generate`` runs before it starts any rank.
 """
@@ -43,7 +47,9 @@ CONNECT_TIMEOUT = 5
 PROBE_TIMEOUT = 30.0
 MIN_PYTHON = (3, 10)
 PACKAGES = ("mlx", "mlx-lm", "mlxpipe")
-CHECKS = ("ssh", "python", "versions", "ports", "memory", "disk")
+CHECKS = ("ssh", "python", "versions", "ports", "memory", "disk", "tp links")
+# Backends whose ranks reach each other over RDMA (Thunderbolt 5: JACCL) or a GPU fabric (NCCL), not TCP.
+FAST_BACKENDS = ("jaccl", "jaccl-ring", "nccl")
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 
 # Runs on each host as ``python -c PROBE ARGS`` (see cluster/probe.py: stdlib only).
@@ -106,12 +112,14 @@ def preflight(
     *,
     port: int | None = None,
     backend: str | None = None,
+    tp: int = 1,
 ) -> list[CheckResult]:
     """ssh, python, versions and ports on every host, in parallel; memory and disk too given a plan.
 
     Every check comes from one probe per (host, interpreter), so this costs one
     ssh round trip and one Python start per machine, whatever the checks: with
-    a plan, ``generate`` gets the memory and disk checks for free.
+    a plan, ``generate`` gets the memory and disk checks for free. ``tp`` (the plan's when there is
+    one): the groups' links are checked too.
     """
     backend = backend or hostfile.backend or "ring"
     all_local = all(h.is_local for h in hostfile.hosts)
@@ -125,6 +133,7 @@ def preflight(
     if plan is not None and meta is not None:
         results += _memory_checks(probes, hostfile, plan, meta)
         results += _disk_checks(probes)
+    results += tp_link_checks(hostfile, plan.tp if plan is not None else tp, backend)
     return sorted(results, key=lambda r: (r.ranks[0], CHECKS.index(r.check)))
 
 
@@ -306,11 +315,38 @@ def _ports_check(p: _Probe, all_local: bool, port: int | None, backend: str) -> 
     return p.result("ports", FAIL, f"cannot bind {detail}", fix)
 
 
+def tp_link_checks(hostfile: Hostfile, tp: int, backend: str) -> list[CheckResult]:
+    """Each tensor-parallel group's links: a warning for a group that spans machines over TCP."""
+    from mlxpipe.plan.tensor import groups
+
+    if tp == 1:
+        return []
+    results = []
+    for g, ranks in enumerate(groups(hostfile.size, tp)):
+        members = [hostfile.hosts[r] for r in ranks]
+        machines = list(dict.fromkeys(h.ssh for h in members))
+        label = f"stage {g} (ranks {ranks[0]}-{ranks[-1]})"
+        if len(machines) == 1:
+            status, detail, fix = OK, f"{label}: one machine, no network between its members", None
+        elif backend in FAST_BACKENDS:
+            status, detail, fix = OK, f"{label} spans {', '.join(machines)} over {backend}", None
+        else:
+            status = WARN
+            detail = (f"{label} spans {', '.join(machines)} over TCP ({backend} backend): a tensor-parallel "
+                      "group does two all-reduces per layer per token, so TCP latency (Ethernet, or IP over Thunderbolt) "
+                      "can make it slower than one machine")
+            fix = ("link the group's Macs with Thunderbolt 5 and use JACCL (RDMA): "
+                   "`mlx.distributed_config --backend jaccl --over thunderbolt` writes the hostfile; "
+                   "or keep --tp groups on one machine and pipeline across the slower links")
+        results.append(CheckResult(members[0].ssh, tuple(ranks), "tp links", status, detail, fix))
+    return results
+
+
 def _memory_checks(probes: Sequence[_Probe], hostfile: Hostfile, plan: Plan, meta: ModelMetadata) -> list[CheckResult]:
     """Each machine's ranks against the smaller of its declared and its measured budget."""
     facts = {p.host.ssh: p.facts for p in probes if p.facts and p.facts.get("memory_total")}
     measured_hosts = [_measured(h, facts[h.ssh]) if h.ssh in facts else h for h in hostfile.hosts]
-    measured = make_plan(meta, measured_hosts, split=plan.split, context=plan.context)
+    measured = make_plan(meta, measured_hosts, split=plan.split, context=plan.context, tp=plan.tp)
     results, seen = [], set()
     for p in probes:
         if p.host.ssh in seen or p.host.ssh not in facts:

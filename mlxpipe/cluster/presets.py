@@ -25,6 +25,7 @@ class Preset:
     revision: str | None = None
     strategy: str | None = None
     split: tuple[int, ...] | None = None
+    tp: int | None = None  # ranks per tensor-parallel group (``--tp``)
     backend: str | None = None
     max_tokens: int | None = None
     temp: float | None = None
@@ -38,7 +39,7 @@ class Preset:
 _TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,), "revision": (str,), "strategy": (str,), "backend": (str,),
     "max_tokens": (int,), "temp": (int, float), "top_p": (int, float), "min_p": (int, float),
-    "seed": (int,), "system_prompt": (str,), "description": (str,), "split": (list,),
+    "seed": (int,), "system_prompt": (str,), "description": (str,), "split": (list,), "tp": (int,),
 }
 
 

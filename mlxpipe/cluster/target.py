@@ -15,6 +15,7 @@ from mlxpipe.errors import ModelError
 from mlxpipe.cluster.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.shard import DEFAULT_CONTEXT, Plan, make_plan
+from mlxpipe.plan.tensor import check_tp
 
 DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")
 
@@ -29,6 +30,11 @@ class Target:
     strategy: str | None
     split: tuple[int, ...] | None
     preset: Preset
+    tp: int = 1  # ranks per tensor-parallel group: each group of tp consecutive hosts is one pipeline stage
+    tp_flag: str = "--tp"  # where tp came from, for its errors: the flag, or the preset's key
+
+    def __post_init__(self) -> None:
+        check_tp(self.tp, self.hostfile.size, self.tp_flag)
 
 
 def resolve_target(
@@ -38,6 +44,7 @@ def resolve_target(
     strategy: str | None,
     split: Sequence[int] | None,
     config: Path | None,
+    tp: int | None = None,
 ) -> Target:
     """Apply flag > preset > default and read the hostfile."""
     preset = load_preset(config)
@@ -54,6 +61,8 @@ def resolve_target(
         strategy=strategy,
         split=tuple(split) if split else None,
         preset=preset,
+        tp=pick(tp, preset.tp, 1),
+        tp_flag="--tp" if tp is not None or preset.tp is None else f"{config}: key 'tp'",
     )
 
 
@@ -88,6 +97,7 @@ def load_model_metadata(target: Target, *, refresh: bool = False, progress=None)
 
 
 def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT) -> Plan:
+    """The plan of ``target``'s model, split and tensor-parallel groups over its hosts."""
     return make_plan(
-        meta, target.hostfile.hosts, strategy=target.strategy, split=target.split, context=context
+        meta, target.hostfile.hosts, strategy=target.strategy, split=target.split, context=context, tp=target.tp
     )

@@ -39,6 +39,8 @@ class RankStats:
     end: int
     peak_memory_gb: float
     load_seconds: float | None = None
+    stage: int | None = None  # with --tp: the rank's pipeline stage and place in its group (None without)
+    tp_index: int | None = None
 
 
 @dataclass
@@ -73,10 +75,12 @@ class RunOptions:
     adapter_path: str | None = None
     draft_paths: tuple[str, ...] | None = None  # the draft model's directory on each rank's host
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    tp: int = 1  # ranks per tensor-parallel group (the plan's split is then per stage)
 
 
 def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
-    """The worker's JobSpec: each rank's model directory on its own host, and the split."""
+    """The worker's JobSpec: each rank's model directory on its own host, and the split (per stage with tp > 1:
+    every member of a group runs its stage's layers, from its own host's copy of the stage's files)."""
     from mlxpipe.worker.job import JobSpec
 
     hosts = target.hostfile.hosts
@@ -89,6 +93,8 @@ def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOption
         adapter_path=options.adapter_path,
         draft_paths=list(options.draft_paths) if options.draft_paths is not None else None,
         num_draft_tokens=options.num_draft_tokens,
+        # Only with groups: a job without tp stays readable by a worker without tensor parallelism.
+        **({"tp": options.tp} if options.tp != 1 else {}),
     )
 
 
@@ -142,7 +148,7 @@ class Pipeline:
         for event in self.ranks.events(self.options.load_timeout):
             if event.get("event") == "loaded":
                 rank = int(event["rank"])
-                stats = _rank_stats(event, self.target.hostfile.hosts[rank].ssh)
+                stats = _rank_stats(event, self.target.hostfile.hosts[rank].ssh, self.plan)
                 self.loaded[stats.rank] = stats
                 if on_loaded:
                     on_loaded(stats)
@@ -235,7 +241,7 @@ class Pipeline:
     def _rank_stats(self, peaks: dict[int, float]) -> list[RankStats]:
         """The ranks' stats, peak memory raised to what the last request reported."""
         return [
-            RankStats(s.rank, s.host, s.start, s.end, max(s.peak_memory_gb, peaks.get(s.rank, 0.0)), s.load_seconds)
+            replace(s, peak_memory_gb=max(s.peak_memory_gb, peaks.get(s.rank, 0.0)))
             for s in sorted(self.loaded.values(), key=lambda s: s.rank)
         ]
 
@@ -246,10 +252,14 @@ class Pipeline:
         self.ranks.stop()
 
 
-def _rank_stats(event: dict[str, Any], host: str) -> RankStats:
+def _rank_stats(event: dict[str, Any], host: str, plan: Plan) -> RankStats:
     start, end = event.get("layers", (0, 0))
+    rank = int(event["rank"])
+    planned = plan.ranks[rank] if plan.tp > 1 and 0 <= rank < len(plan.ranks) else None
     return RankStats(
-        rank=int(event["rank"]),
+        stage=planned.stage if planned else None,
+        tp_index=planned.tp_index if planned else None,
+        rank=rank,
         host=host,
         start=int(start),
         end=int(end),

@@ -61,6 +61,9 @@ class PipelineConfig:
         check_backend(self.backend, "--backend")
         if self.context is not None and self.context < 1:
             raise UsageError(f"--context must be at least 1, got {self.context}")
+        if self.target.tp > 1 and self.mode != "generic":
+            # mlx-lm's own pipeline() splits the layers over the world group, with no room for groups.
+            raise UsageError(f"--tp {self.target.tp} needs the generic pipeline", "drop --pipeline native")
         if self.adapter_path is not None:
             check_adapters(self.adapter_path)
             if self.mode != "generic":
@@ -214,10 +217,12 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         adapter_path=config.adapter_path,
         draft_paths=draft_paths(config),
         num_draft_tokens=config.num_draft_tokens,
+        tp=config.target.tp,
     )
     pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
     if not config.quiet:
-        console.err.print(f"[dim]starting {config.target.hostfile.size} ranks: {pipe.run_dir}/command.txt[/]")
+        console.err.print(f"[dim]starting {config.target.hostfile.size} ranks{_groups_text(the_plan)}: "
+                          f"{pipe.run_dir}/command.txt[/]")
     try:
         with _status("loading layers on every rank...", config.quiet):
             pipe.start(on_loaded)
@@ -225,6 +230,13 @@ def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
         pipe.stop()
         raise
     return pipe
+
+
+def _groups_text(the_plan: Plan) -> str:
+    """`` in 2 tensor-parallel groups of 2`` (nothing without --tp)."""
+    if the_plan.tp == 1:
+        return ""
+    return f" in {len(the_plan.split)} tensor-parallel group{'s' if len(the_plan.split) > 1 else ''} of {the_plan.tp}"
 
 
 def start_pipeline(config: PipelineConfig) -> Pipeline:

@@ -8,7 +8,7 @@ reads the vocabulary head.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mlxpipe.cluster.hostfile import GB, Host
@@ -31,19 +31,29 @@ class Costs:
     kv: list[tuple[int, int | None]]
     layer_work: list[int]  # bytes each layer reads per generated token
     head_work: int  # bytes the vocabulary head reads per token (rank 0's extra)
+    # Tensor parallelism (plan/tensor.py): each layer's bytes a group splits, and those every member keeps
+    # whole (the two add up to layer_bytes); of shared_bytes, the vocabulary head's and embedding's.
+    sharded_bytes: list[int] = field(default_factory=list)
+    replicated_bytes: list[int] = field(default_factory=list)
+    vocab_bytes: int = 0
+    members: int = 1  # these are the costs of one member of a tensor-parallel group of this many
 
 
 # The routed experts' weights (mlx-lm's stacked ``switch_mlp``, or per-expert tensors).
 _EXPERT_RE = re.compile(r"\.(switch_mlp|experts)\.")
 _HEAD_RE = re.compile(r"(^|\.)lm_head\.")
 _EMBED_RE = re.compile(r"(^|\.)embed_tokens\.")
+# A layer's tensors that every member of a tensor-parallel group keeps whole: norms, MoE routers
+# (``mlp.gate.weight``, ``router``; never ``gate_proj``), and every 1-D tensor (biases, norm
+# scales: small, and a row-parallel layer's bias is added after the sum).
+_REPLICATED_RE = re.compile(r"norm|(^|\.)(gate|router|shared_expert_gate)\.")
 _EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
 _EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
 def model_costs(meta: ModelMetadata) -> Costs:
     n = meta.num_layers
-    layer_bytes, layer_work = [0] * n, [0] * n
+    layer_bytes, layer_work, replicated = [0] * n, [0] * n, [0] * n
     layer_files: list[set[str]] = [set() for _ in range(n)]
     shared_bytes, shared_files = 0, set()
     head_bytes = embed_bytes = 0
@@ -59,13 +69,21 @@ def model_costs(meta: ModelMetadata) -> Costs:
                 embed_bytes += t.nbytes
         elif layer < n:  # layers past num_hidden_layers (MTP) are dropped by sanitize
             layer_bytes[layer] += t.nbytes
+            if is_replicated(t.name, t.shape):
+                replicated[layer] += t.nbytes
             layer_files[layer].add(t.file)
             routed = experts and _EXPERT_RE.search(t.name)
             layer_work[layer] += t.nbytes * active // experts if routed else t.nbytes
     # Tied embeddings: the head is the embedding matrix itself.
     head_work = head_bytes or embed_bytes
+    sharded = [total - kept for total, kept in zip(layer_bytes, replicated)]
     return Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta),
-                  layer_work, head_work)
+                 layer_work, head_work, sharded, replicated, head_bytes + embed_bytes)
+
+
+def is_replicated(name: str, shape: Sequence[int]) -> bool:
+    """A layer tensor every member of a tensor-parallel group keeps whole (see ``_REPLICATED_RE``)."""
+    return len(shape) < 2 or bool(_REPLICATED_RE.search(name))
 
 
 def active_experts(config: dict[str, Any]) -> tuple[int, int]:

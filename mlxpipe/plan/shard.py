@@ -6,6 +6,10 @@ no network, so planning is instant and exhaustively testable.
 mlx-lm's convention holds throughout: rank 0 runs the LAST layers and the
 highest rank the FIRST (``mlx_lm.models.pipeline.PipelineMixin.pipeline``), and
 a split lists layers per rank in rank order.
+
+With tensor parallelism (``tp`` > 1, see ``plan/tensor.py``) the split lists layers per
+STAGE, a stage being a group of ``tp`` consecutive ranks: the strategies work over the
+stages, each stage's budget that of its smallest member, and every member gets a row.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import (
     RUNTIME_OVERHEAD, Costs, active_experts, budget_bytes, kv_bytes, max_context, model_costs, rank_weight_bytes,
 )
+from mlxpipe.plan import tensor
 from mlxpipe.plan.splits import (
     check_groups, choose_split, cut_group, layer_ranges, legal_split, proportional_split,
 )
@@ -44,6 +49,8 @@ class RankPlan:
     headroom_bytes: int | None  # budget - weights - overhead - KV at the planned context
     fits: bool | None
     max_context: int | None
+    stage: int = 0  # the pipeline stage: rank // tp (without --tp, the rank itself)
+    tp_index: int = 0  # its place in the stage's tensor-parallel group: rank % tp
 
     @property
     def layers(self) -> int:
@@ -59,13 +66,14 @@ class Plan:
     strategy: str
     num_layers: int
     context: int
-    split: tuple[int, ...]  # layers per rank, rank order
+    split: tuple[int, ...]  # layers per stage, stage order (per rank without --tp)
     ranks: tuple[RankPlan, ...]
     model_bytes: int  # every weight of the model
     model_download_bytes: int  # every file of the model
     support_files: tuple[str, ...]
     notes: tuple[str, ...] = ()
     suggested_split: tuple[int, ...] | None = None
+    tp: int = 1  # ranks per tensor-parallel group (1: pipeline only)
 
     @property
     def fits(self) -> bool:
@@ -89,48 +97,22 @@ def make_plan(
     strategy: str | None = None,
     split: Sequence[int] | None = None,
     context: int = DEFAULT_CONTEXT,
+    tp: int = 1,
 ) -> Plan:
-    """Plan ``meta`` over ``hosts``."""
+    """Plan ``meta`` over ``hosts``, in groups of ``tp`` (checked by ``tensor.check_tp``) per stage."""
     if context <= 0:
         raise UsageError(f"--context must be positive, got {context}")
+    tensor.check_heads(meta.text_config, tp, meta.source)
     n = meta.num_layers
-    costs = model_costs(meta)
-    strategy, chosen = choose_split(strategy, split, n, hosts, (costs.layer_work, costs.head_work))
+    costs = tensor.member_costs(model_costs(meta), tp, meta.text_config)
+    stages = tensor.stage_hosts(hosts, tp)
+    strategy, chosen = choose_split(strategy, split, n, stages, (costs.layer_work, costs.head_work), tp=tp)
     groups = kv_sharing_groups(meta.text_config)
     chosen = _keep_groups(strategy, chosen, groups, n)
     max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
-    support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
-    ranks = []
-    total_work = sum(costs.layer_work) + costs.head_work
-    for host, (start, end) in zip(hosts, layer_ranges(chosen)):
-        files = set(costs.shared_files).union(*costs.layer_files[start:end])
-        weights = rank_weight_bytes(costs, start, end)
-        kv = costs.kv[start:end]
-        budget = budget_bytes(host)
-        headroom = fits = max_ctx = None
-        if budget is not None:
-            free = budget - weights - RUNTIME_OVERHEAD
-            headroom = free - kv_bytes(kv, context)
-            fits = headroom >= 0
-            max_ctx = max_context(kv, free, max_positions)
-        ranks.append(
-            RankPlan(
-                rank=host.rank,
-                host=host.ssh,
-                start=start,
-                end=end,
-                weight_bytes=weights,
-                files=tuple(sorted(files)),
-                download_bytes=sum(meta.file_sizes.get(f, 0) for f in files) + support_bytes,
-                kv_bytes_per_1k=kv_bytes(kv, 1000),
-                work_share=(sum(costs.layer_work[start:end]) + (costs.head_work if end == n else 0)) / total_work
-                if total_work else 0.0,
-                budget_bytes=budget,
-                headroom_bytes=headroom,
-                fits=fits,
-                max_context=max_ctx,
-            )
-        )
+    ranges = layer_ranges(chosen)
+    ranks = [_rank_plan(meta, costs, host, (i // tp, i % tp), ranges[i // tp], context, max_positions)
+             for i, host in enumerate(hosts)]
     plan = Plan(
         model=meta.source,
         commit=meta.commit,
@@ -142,15 +124,55 @@ def make_plan(
         model_bytes=sum(t.nbytes for t in meta.tensors if meta.layer_of(t) is None or meta.layer_of(t) < n),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
-        notes=_notes(hosts) + _strategy_notes(strategy, costs, meta) + _group_notes(groups),
+        notes=_notes(hosts) + tensor.notes(tp, len(stages), meta.text_config) + _strategy_notes(strategy, costs, meta)
+        + _group_notes(groups),
+        tp=tp,
     )
     if not plan.fits:
-        suggestion = suggest_split(costs, hosts, context)
+        suggestion = suggest_split(costs, stages, context)
         if suggestion is not None and groups:
             suggestion = legal_split(suggestion, groups)
         if suggestion is not None and tuple(suggestion) != plan.split:
             plan = _replace(plan, suggested_split=tuple(suggestion))
     return plan
+
+
+def _rank_plan(meta: ModelMetadata, costs: Costs, host: Host, place: tuple[int, int], layers: tuple[int, int],
+               context: int, max_positions: int) -> RankPlan:
+    """One rank's share: its stage's layers, a member's part of them (``costs`` are per member)."""
+    (stage, tp_index), (start, end) = place, layers
+    n = meta.num_layers
+    files = set(costs.shared_files).union(*costs.layer_files[start:end])
+    weights = rank_weight_bytes(costs, start, end)
+    kv = costs.kv[start:end]
+    budget = budget_bytes(host)
+    headroom = fits = max_ctx = None
+    if budget is not None:
+        free = budget - weights - RUNTIME_OVERHEAD
+        headroom = free - kv_bytes(kv, context)
+        fits = headroom >= 0
+        max_ctx = max_context(kv, free, max_positions)
+    # The pipeline's work per token: every stage's, each split among its ``tp`` members.
+    total_work = (sum(costs.layer_work) + costs.head_work) * costs.members
+    work = sum(costs.layer_work[start:end]) + (costs.head_work if end == n else 0)
+    support_bytes = sum(meta.file_sizes.get(f, 0) for f in meta.support_files)
+    return RankPlan(
+        rank=host.rank,
+        host=host.ssh,
+        start=start,
+        end=end,
+        weight_bytes=weights,
+        files=tuple(sorted(files)),
+        download_bytes=sum(meta.file_sizes.get(f, 0) for f in files) + support_bytes,
+        kv_bytes_per_1k=kv_bytes(kv, 1000),
+        work_share=work / total_work if total_work else 0.0,
+        budget_bytes=budget,
+        headroom_bytes=headroom,
+        fits=fits,
+        max_context=max_ctx,
+        stage=stage,
+        tp_index=tp_index,
+    )
 
 
 def suggest_split(costs: Costs, hosts: Sequence[Host], context: int) -> list[int] | None:
@@ -207,6 +229,7 @@ def suggest_split(costs: Costs, hosts: Sequence[Host], context: int) -> list[int
 
 
 def _keep_groups(strategy: str, split: list[int], groups: Sequence[tuple[int, int]], n: int) -> list[int]:
+    # (with --tp, ``split`` is per stage: a stage runs a group's layers on every member, as one rank would)
     """``split`` with no group of KV-sharing layers cut: a given --split is refused, a computed one moved."""
     if strategy == "split":
         check_groups(split, groups)

@@ -38,8 +38,15 @@ def layer_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
     return [(sum(split[r + 1 :]), sum(split[r:])) for r in range(len(split))]
 
 
-def check_split(split: Sequence[int], num_layers: int, size: int) -> None:
+def check_split(split: Sequence[int], num_layers: int, size: int, tp: int = 1) -> None:
+    """Refuse a ``--split`` that does not give every rank (every stage with ``tp`` > 1) its layers."""
     if len(split) != size:
+        if tp > 1:
+            raise UsageError(
+                f"--split has {len(split)} entries but --tp {tp} makes {size} stages of the hostfile's "
+                f"{size * tp} hosts",
+                "give one layer count per stage (group of --tp hosts), in rank order",
+            )
         raise UsageError(
             f"--split has {len(split)} entries but the hostfile has {size} hosts",
             "give one layer count per host, in rank order",
@@ -151,14 +158,20 @@ def choose_split(
     num_layers: int,
     hosts: Sequence[Host],
     work: tuple[list[int], int] | None = None,
+    tp: int = 1,
 ) -> tuple[str, list[int]]:
     """Resolve the strategy (default: memory when every host declares it, else balanced).
 
     ``work`` (each layer's work per token, the head's) is what ``balanced`` weighs; without
-    it the default is mlx-lm's even split.
+    it the default is mlx-lm's even split. With ``tp`` > 1, ``hosts`` holds one host per stage.
     """
     size = len(hosts)
     if size > num_layers:
+        if tp > 1:
+            raise PlanError(
+                f"--tp {tp} makes {size} stages but the model has only {num_layers} layers",
+                f"use a larger --tp (at most {num_layers} stages)",
+            )
         raise PlanError(
             f"the hostfile has {size} hosts but the model has only {num_layers} layers",
             "use at most one host per layer",
@@ -166,7 +179,7 @@ def choose_split(
     if split is not None:
         if strategy not in (None, "split"):
             raise UsageError("--split and --strategy conflict", "give one of them")
-        check_split(split, num_layers, size)
+        check_split(split, num_layers, size, tp)
         return "split", list(split)
     if strategy is None:
         strategy = "memory" if all(h.memory_gb for h in hosts) else "balanced" if work is not None else "even"

@@ -339,6 +339,10 @@ class ServeEngine:
             "decode_batch": self.options.decode_batch,
             "ranks": [{"rank": r.rank, "host": r.host, "layers": list(r.layers), "state": r.state} for r in self.ranks],
         }
+        if self.plan.tp > 1:  # --tp: each rank's pipeline stage and place in its stage's tensor-parallel group
+            out["tp"] = self.plan.tp
+            for entry, planned in zip(out["ranks"], self.plan.ranks):
+                entry.update(stage=planned.stage, tp_index=planned.tp_index)
         time = dict(self.time)
         if time:
             out["time"] = where_time_goes(time)  # since the pipeline (re)started, when a request last ended

@@ -1,0 +1,330 @@
+"""``--tp``: the planner's groups and per-member memory (pure), the refusals, the CLI, the doctor's link check.
+
+Pure metadata and Typer's runner: no rank starts here (the ranks' side is tested with the worker).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from fixtures.tiny_models import make_tiny_checkpoint
+from mlxpipe.cli import app
+from mlxpipe.cluster.doctor import tp_link_checks
+from mlxpipe.cluster.hostfile import Host, load_hostfile, parse_hostfile
+from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.plan.costs import RUNTIME_OVERHEAD
+from mlxpipe.plan.shard import make_plan
+from mlxpipe.plan.splits import even_split, proportional_split
+from test_plan import T, hosts, meta, wired
+
+REPO = Path(__file__).resolve().parent.parent
+KB = 1024
+N = 8  # layers
+# One llama block: what a group splits (2-D projections) and what each member keeps whole (norms, biases).
+SHARDED = {"self_attn.q_proj.weight": 64 * KB, "self_attn.k_proj.weight": 16 * KB, "self_attn.v_proj.weight": 16 * KB,
+           "self_attn.o_proj.weight": 64 * KB, "mlp.gate_proj.weight": 128 * KB, "mlp.up_proj.weight": 128 * KB,
+           "mlp.down_proj.weight": 128 * KB}
+REPLICATED = {"input_layernorm.weight": 256, "post_attention_layernorm.weight": 256, "self_attn.o_proj.bias": 256}
+VOCAB = {"model.embed_tokens.weight": 512 * KB, "lm_head.weight": 512 * KB}
+FINAL_NORM = 256
+
+
+def tensor(name: str, nbytes: int, file: str) -> Any:
+    # 2-D unless the name says it is a 1-D tensor (norms, biases), as in a real checkpoint.
+    t = T(name, nbytes, file)
+    return t if name.endswith(("norm.weight", "bias")) else type(t)(t.name, t.dtype, (64, nbytes // 2 // 64), file)
+
+
+def llama(heads: int = 8, kv_heads: int = 4, **config: Any) -> Any:
+    """A llama of N layers, one file per layer, shared tensors in their own file."""
+    ts = [tensor(f"model.layers.{i}.{name}", size, f"layer-{i}.safetensors")
+          for i in range(N) for name, size in {**SHARDED, **REPLICATED}.items()]
+    ts += [tensor(name, size, "shared.safetensors") for name, size in VOCAB.items()]
+    ts.append(T("model.norm.weight", FINAL_NORM, "shared.safetensors"))
+    return meta(ts, N, num_attention_heads=heads, num_key_value_heads=kv_heads, **config)
+
+
+def member_bytes(layers: int, tp: int) -> int:
+    """What one member of a group of ``tp`` holds: by hand, from the tensor sizes above."""
+    def part(n: int) -> int:
+        return -(-n // tp)
+    per_layer = sum(REPLICATED.values()) + part(sum(SHARDED.values()))
+    return FINAL_NORM + part(sum(VOCAB.values())) + layers * per_layer
+
+
+# --- The groups -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("strategy", ["even", "memory", "balanced"])
+def test_groups_of_consecutive_ranks_share_a_stage(tp: int, size: int, strategy: str) -> None:
+    plan = make_plan(llama(), hosts(size, memory_gb=64), strategy=strategy, tp=tp)
+    stages = size // tp
+    assert (plan.tp, len(plan.split), sum(plan.split), len(plan.ranks)) == (tp, stages, N, size)
+    assert [(r.rank, r.stage, r.tp_index) for r in plan.ranks] == [(r, r // tp, r % tp) for r in range(size)]
+    for r in plan.ranks:  # every member runs its stage's layers and fetches its stage's whole files
+        first = plan.ranks[r.stage * tp]
+        assert (r.start, r.end, r.files, r.weight_bytes) == (first.start, first.end, first.files, first.weight_bytes)
+        assert r.files == tuple(sorted(["shared.safetensors", *(f"layer-{i}.safetensors" for i in range(r.start, r.end))]))
+        assert r.weight_bytes == member_bytes(r.layers, tp)
+    # Stage 0 runs the last layers, as rank 0 does without --tp.
+    assert plan.ranks[0].end == N and plan.ranks[-1].start == 0
+    assert sum(r.work_share for r in plan.ranks) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_split_is_the_strategy_over_stages(tp: int) -> None:
+    """Equal hosts: the split over stages is the one the strategy gives that many hosts without --tp."""
+    with_tp = make_plan(llama(), hosts(8, memory_gb=64), strategy="even", tp=tp)
+    assert list(with_tp.split) == even_split(N, 8 // tp)
+
+
+def test_a_stage_s_budget_is_its_smallest_member_s() -> None:
+    plan = make_plan(llama(), wired(10, 2, 10, 10), strategy="memory", tp=2)
+    assert list(plan.split) == proportional_split(N, [2, 10])
+    assert [r.budget_bytes for r in plan.ranks] == [10 * 1024**3, 2 * 1024**3, 10 * 1024**3, 10 * 1024**3]
+
+
+def test_an_explicit_split_is_per_stage() -> None:
+    plan = make_plan(llama(), hosts(4), split=(3, 5), tp=2)
+    assert [(r.start, r.end) for r in plan.ranks] == [(5, 8), (5, 8), (0, 5), (0, 5)]
+    with pytest.raises(UsageError, match=r"--split has 4 entries but --tp 2 makes 2 stages of the hostfile's 4 hosts"):
+        make_plan(llama(), hosts(4), split=(2, 2, 2, 2), tp=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_kv_cache_splits_by_kv_heads(tp: int) -> None:
+    plan = make_plan(llama(), hosts(4), strategy="even", tp=tp)
+    per_token = 2 * 4 * 16 * 2  # K and V, 4 KV heads of 16, bf16
+    for r in plan.ranks:
+        assert r.kv_bytes_per_1k == r.layers * per_token * 1000 // tp
+
+
+def test_mla_kv_cache_is_whole_on_every_member() -> None:
+    plan = make_plan(llama(kv_lora_rank=32, qk_rope_head_dim=8), hosts(2), tp=2)
+    assert all(r.kv_bytes_per_1k == N * (32 + 8) * 2 * 1000 for r in plan.ranks)
+    assert "whole on every member" in " ".join(plan.notes)
+
+
+def test_the_fit_check_is_per_member() -> None:
+    """A model no host holds alone fits on a group of 2 that splits it; a small member fails alone."""
+    kv = 64 * KB  # more than the KV cache of 16 tokens (8 layers x 2 x 4 heads x 16 x 2 bytes x 16)
+    whole = member_bytes(N, 1) + RUNTIME_OVERHEAD + kv  # the weights, the runtime, the KV cache
+    half = member_bytes(N, 2) + RUNTIME_OVERHEAD + kv
+    budget = (half + whole) / 2 / 1024**3
+    assert not make_plan(llama(), wired(budget), context=16).fits
+    assert make_plan(llama(), wired(budget, budget), context=16, tp=2).fits
+    small = make_plan(llama(), wired(budget, budget / 4), context=16, tp=2)
+    assert [r.fits for r in small.ranks] == [True, False]
+
+
+def test_notes_say_what_is_split() -> None:
+    notes = " ".join(make_plan(llama(), hosts(4), tp=2).notes)
+    assert "--tp 2: 2 pipeline stages" in notes and "vocabulary head and embedding (split by vocabulary)" in notes
+    assert "--tp" not in " ".join(make_plan(llama(), hosts(4)).notes)
+
+
+def test_tp_1_is_the_pipeline_unchanged() -> None:
+    assert make_plan(llama(), hosts(4), tp=1) == make_plan(llama(), hosts(4))
+
+
+# --- Refusals: one line, with what would work -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "tp", "error", "hint"),
+    [
+        (llama(), 4, 0, "--tp 0: a tensor-parallel group needs at least 1 host", "use --tp 1 (pipeline only)"),
+        (llama(), 6, 4, "--tp 4: the hostfile's 6 hosts do not split into groups of 4", "use --tp 1, 2, 3 or 6"),
+        (llama(heads=6, kv_heads=6), 4, 4, "--tp 4: test/model has 6 attention heads (num_attention_heads), "
+         "not divisible by 4", "use --tp 2, 3 or 6 (divisors of its attention heads)"),
+        (llama(heads=8, kv_heads=2), 4, 4, "--tp 4: test/model has 2 KV heads (num_key_value_heads), "
+         "not divisible by 4", "use --tp 2 (divisors of its KV heads)"),
+        (llama(heads=8, kv_heads=1), 2, 2, "--tp 2: test/model has 1 KV heads", "its KV heads cannot be split"),
+    ],
+    ids=["zero", "hosts", "heads", "kv-heads", "one-kv-head"],
+)
+def test_refused_with_what_would_work(model: Any, size: int, tp: int, error: str, hint: str) -> None:
+    from mlxpipe.plan.tensor import check_tp
+
+    with pytest.raises(UsageError) as caught:
+        check_tp(tp, size)
+        make_plan(model, hosts(size), tp=tp)
+    assert caught.value.message.startswith(error) and caught.value.hint.startswith(hint)
+
+
+def test_per_layer_head_counts_are_each_checked() -> None:
+    config = {"num_query_heads": [4, 6], "num_kv_heads": [2, 2], "model_type": "openelm"}
+    from mlxpipe.plan.tensor import check_heads
+
+    check_heads(config, 2, "m")
+    with pytest.raises(UsageError, match=r"m has 6 attention heads \(num_query_heads\), not divisible by 4"):
+        check_heads(config, 4, "m")
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(PlanError, match="--tp 2 makes 16 stages but the model has only 8 layers"):
+        make_plan(llama(), hosts(32), tp=2)
+
+
+# --- The command line ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny 6-layer llama (4 attention heads, 2 KV heads) in 3 shards."""
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def four_hosts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hosts") / "four.json"
+    path.write_text(json.dumps([{"ssh": f"mac-{i}", "ips": [f"10.0.0.{i}"], "memory_gb": 64} for i in range(4)]))
+    return path
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args))
+
+
+def test_plan_json_shape(tiny: Path, four_hosts: Path) -> None:
+    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["tp"], data["split"], data["fits"]) == (2, [3, 3], True)
+    assert [(r["rank"], r["host"], r["stage"], r["tp_index"], r["start"], r["end"]) for r in data["ranks"]] == [
+        (0, "mac-0", 0, 0, 3, 6), (1, "mac-1", 0, 1, 3, 6), (2, "mac-2", 1, 0, 0, 3), (3, "mac-3", 1, 1, 0, 3),
+    ]
+
+
+def test_plan_table_shows_the_groups(tiny: Path, four_hosts: Path) -> None:
+    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "2")
+    assert result.exit_code == 0, result.output
+    assert "--tp 2: 2 stages of 2 ranks" in result.stdout
+    rows = [[c.strip() for c in line.split("│")[1:4]] for line in result.stdout.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    assert rows == [["0", "0 · 0", "mac-0"], ["1", "0 · 1", "mac-1"], ["2", "1 · 0", "mac-2"], ["3", "1 · 1", "mac-3"]]
+
+
+LAUNCHING = {  # every value they need; the flag under test is refused before the model is read
+    "plan": ["plan", "--model", "unread"],
+    "download": ["download", "--model", "unread", "--dry-run"],
+    "generate": ["generate", "--model", "unread", "--prompt", "hi"],
+    "prompts-file": ["generate", "--model", "unread", "--prompts-file", "unread.txt"],
+    "chat": ["chat", "--model", "unread"],
+    "serve": ["serve", "--model", "unread"],
+    "doctor": ["doctor"],
+}
+
+
+@pytest.mark.parametrize("command", LAUNCHING, ids=list(LAUNCHING))
+@pytest.mark.parametrize(("tp", "error"), [
+    ("3", "error: --tp 3: the hostfile's 2 hosts do not split into groups of 3\n"
+          "hint: use --tp 1 or 2 with these hosts, or list a multiple of 3 hosts\n"),
+    ("0", "error: --tp 0: a tensor-parallel group needs at least 1 host\n"
+          "hint: use --tp 1 (pipeline only) or a divisor of the number of hosts\n"),
+], ids=["hosts", "zero"])
+def test_bad_tp_exits_2_before_anything_runs(command: str, tp: str, error: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the default hostfile: hostfiles/local-2.json
+    result = invoke(*LAUNCHING[command], "--tp", tp)
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", error)
+
+
+def test_heads_not_divisible_exits_2(tiny: Path, four_hosts: Path) -> None:
+    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "4")
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (f"error: --tp 4: {tiny} has 2 KV heads (num_key_value_heads), not divisible by 4\n"
+                             "hint: use --tp 2 (divisors of its KV heads)\n")
+
+
+def test_lora_with_tp_is_refused() -> None:
+    result = invoke("lora", "--model", "unread", "--train", "--tp", "2")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: --tp 2: LoRA training does not run on tensor-parallel groups yet\n"
+           "hint: drop --tp: each rank trains its own layers of the pipeline\n")
+
+
+def test_preset_gives_tp_and_the_flag_wins(tiny: Path, four_hosts: Path, tmp_path: Path) -> None:
+    preset = tmp_path / "tp.yaml"
+    preset.write_text(f"model: {tiny}\ntp: 4\n")
+    base = ("plan", "--hostfile", str(four_hosts), "--config", str(preset), "--json")
+    refused = invoke(*base)  # the preset's 4 does not divide the model's 2 KV heads
+    assert refused.exit_code == 2 and "--tp 4:" in refused.stderr
+    assert json.loads(invoke(*base, "--tp", "2").stdout)["tp"] == 2
+    preset.write_text(f"model: {tiny}\ntp: 3\n")
+    assert invoke(*base).stderr.startswith(f"error: {preset}: key 'tp' 3: the hostfile's 4 hosts do not split")
+
+
+def test_pipeline_native_is_refused_with_tp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke("generate", "--model", "unread", "--prompt", "hi", "--tp", "2", "--pipeline", "native")
+    assert (result.exit_code, result.stderr) == (2, "error: --tp 2 needs the generic pipeline\n"
+                                                    "hint: drop --pipeline native\n")
+
+
+# --- Launch: the job the ranks get ------------------------------------------------------------------
+
+
+def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, four_hosts: Path) -> None:
+    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.hub.client import load_metadata
+    from mlxpipe.launch.pipeline import RunOptions, job_spec
+    from mlxpipe.worker.job import JobSpec
+
+    target = resolve_target(str(tiny), None, four_hosts, None, None, None, 2)
+    the_plan = make_plan(load_metadata(str(tiny)), target.hostfile.hosts, tp=2)
+    if "tp" not in {f.name for f in fields(JobSpec)}:
+        pytest.skip("the worker's JobSpec has no tp field yet (tp-core adds it)")
+    job = job_spec(load_metadata(str(tiny)), the_plan, target, RunOptions(tp=2))
+    assert (job.tp, job.split, len(job.model_paths)) == (2, [3, 3], 4)  # type: ignore[attr-defined]
+
+
+def test_job_spec_without_tp_is_unchanged(tiny: Path) -> None:
+    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.hub.client import load_metadata
+    from mlxpipe.launch.pipeline import RunOptions, job_spec
+
+    target = resolve_target(str(tiny), None, REPO / "hostfiles" / "local-2.json", None, None, None)
+    meta_ = load_metadata(str(tiny))
+    job = job_spec(meta_, make_plan(meta_, target.hostfile.hosts), target, RunOptions())
+    assert (job.split, len(job.model_paths), getattr(job, "tp", 1)) == ([3, 3], 2, 1)
+
+
+# --- Doctor: a group over TCP -------------------------------------------------------------------------
+
+
+def hostfile(machines: list[str], backend: str = "ring") -> Any:
+    data = {"backend": backend, "hosts": [{"ssh": m, "ips": [f"10.0.0.{i}"]} for i, m in enumerate(machines)]}
+    return parse_hostfile(data, Path("h.json"))
+
+
+@pytest.mark.parametrize(("machines", "backend", "statuses"), [
+    (["a", "b", "c", "d"], "ring", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "mpi", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "jaccl", ["ok", "ok"]),
+    (["a", "a", "b", "b"], "ring", ["ok", "ok"]),  # each group on one machine; the pipeline crosses the link
+    (["127.0.0.1"] * 4, "ring", ["ok", "ok"]),
+])
+def test_doctor_warns_on_groups_over_tcp(machines: list[str], backend: str, statuses: list[str]) -> None:
+    checks = tp_link_checks(hostfile(machines, backend), 2, backend)
+    assert [(c.check, c.ranks, c.status) for c in checks] == [
+        ("tp links", (0, 1), statuses[0]), ("tp links", (2, 3), statuses[1])]
+    for c in checks:
+        assert (c.fix is not None and "JACCL" in c.fix and "mlx.distributed_config" in c.fix) == (c.status == "warn")
+    assert tp_link_checks(hostfile(machines, backend), 1, backend) == []
+
+
+def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke("doctor", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
+    assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
+    assert "one machine" in links[0]["detail"]
