@@ -19,6 +19,10 @@ neighbours, in MLX's own ``send``/``recv`` (never a transport of ours):
   for T = 2, the two members swap their partials and each adds them in the
   same order (``a + b`` is bitwise ``b + a``), so both hold the same bits; for
   T > 2 the partial sum runs down the chain to member 0 and the total back up.
+  A rank sends to its right neighbour only after hearing from it in the same
+  exchange: ring collectives of the world group (the ranks' agreement each
+  tick) read from the left neighbour, and a rank that left one early must not
+  write into it.
 
 The JACCL and MPI backends can split a group (``Group.split``); mlxpipe still
 uses the neighbour exchanges there, which every backend has.
@@ -83,15 +87,21 @@ class TensorGroup:
         return mx.distributed.recv_like(like, self.first + member, group=self.world)
 
     def _swap_sum(self, x: mx.array) -> mx.array:
-        """T = 2: member 0 sends then receives, member 1 receives then sends (never both waiting on a
-        full socket); each adds member 0's partial to member 1's."""
-        if self.index == 0:
-            sent = self._send(x, 1)
-            # The send is an input of the sum's first operand, so it runs before the receive.
-            return mx.depends(x, sent) + self._recv(x, 1)
-        received = self._recv(x, 0)
-        sent = self._send(mx.depends(x, received), 0)
-        return mx.depends(received + x, sent)
+        """T = 2: member 1 sends then receives, member 0 receives then sends (never both waiting on a full
+        socket); each adds member 0's partial to member 1's.
+
+        Member 0 sends (rightwards) only once member 1's partial has arrived: a rank that leaves a world
+        collective early must not write into a socket its right neighbour still reads the collective
+        from. Leftward sends are safe (the pipeline's hop has always relied on it).
+        """
+        if self.index == 1:
+            sent = self._send(x, 0)
+            # The send is an input of the sum's first operand, so it runs before the receive
+            # (x1 + x0 is bitwise x0 + x1: both members hold the same bits).
+            return mx.depends(x, sent) + self._recv(x, 0)
+        received = self._recv(x, 1)
+        sent = self._send(mx.depends(x, received), 1)
+        return mx.depends(x + received, sent)
 
     def _chain_sum(self, x: mx.array) -> mx.array:
         """T > 2: partial sums down the chain to member 0, ``(x_{T-1} + x_{T-2}) + ...``, the total back up."""
