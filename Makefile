@@ -40,6 +40,7 @@ bench: install demo-model
 	$(PY) bench/bench_throughput.py
 	$(PY) bench/bench_serve.py
 	$(PY) bench/bench_lora.py
+	$(PY) bench/bench_tp.py
 
 # docs/cli.md: every command's --help, generated from the app (tests/test_cli_help.py checks it).
 docs: install

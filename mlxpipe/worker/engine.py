@@ -51,6 +51,7 @@ from mlxpipe.model.facts import text_config_of
 from mlxpipe.request import Request
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.pipeline.cut import find_exchange
 from mlxpipe.worker.pipeline.stage import Exchange
@@ -90,16 +91,19 @@ class Engine:
         loaded, group = context.loaded, context.group
         self.context, self.reporter = context, reporter
         self.model = loaded.model
-        self.rank, self.size = group.rank(), group.size()
-        self.stage = self.size - 1 - self.rank  # the first stage is the highest rank
+        self.rank, self.size = group.rank(), group.size()  # in the world: rank 0 samples
+        # The pipeline's stages (a tensor-parallel group each, with --tp): stage 0 runs the last layers.
+        self.topology = loaded.topology or Topology(group, 1)
+        self.pipe_rank, self.pipe_size = self.topology.stage, self.topology.stages
+        self.stage = self.pipe_size - 1 - self.pipe_rank  # the schedule's stage: the first is the highest
         self.exchange: Exchange | None = find_exchange(self.model)
-        if self.size > 1 and self.exchange is None:
+        if self.pipe_size > 1 and self.exchange is None:
             raise UsageError(
                 "overlapped requests need the generic pipeline", hint="run without --pipeline native"
             )
         self.decode_batch = decode_batch_for(self.model, context.job, decode_batch)
         self.schedule = Schedule(
-            [], [], stages=self.size, slots=slots, prefill_step=context.job.prefill_step_size,
+            [], [], stages=self.pipe_size, slots=slots, prefill_step=context.job.prefill_step_size,
             eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch,
         )
         self.requests: list[Request] = []
@@ -296,13 +300,13 @@ class Engine:
             # with quantized caches decodes alone (its batch_key), so a group never needs it.
             maybe_quantize_kv_cache(cache, **self.requests[batch.request].kv_kwargs())
         state = [c.state for c in cache]
-        if self.rank > 0:
+        if self.pipe_rank > 0:
             assert self.exchange is not None and self.exchange.hidden_out is not None
             hidden_out = self.exchange.hidden_out
             mx.eval(hidden_out, state)
             sending = time.perf_counter()
             self.spent.compute += sending - tic
-            mx.eval(mx.distributed.send(hidden_out, self.rank - 1, group=self.context.group))
+            mx.eval(self.topology.send_down(hidden_out))
             self.spent.send += time.perf_counter() - sending
             return None
         if not batch.samples:
@@ -310,6 +314,12 @@ class Engine:
             self.spent.compute += time.perf_counter() - tic
             return None
         logits = logits[:, -1, :]
+        if not self.topology.samples:
+            # Another member of the first stage's tensor group: its share of the logits (the gather
+            # of the sliced vocabulary head) is needed; rank 0 samples.
+            mx.eval(logits, state)
+            self.spent.compute += time.perf_counter() - tic
+            return None
         sampled = mx.array([self._sample(index, logits[row : row + 1]) for row, index in enumerate(batch.requests)],
                            mx.int32)
         mx.eval(sampled, state)
@@ -354,12 +364,12 @@ class Engine:
         return self.constraints[index]
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
-        """Step 2: the hidden state of the next tick's micro-batch, from rank + 1."""
+        """Step 2: the hidden state of the next tick's micro-batch, from stage + 1."""
         if batch is None:
             return None
         tic = time.perf_counter()
         shape, dtype = self._incoming_shape(len(batch.requests), batch.width)
-        hidden = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.context.group)
+        hidden = self.topology.recv_up(shape, dtype)
         mx.eval(hidden)
         self.spent.recv += time.perf_counter() - tic
         return hidden

@@ -22,9 +22,11 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.pipeline.cut import learn_layouts, pipeline_generic, pipeline_native
 from mlxpipe.worker.pipeline.layers import check_supported, find_layers
+from mlxpipe.worker.tensor import shard_model
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
@@ -40,6 +42,8 @@ class LoadedModel:
     end: int
     load_seconds: float
     draft: nn.Module | None = None  # the whole draft model of speculative decoding, on every rank
+    topology: Topology | None = None  # this rank's stage and tensor group (None: built by hand, one stage)
+    sharding: str = "none"  # how the stage's layers were sliced across its tensor group (``tensor.shard_model``)
 
 
 class _LoadRecorder:
@@ -78,6 +82,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
     """Load, pipeline and evaluate this rank's part of the model."""
     tic = time.perf_counter()
     rank = group.rank()
+    topology = Topology(group, job.tp)
     path = Path(job.model_paths[rank]).expanduser()  # remote paths may start with ~
     if not (path / "config.json").is_file():
         raise ModelError(f"rank {rank}: no config.json in {path}")
@@ -90,15 +95,17 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         trust_remote_code=job.trust_remote_code,
     )
     model.__dict__.pop("load_weights", None)
-    if group.size() > 1:
+    if topology.stages > 1:
         try:
             check_groups(job.split, kv_sharing_groups(text_config_of(config)))
         except PlanError as e:
             raise ModelError(str(e), hint=e.hint) from e
+    # Sliced before the cut, lazily: the slices of the layers other stages run are never evaluated.
+    sharding = shard_model(model, topology)
     if job.mode == "native":
         start, end = pipeline_native(model, group, job.split)
     else:
-        start, end = pipeline_generic(model, group, job.split)
+        start, end = pipeline_generic(model, topology, job.split)
     if recorder.loaded is not None:
         # A custom model file (trust_remote_code) bypasses the recorder.
         check_weights_loaded(model, recorder, path)
@@ -106,7 +113,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         load_local_adapters(model, Path(job.adapter_path).expanduser(), start, end, rank)
     mx.eval(model.parameters())
     if job.mode != "native":
-        learn_layouts(model, group)
+        learn_layouts(model, topology)
     tokenizer = load_tokenizer(
         path,
         {"trust_remote_code": job.trust_remote_code},
@@ -114,7 +121,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
     )
     draft = load_draft(job.draft_paths[rank], tokenizer, rank) if job.draft_paths is not None else None
     barrier(group)
-    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft)
+    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft, topology, sharding)
 
 
 def load_draft(path_text: str, tokenizer: Any, rank: int) -> nn.Module:

@@ -227,7 +227,7 @@ class Server:
     def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
         """A batch or serve request's concurrency and requests per decode micro-batch."""
         decode_batch = int(request.get("decode_batch") or 1)
-        concurrency = int(request.get("concurrency") or self.group.size() * decode_batch)
+        concurrency = int(request.get("concurrency") or len(self.job.split) * decode_batch)  # one per stage
         if concurrency < 1 or decode_batch < 1:
             raise UsageError(f"concurrency and decode_batch must be at least 1, got {concurrency} and {decode_batch}")
         return concurrency, decode_batch

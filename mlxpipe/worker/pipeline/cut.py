@@ -11,6 +11,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.job import layer_range
 from mlxpipe.worker.pipeline.layers import blocks_of, check_supported, has_native_pipeline, model_type_of
 from mlxpipe.worker.pipeline.layout import _HEADER_BYTES, _PROBE_TOKENS
@@ -27,11 +28,15 @@ def check_split(split: list[int], num_layers: int, group_size: int) -> None:
         )
 
 
-def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
-    """Pipeline ``model`` in place for this rank; returns its ``[start, end)``."""
+def pipeline_generic(model: nn.Module, where: Any, split: list[int]) -> tuple[int, int]:
+    """Pipeline ``model`` in place for this rank's stage; returns its ``[start, end)``.
+
+    ``where`` is the rank's ``Topology`` (or, for a plain pipeline, its group).
+    """
+    topology = where if isinstance(where, Topology) else Topology(where, 1)
     check_supported(model)
     layers = blocks_of(model)
-    rank, size = group.rank(), group.size()
+    rank, size = topology.stage, topology.stages
     check_split(split, len(layers), size)
     start, end = layer_range(split, rank)
     if size == 1:
@@ -39,12 +44,12 @@ def pipeline_generic(model: nn.Module, group: Any, split: list[int]) -> tuple[in
     exchange = Exchange()
     for i, layer in enumerate(layers):
         stage = _Stage(
-            group=group,
+            topology=topology,
             index=i,
             local=start <= i < end,
             before_local=i < start,
-            recv_from=rank + 1 if i == start and rank < size - 1 else None,
-            send_to=rank - 1 if i == end - 1 and rank > 0 else None,
+            receives=i == start and rank < size - 1,
+            sends=i == end - 1 and rank > 0,
             gather=i == len(layers) - 1,
             exchange=exchange,
         )
@@ -99,26 +104,28 @@ def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int
     return inner.start_idx, inner.end_idx
 
 
-def learn_layouts(model: nn.Module, group: Any) -> None:
+def learn_layouts(model: nn.Module, where: Any) -> None:
     """Learn, once at load, what crosses each cut besides the hidden state.
 
-    Rank by rank from the first stage: a rank hears from rank + 1 what it will
+    Stage by stage from the first: a stage hears from stage + 1 what it will
     receive, runs its layers lazily on a few tokens (nothing is evaluated) to
-    see what its last layer returns, and tells rank - 1.
+    see what its last layer returns, and tells stage - 1. ``where``: the rank's
+    ``Topology`` (or its group, for a plain pipeline).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     exchange = find_exchange(model)
     if exchange is None:
         return
-    rank, size = group.rank(), group.size()
+    topology = where if isinstance(where, Topology) else Topology(where, 1)
+    rank, size = topology.stage, topology.stages
     if rank < size - 1:
-        header = mx.distributed.recv((_HEADER_BYTES,), mx.uint8, rank + 1, group=group, stream=mx.cpu)
+        header = topology.recv_up((_HEADER_BYTES,), mx.uint8, stream=mx.cpu)
         try:
             exchange.incoming_layout = json.loads(bytes(np.array(header)).rstrip(b"\0") or b"null")
         except ValueError:  # UnicodeDecodeError included: the ring hands over what it got
             # A peer that died before sending leaves garbage here: a consequence, not the root cause.
-            raise RuntimeError(f"no layout from rank {rank + 1}: connection to a peer was lost") from None
+            raise RuntimeError(f"no layout from stage {rank + 1}: connection to a peer was lost") from None
     exchange.probing = True
     try:
         model(mx.zeros((1, _PROBE_TOKENS), mx.int32), cache=make_prompt_cache(model))
@@ -130,4 +137,4 @@ def learn_layouts(model: nn.Module, group: Any) -> None:
         if len(text) > _HEADER_BYTES:
             raise ModelError("the blocks of this model return too many arrays to pipeline")
         data = mx.array(np.frombuffer(text.ljust(_HEADER_BYTES, b"\0"), dtype=np.uint8))
-        mx.eval(mx.distributed.send(data, rank - 1, group=group, stream=mx.cpu))
+        mx.eval(topology.send_down(data, stream=mx.cpu))

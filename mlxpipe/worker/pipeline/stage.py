@@ -1,7 +1,9 @@
 """The wrapper around each block of a cut model, and the hand-over of the hidden state at the cut.
 
 See the package docstring: stand-ins pass the hidden state through, the first
-local layer receives it from rank + 1, the last one sends it to rank - 1.
+local layer receives it from the stage before (stage + 1), the last one sends
+it to the next (stage - 1), through the rank's ``Topology`` (with tensor
+groups, over the neighbouring members).
 """
 
 from __future__ import annotations
@@ -73,14 +75,19 @@ class Exchange:
 class _Stage:
     """What one entry of the layers list does around (or instead of) its layer."""
 
-    group: Any
+    topology: Any  # the rank's ``worker.groups.Topology``
     index: int
     local: bool
     before_local: bool  # a stand-in for a layer before this rank's first
-    recv_from: int | None
-    send_to: int | None
+    receives: bool  # the first local layer of a stage after the first: from stage + 1
+    sends: bool  # the last local layer of a stage before the last: to stage - 1
     gather: bool
     exchange: Exchange
+
+    @property
+    def group(self) -> Any:
+        """The job's world group."""
+        return self.topology.world
 
 
 class _PipelineStage:
@@ -97,7 +104,7 @@ class _PipelineStage:
             if exchange.probing and _PROBE_TOKENS in x.shape:
                 exchange.token_axis = list(x.shape).index(_PROBE_TOKENS)
         cache = _find_cache(args, kwargs)
-        if stage.recv_from is not None and not exchange.probing:
+        if stage.receives and not exchange.probing:
             x, args, kwargs = _receive(stage, x, cache, args, kwargs)
         if stage.local:
             args, kwargs = _put_hidden(where, x, args, kwargs)
@@ -114,13 +121,14 @@ class _PipelineStage:
                 extras = _made_up_extras(exchange.incoming_layout, x)
             else:
                 extras = exchange.last_extras
-        if stage.send_to is not None:
+        if stage.sends:
             if exchange.probing:
                 exchange.outgoing_layout = _layout_of(out, extras)
             else:
                 out = _send(stage, out, extras, cache)
         if stage.gather and not exchange.explicit and not exchange.probing:
-            out = mx.distributed.all_gather(out, group=stage.group)[: out.shape[0]]
+            # Every rank keeps world rank 0's part: the same logits (and token) everywhere.
+            out = mx.distributed.all_gather(out, group=stage.topology.world)[: out.shape[0]]
         exchange.last_out, exchange.last_extras = out, extras
         return out if extras is None else (out, *extras)
 
@@ -138,7 +146,7 @@ def _split_output(layer: Any, out: Any) -> tuple[mx.array, tuple | None]:
 
 
 def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) -> tuple[mx.array, tuple, dict]:
-    """The first local layer's hidden state (and arguments) from rank + 1."""
+    """The first local layer's hidden state (and arguments) from stage + 1."""
     exchange = stage.exchange
     layout = exchange.incoming_layout
     like = x if layout is None else _packed_like(layout, x)
@@ -148,7 +156,7 @@ def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) 
         if received is None:
             return x, args, kwargs
     else:
-        received = mx.distributed.recv_like(like, stage.recv_from, group=stage.group)
+        received = stage.topology.recv_up_like(like)
         if cache is None:
             # Prefill evaluates only the caches: a receive no local cache
             # depends on would stay unread, and the next one would read it.
@@ -164,14 +172,14 @@ def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) 
 
 
 def _send(stage: _Stage, out: mx.array, extras: tuple | None, cache: Any) -> mx.array:
-    """Send what crosses the cut to rank - 1 (or leave it in ``hidden_out``); returns the hidden state."""
+    """Send what crosses the cut to stage - 1 (or leave it in ``hidden_out``); returns the hidden state."""
     exchange = stage.exchange
     layout = exchange.outgoing_layout
     message = out if layout is None else _pack(layout, out, extras)
     if exchange.explicit:
         exchange.hidden_out = message
         return out
-    sent = mx.distributed.send(message, stage.send_to, group=stage.group)
+    sent = stage.topology.send_down(message)
     if cache is not None:
         tie_into_cache(cache, sent)
     else:

@@ -1,0 +1,171 @@
+"""Tensor parallelism (``--tp``): single-stream decode and time to first token, ranks pinned one per core.
+
+Rows: single-process mlx-lm; mlxpipe's 2-stage pipeline; mlxpipe ``--tp 2``;
+mlx-lm's own ``model.shard(group)`` on the same 2 ranks (as mlx_lm.server runs
+under mlx.launch); then aggregate decode tok/s at concurrency 4 and 8 for the
+pipeline and ``--tp 2``. The ranks run this file as their driver under
+``mlx.launch`` (mlxpipe's worker code loads the ``JobSpec``, as the tests do),
+each pinned to its own core before MLX starts its threads.
+
+Goal (issue 22): ``--tp 2`` >= 1.5x single-process decode on 2 pinned ranks, ahead of mlx-lm's ``shard()``.
+
+    python bench/bench_tp.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from common import QWEN2_BENCH, QWEN2_LAYERS, REPO, build_qwen2, cpu_name, placement, rank_cores, run_pinned
+
+PROMPT = "Explain how tensor parallelism splits one transformer layer across two machines, step by step."
+
+
+# --- on the ranks (run under mlx.launch) ------------------------------------------------
+
+
+def _pin_self(ranks: int) -> None:
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    os.sched_setaffinity(0, {rank_cores(ranks)[rank]})  # before MLX starts its threads: they inherit it
+
+
+def _rank_main(spec: dict[str, Any]) -> None:
+    """One rank: load the job (or mlx-lm's shard()), run the single stream, then the batches; rank 0 prints."""
+    _pin_self(spec["ranks"])
+    sys.path.insert(0, str(REPO))
+    import mlx.core as mx
+
+    out: dict[str, Any] = {}
+    if spec["kind"] == "mlx_lm_shard":
+        from mlx_lm import load, stream_generate
+
+        group = mx.distributed.init(strict=True)
+        model, tokenizer = load(spec["model"], lazy=True)
+        model.shard(group)
+        mx.eval(model.parameters())
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        last = None
+        for _ in range(2):  # a warm-up, then the measured run
+            for last in stream_generate(model, tokenizer, prompt, max_tokens=spec["max_tokens"]):
+                pass
+        out["single"] = {"ttft": last.prompt_tokens / last.prompt_tps, "tps": last.generation_tps}
+    else:
+        from mlxpipe.request import Request
+        from mlxpipe.worker.job import JobSpec
+        from mlxpipe.worker.load import barrier, load_rank
+        from mlxpipe.worker.requests import Server, init_group
+
+        job = JobSpec(**spec["job"])
+        group = init_group(job.world_size)
+        loaded = load_rank(job, group)
+        server = Server(loaded, group, job, emit=lambda event, **fields: None)
+        request = Request(prompt=PROMPT, max_tokens=spec["max_tokens"])
+        server.generate(request)  # warm-up
+        done = server.generate(request)
+        if group.rank() == 0:
+            out["single"] = {"ttft": done.get("ttft"), "tps": done.get("generation_tps")}
+        for k in spec["concurrency"]:
+            wire = [{"prompt": f"{PROMPT} ({i})", "max_tokens": spec["max_tokens"]} for i in range(k)]
+            result = server.generate_batch({"type": "batch", "requests": wire, "concurrency": k, "decode_batch": k})
+            out[f"k{k}"] = result["generation_tokens"] / result["seconds"]
+        barrier(group)
+    if int(os.environ.get("MLX_RANK", "0")) == 0:
+        print("BENCH " + json.dumps(out), flush=True)
+
+
+# --- the controller ---------------------------------------------------------------------
+
+
+def _launch(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from fixtures.ranks import PYTHON, launch, local_hostfile
+
+    spec_file = tmp / f"{spec['name']}.json"
+    spec_file.write_text(json.dumps(spec))
+    result = launch(local_hostfile(spec["ranks"], tmp), [PYTHON, __file__, "--rank", str(spec_file)],
+                    timeout=1800.0)
+    for line in result.stdout.splitlines():
+        if "BENCH " in line:
+            return json.loads(line.split("BENCH ", 1)[1])
+    raise RuntimeError(f"{spec['name']}: no figures\n{result.describe()}")
+
+
+def _single_main(model: str, max_tokens: int) -> None:
+    from mlx_lm import load, stream_generate
+
+    model_, tokenizer = load(model)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    last = None
+    for _ in range(2):
+        for last in stream_generate(model_, tokenizer, prompt, max_tokens=max_tokens):
+            pass
+    print("BENCH " + json.dumps({"single": {"ttft": last.prompt_tokens / last.prompt_tps, "tps": last.generation_tps}}))
+
+
+def _job(model: Path, tmp: Path, split: list[int], tp: int) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from fixtures.ranks import rank_dirs
+
+    from mlxpipe.worker.job import JobSpec
+
+    dirs = rank_dirs(model, split, tmp / f"dirs-{'-'.join(map(str, split))}-tp{tp}")
+    return asdict(JobSpec([str(d) for d in dirs for _ in range(tp)], split, tp=tp))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer tokens (a smoke run)")
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    parser.add_argument("--single", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        return _rank_main(json.loads(Path(args.rank).read_text()))
+    if args.single:
+        return _single_main(args.single[0], int(args.single[1]))
+    layers = 8 if args.quick else QWEN2_LAYERS
+    max_tokens = 16 if args.quick else 64
+    concurrency = [4, 8]
+    with tempfile.TemporaryDirectory() as tmp_text:
+        tmp = Path(tmp_text)
+        model = build_qwen2(tmp / "qwen2", layers=layers)
+        rows: list[tuple[str, str, dict[str, Any]]] = []
+        single = run_pinned(__file__, ["--single", str(model), str(max_tokens)])
+        rows.append(("single process (mlx-lm)", placement(0),
+                     json.loads(single.stdout.split("BENCH ", 1)[1])))
+        half = [layers // 2, layers - layers // 2]
+        runs = [
+            ("mlxpipe 2-stage pipeline", {"kind": "mlxpipe", "job": _job(model, tmp, half, 1)}),
+            ("mlxpipe --tp 2", {"kind": "mlxpipe", "job": _job(model, tmp, [layers], 2)}),
+            ("mlx-lm shard() on 2 ranks", {"kind": "mlx_lm_shard", "model": str(model)}),
+        ]
+        for name, spec in runs:
+            spec.update(name=f"run{len(rows)}", ranks=2, max_tokens=max_tokens,
+                        concurrency=concurrency if spec["kind"] == "mlxpipe" else [])
+            rows.append((name, placement(2), _launch(spec, tmp)))
+    base = rows[0][2]["single"]["tps"]
+    print(f"\n## Tensor parallelism: single stream (qwen2 float32, {layers} layers, hidden "
+          f"{QWEN2_BENCH['hidden_size']}, {max_tokens} tokens)\n")
+    print("| setup | placement | TTFT (s) | decode tok/s | vs single |")
+    print("|---|---|---:|---:|---:|")
+    for name, where, figures in rows:
+        s = figures["single"]
+        print(f"| {name} | {where} | {s['ttft']:.3f} | {s['tps']:.2f} | {s['tps'] / base:.2f}x |")
+    print("\n## Aggregate decode tok/s (all requests' tokens / the batch's wall time)\n")
+    print("| setup | " + " | ".join(f"concurrency {k}" for k in concurrency) + " |")
+    print("|---|" + "---:|" * len(concurrency))
+    for name, _, figures in rows[1:3]:
+        print(f"| {name} | " + " | ".join(f"{figures[f'k{k}']:.2f}" for k in concurrency) + " |")
+    print(f"\nOne run each after a warm-up; ranks on loopback (ring), each pinned to a core of its own; {cpu_name()}, "
+          f"{os.cpu_count()} CPUs. Goal: --tp 2 >= 1.5x single process, ahead of mlx-lm's shard().")
+
+
+if __name__ == "__main__":
+    main()

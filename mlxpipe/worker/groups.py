@@ -1,0 +1,189 @@
+"""Where a rank stands: its pipeline stage, its tensor-parallel group, and the exchanges between them.
+
+With ``--tp T`` the job's ranks, in order, form groups of T consecutive ranks;
+group g (ranks ``g*T .. g*T+T-1``) is pipeline stage g. As in mlx-lm, stage 0
+runs the last layers and the vocabulary head, the highest stage the first
+layers. T = 1 is the plain pipeline (a stage is one rank).
+
+MLX's ring backend has no ``Group.split`` and its ``send``/``recv`` only reach
+the direct neighbours in the ring (r ± 1), so every exchange here is between
+neighbours, in MLX's own ``send``/``recv`` (never a transport of ours):
+
+* the pipeline hop from stage g+1 to stage g goes from rank ``(g+1)*T`` to its
+  neighbour ``(g+1)*T - 1`` (the last member of stage g), and inside stage g
+  the hidden state is passed on down the chain of members to member 0: every
+  member of a stage receives from ``rank + 1``, members other than 0 forward
+  to ``rank - 1``, and only member 0 sends on to the next stage;
+* inside a group, ``TensorGroup.all_sum`` adds the members' partial sums. With
+  one stage the group is the world and MLX's own ``all_sum`` does it. Else,
+  for T = 2, the two members swap their partials and each adds them in the
+  same order (``a + b`` is bitwise ``b + a``), so both hold the same bits; for
+  T > 2 the partial sum runs down the chain to member 0 and the total back up.
+  A rank sends to its right neighbour only after hearing from it in the same
+  exchange: ring collectives of the world group (the ranks' agreement each
+  tick) read from the left neighbour, and a rank that left one early must not
+  write into it.
+
+The JACCL and MPI backends can split a group (``Group.split``); mlxpipe still
+uses the neighbour exchanges there, which every backend has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxpipe.errors import UsageError
+
+
+class TensorGroup:
+    """The members of one stage, as the sharded layers reduce and gather across them.
+
+    It answers ``size()`` and ``rank()`` like an MLX group, so mlx-lm's
+    ``shard()`` and mlx's ``shard_linear`` can slice weights for it.
+    """
+
+    def __init__(self, world: Any, tp: int) -> None:
+        self.world, self.tp = world, tp
+        self.first = (world.rank() // tp) * tp  # the world rank of member 0
+        self.index = world.rank() - self.first
+        self.whole_world = tp == world.size()  # pure tensor parallelism: MLX's collectives do it
+
+    def size(self) -> int:
+        """The number of members."""
+        return self.tp
+
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self.index
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        """The sum of every member's ``x``, the same bits on every member."""
+        if self.tp == 1:
+            return x
+        if self.whole_world:
+            return mx.distributed.all_sum(x, group=self.world)
+        if self.tp == 2:
+            return self._swap_sum(x)
+        return self._chain_sum(x)
+
+    def all_gather(self, x: mx.array, axis: int = -1) -> mx.array:
+        """Every member's ``x`` joined along ``axis`` in member order."""
+        if self.tp == 1:
+            return x
+        if self.whole_world:
+            parts = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
+        else:
+            parts = self._chain_gather(x)
+        return mx.concatenate([parts[i] for i in range(self.tp)], axis=axis)
+
+    # --- neighbour exchanges ---------------------------------------------------------
+
+    def _send(self, x: mx.array, member: int) -> mx.array:
+        return mx.distributed.send(x, self.first + member, group=self.world)
+
+    def _recv(self, like: mx.array, member: int) -> mx.array:
+        return mx.distributed.recv_like(like, self.first + member, group=self.world)
+
+    def _swap_sum(self, x: mx.array) -> mx.array:
+        """T = 2: member 1 sends then receives, member 0 receives then sends (never both waiting on a full
+        socket); each adds member 0's partial to member 1's.
+
+        Member 0 sends (rightwards) only once member 1's partial has arrived: a rank that leaves a world
+        collective early must not write into a socket its right neighbour still reads the collective
+        from. Leftward sends are safe (the pipeline's hop has always relied on it).
+        """
+        if self.index == 1:
+            sent = self._send(x, 0)
+            # The send is an input of the sum's first operand, so it runs before the receive
+            # (x1 + x0 is bitwise x0 + x1: both members hold the same bits).
+            return mx.depends(x, sent) + self._recv(x, 0)
+        received = self._recv(x, 1)
+        sent = self._send(mx.depends(x, received), 1)
+        return mx.depends(x + received, sent)
+
+    def _chain_sum(self, x: mx.array) -> mx.array:
+        """T > 2: partial sums down the chain to member 0, ``(x_{T-1} + x_{T-2}) + ...``, the total back up."""
+        last = self.tp - 1
+        partial = x
+        if self.index < last:
+            partial = self._recv(x, self.index + 1) + x
+        if self.index == 0:
+            total = partial
+        else:
+            sent = self._send(partial, self.index - 1)
+            total = mx.depends(self._recv(x, self.index - 1), sent)
+        if self.index < last:
+            total = mx.depends(total, self._send(total, self.index + 1))
+        return total
+
+    def _chain_gather(self, x: mx.array) -> mx.array:
+        """Every member's ``x`` stacked on a new first axis, along the chain: down to member 0, then back up."""
+        last = self.tp - 1
+        below = mx.expand_dims(x, 0)  # members index .. T-1
+        if self.index < last:
+            upper = mx.distributed.recv(
+                (last - self.index, *x.shape), x.dtype, self.first + self.index + 1, group=self.world
+            )
+            below = mx.concatenate([below, upper])
+        if self.index == 0:
+            every = below
+        else:
+            sent = self._send(below, self.index - 1)
+            every = mx.distributed.recv(
+                (self.tp, *x.shape), x.dtype, self.first + self.index - 1, group=self.world
+            )
+            every = mx.depends(every, sent)
+        if self.index < last:
+            every = mx.depends(every, self._send(every, self.index + 1))
+        return every
+
+
+class Topology:
+    """One rank's place in a job of ``world.size()`` ranks with tensor-parallel groups of ``tp``."""
+
+    def __init__(self, world: Any, tp: int = 1) -> None:
+        size = world.size()
+        if tp < 1 or size % tp:
+            raise UsageError(f"--tp {tp} does not divide the job's {size} ranks into groups")
+        self.world, self.tp = world, tp
+        self.rank, self.size = world.rank(), size
+        self.stage, self.tp_index = self.rank // tp, self.rank % tp
+        self.stages = size // tp
+        self.tensor = TensorGroup(world, tp)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds a slice of its stage's layers (tp > 1)."""
+        return self.tp > 1
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples the tokens (world rank 0, member 0 of stage 0)."""
+        return self.rank == 0
+
+    def send_down(self, x: mx.array, stream: Any = None) -> mx.array:
+        """Send ``x`` to the next stage (stage - 1): member 0 sends to its neighbour, the next stage's last
+        member; the other members send nothing (``x`` itself comes back)."""
+        if self.tp_index != 0:
+            return x
+        return mx.distributed.send(x, self.rank - 1, group=self.world, stream=stream)
+
+    def recv_up(self, shape: tuple[int, ...], dtype: Any, stream: Any = None) -> mx.array:
+        """What the previous stage (stage + 1) sent, on every member: received from ``rank + 1`` (the
+        previous stage's member 0, or this stage's next member) and passed on to ``rank - 1``."""
+        received = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.world, stream=stream)
+        if self.tp_index == 0:
+            return received
+        forwarded = mx.distributed.send(received, self.rank - 1, group=self.world, stream=stream)
+        return mx.depends(received, forwarded)
+
+    def recv_up_like(self, like: mx.array) -> mx.array:
+        """``recv_up`` of an array shaped like ``like``."""
+        return self.recv_up(tuple(like.shape), like.dtype)
+
+
+def single_topology() -> Topology:
+    """The topology of a lone rank (tests, tools that pipeline nothing)."""
+    return Topology(mx.distributed.init(), 1)

@@ -1,0 +1,68 @@
+"""The row-parallel layers' reduction over a stage's own tensor group (a pipeline of several stages).
+
+mlx's ``ShardedToAllLinear`` sums its partial outputs with
+``mx.distributed.all_sum`` over an MLX group; inside a pipeline the group is
+one stage's members, which the ring backend cannot split off the world. The
+layers keep their class's behaviour with the group's neighbour exchange
+(``TensorGroup.all_sum``) as the sum.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
+
+from mlxpipe.worker.groups import TensorGroup
+
+
+class GroupShardedToAllLinear(ShardedToAllLinear):
+    """``ShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
+
+    group: TensorGroup
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.group.all_sum(x @ self["weight"].T)
+        return x + self["bias"] if "bias" in self else x
+
+
+class GroupQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    """``QuantizedShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
+
+    group: TensorGroup
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = mx.quantized_matmul(
+            x, self["weight"], scales=self["scales"], biases=self.get("biases"), transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"),
+        )
+        x = self.group.all_sum(x)
+        return x + self["bias"] if "bias" in self else x
+
+
+_REPLACEMENTS = {ShardedToAllLinear: GroupShardedToAllLinear,
+                 QuantizedShardedToAllLinear: GroupQuantizedShardedToAllLinear}
+
+
+def group_reductions(model: nn.Module, tensor: TensorGroup) -> None:
+    """Make every row-parallel layer of ``model`` sliced for ``tensor`` sum over it."""
+    for _, module in model.named_modules():
+        replacement = _REPLACEMENTS.get(type(module))
+        if replacement is not None and getattr(module, "group", None) is tensor:
+            module.__class__ = replacement
+
+
+def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
+    """Modules other than sharded linears that hold ``tensor`` as an MLX group (an MoE block's
+    ``sharding_group``, say): they would hand it to ``mx.distributed`` itself."""
+    stray = []
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("mlx.nn.layers.distributed") or isinstance(
+            module, (GroupShardedToAllLinear, GroupQuantizedShardedToAllLinear)
+        ):
+            continue
+        if any(value is tensor for value in vars(module).values()) or any(
+            module.get(k) is tensor for k in module.keys()
+        ):
+            stray.append(name or "the model")
+    return stray
