@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any

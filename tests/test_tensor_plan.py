@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
 from mlxpipe.cluster.doctor import tp_link_checks
-from mlxpipe.cluster.hostfile import Host, load_hostfile, parse_hostfile
+from mlxpipe.cluster.hostfile import parse_hostfile
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD
 from mlxpipe.plan.shard import make_plan
