@@ -31,8 +31,9 @@ from mlxpipe.launch.supervisor import HEARTBEAT_SECONDS
 START_TIMEOUT_SECONDS = 45.0
 # How long to keep collecting failures after the first, looking for the root cause.
 ROOT_CAUSE_GRACE_SECONDS = 2.0
-# mlx.launch logs a rank's exit before it forwards that rank's last output.
-EXIT_GRACE_SECONDS = 1.5
+# mlx.launch logs a rank's exit before it forwards that rank's last output; on a loaded machine
+# (mlx.launch is reniced) that output can pause for seconds (1.5 s failed a 3-rank flood at load 20).
+EXIT_GRACE_SECONDS = 5.0
 _LOST_HINT = "run it again; if it recurs, report it with the run's logs"
 # What a rank reports when a *peer* died or its link broke: a consequence, not a root cause.
 COMM_ERROR = re.compile(
