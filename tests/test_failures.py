@@ -29,7 +29,7 @@ from fixtures.cluster import Cluster
 from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
-from mlxpipe.launch.failures import FailureTracker
+from mlxpipe.launch.failures import EXIT_GRACE_SECONDS, FailureTracker
 from mlxpipe.launch.pipeline import Pipeline, Request, request_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -461,7 +461,7 @@ def test_an_exit_is_judged_once_the_ranks_output_has_arrived(streaming: bool, tm
     clock = FakeClock()
     tracker = FailureTracker(_hostfile(tmp_path, [LOCAL, LOCAL]), lease=30.0, clock=clock)
     tracker.record({"event": "_node_exit", "rank": 1, "line": "Node with rank 1 completed", "code": None})
-    for clock.now in (1.0, 2.0, 3.0):  # past the grace: its events are still being read, or not
+    for clock.now in (1.0, EXIT_GRACE_SECONDS, 2 * EXIT_GRACE_SECONDS):  # past the grace: still being read, or not
         if streaming:
             tracker.heard(1, clock.now)
         tracker.check_liveness(timeout=60.0, last_progress=clock.now)
