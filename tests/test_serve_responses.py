@@ -187,3 +187,47 @@ def test_the_store_is_bounded_in_number_and_time() -> None:
     assert (store.get("a"), len(store)) == (None, 2)  # the oldest went
     now[0] = 11
     assert store.get("b") is None and store.get("c") is None  # expired
+
+
+# --- no body can break either door ---------------------------------------------------------------------------------
+
+_JUNK: list[Any] = [None, True, 0, -1, 2**70, 1e308, "", "x" * 300, [], [1], {}, {"a": 1}, [[]], {"type": []},
+                    [{"type": ["text"]}], [{"type": "text", "text": 3}], [{"role": ["user"], "content": "hi"}],
+                    [{"type": "function_call"}], [{"type": "tool_result", "content": [{"type": {}}]}],
+                    {"type": "tool", "name": ["x"]}, [{"type": "tool_use", "input": []}]]
+_MESSAGES_FIELDS = ["model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                    "tools", "tool_choice", "stream", "seed", "chat_template_kwargs"]
+_RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                     "tool_choice", "stream", "store", "previous_response_id", "text", "top_logprobs", "metadata"]
+
+
+def _fuzz(count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    import random
+
+    rng = random.Random(seed)
+    bodies = []
+    for i in range(count):
+        if i % 2:
+            body: dict[str, Any] = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+            fields, path = _MESSAGES_FIELDS, "/v1/messages"
+        else:
+            body, fields, path = {"input": "hi", "max_output_tokens": 5}, _RESPONSES_FIELDS, "/v1/responses"
+        for name in rng.sample(fields, rng.randint(1, 3)):
+            body[name] = rng.choice(_JUNK)
+        bodies.append((path, body))
+    return bodies
+
+
+def test_no_body_breaks_either_door(scripted: tuple[openai.OpenAI, ScriptedEngine]) -> None:
+    """Hundreds of malformed bodies through the real doors: each a 4xx in its API's shape or a 200, never a 5xx."""
+    http: TestClient = scripted[0]._client  # the TestClient the SDK was given
+    statuses = []
+    for path, body in _fuzz(400, seed=23):
+        response = http.post(path, json=body, headers={"x-api-key": KEY})
+        statuses.append(response.status_code)
+        assert response.status_code < 500, f"{path} {json.dumps(body)[:300]} -> {response.text[:300]}"
+        if response.status_code >= 400:
+            error = response.json()
+            message = error["error"]["message"]
+            assert message and (error.get("type") == "error") == (path == "/v1/messages"), error
+    assert statuses.count(200) > 5 and statuses.count(400) > 200  # the legal ones ran too

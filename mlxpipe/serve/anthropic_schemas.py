@@ -88,7 +88,7 @@ def _texts(blocks: list[Any], where: str) -> str:
     """The text of a list of blocks that may hold only text."""
     texts = []
     for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         if kind in _MEDIA:
             raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
         if kind != "text" or not isinstance(block.get("text"), str):
@@ -111,7 +111,7 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind in _MEDIA:
@@ -161,7 +161,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where)
-        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+        if _kind(tool, "custom") != "custom" or "input_schema" not in tool:
             raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema'; server tools "
                                 f"({str(tool.get('type'))[:40]}) are not run by this server", param=where)
         out.append(bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
@@ -173,15 +173,21 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> st
     choice = field(body, "tool_choice", dict)
     if choice is None:
         return None
-    kind = choice.get("type")
+    kind = _kind(choice)
     if kind not in ("auto", "any", "tool", "none"):
         raise ApiError(400, "'tool_choice.type' must be auto, any, tool or none", param="tool_choice.type")
     if kind == "tool":
         name = choice.get("name")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
+        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
                            param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}
     if kind == "any":
         return "required"  # the templates that know tool_choice know OpenAI's words
     return kind
+
+
+def _kind(block: Any, default: str | None = None) -> str | None:
+    """A block's ``type`` when it is a string (anything else matches no type)."""
+    kind = block.get("type", default) if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None

@@ -103,7 +103,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     names: dict[str, str] = {}
     for i, item in enumerate(value):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = _kind(item, "message")
         if kind == "message":
             out.append(_message(item, where))
         elif kind == "function_call":
@@ -139,7 +139,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
     if role is None:
         raise ApiError(400, f"'{where}.role' must be user, assistant, system or developer", param=f"{where}.role")
     content = item.get("content")
@@ -153,7 +153,7 @@ def _parts(parts: Any, where: str) -> str:
         raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where)
     texts = []
     for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = _kind(part)
         if kind in _MEDIA:
             raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
@@ -178,8 +178,8 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = _kind(tool)
+        if kind != "function":
             raise ApiError(400, f"'{where}' must be a function tool; built-in tools ({str(kind)[:40]}) are not "
                                 "run by this server", param=where)
         out.append(bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
@@ -188,13 +188,19 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
     choice = body.get("tool_choice")
-    if choice is None or choice in ("auto", "none", "required"):
+    if choice is None or (isinstance(choice, str) and choice in ("auto", "none", "required")):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
+        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
                            param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}
     raise ApiError(400, "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
                    param="tool_choice")
+
+
+def _kind(block: Any, default: str | None = None) -> str | None:
+    """A block's ``type`` when it is a string (anything else matches no type)."""
+    kind = block.get("type", default) if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None
