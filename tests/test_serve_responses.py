@@ -24,7 +24,7 @@ from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.responses_store import ResponseStore
 
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -57,9 +57,9 @@ def test_a_response_is_token_identical_to_mlx_lm(client: openai.OpenAI, demo_mod
 
 @pytest.mark.ranks
 def test_a_streamed_response_has_the_responses_events(client: openai.OpenAI, demo_model: Path) -> None:
-    text, tokens = greedy(demo_model, _user("Say hello."), 40)
+    text, tokens = greedy(demo_model, _user("Hi"), 12)
     assert is_eos(demo_model, tokens[-1])  # a reply that ends by itself: response.completed
-    with client.responses.stream(model=str(demo_model), input="Say hello.", max_output_tokens=40,
+    with client.responses.stream(model=str(demo_model), input="Hi", max_output_tokens=12,
                                  temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
