@@ -6,6 +6,7 @@ alone on the same input. Tool calls the model writes are checked over a scripted
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -96,3 +97,26 @@ def test_a_tool_call_comes_back_in_the_message(scripted: ollama.Client) -> None:
                           tools=[WEATHER_FUNCTION])
     (call,) = reply.message.tool_calls
     assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+@pytest.mark.ranks
+def test_every_door_at_once_gives_mlx_lms_tokens(server: ServeProcess, client: ollama.Client,
+                                                 demo_model: Path) -> None:
+    """The same question through the Anthropic, Responses and Ollama doors at once (batched on the ranks)."""
+    import anthropic
+    import openai
+
+    question = "Name a fruit."
+    text, _ = greedy(demo_model, [{"role": "user", "content": question}], MAX_TOKENS)
+    claude = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
+    gpt = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    asks = [
+        lambda: claude.messages.create(model=str(demo_model), max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+                                       messages=[{"role": "user", "content": question}]).content[0].text,
+        lambda: gpt.responses.create(model=str(demo_model), input=question, max_output_tokens=MAX_TOKENS,
+                                     temperature=0).output_text,
+        lambda: client.chat(model=str(demo_model), messages=[{"role": "user", "content": question}],
+                            options=GREEDY).message.content,
+    ]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        assert list(pool.map(lambda ask: ask(), asks)) == [text] * len(asks)

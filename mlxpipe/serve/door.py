@@ -1,8 +1,9 @@
 """What every API door of ``mlxpipe serve`` shares: the server's settings, the gate, errors, clients that leave.
 
-A door (``openai_api`` today) turns one HTTP dialect into ``mlxpipe.request.Request`` and the reply back into
-that dialect's shapes; everything here is the same whatever the dialect: the API key, the body-size limit, the
-room for one more request (admission), how a failure maps to a status, and a client that goes away. Errors are
+A door (``openai_api``, ``anthropic_api``, ``responses_api``, ``ollama_api``) turns one HTTP dialect into
+``mlxpipe.request.Request`` and the reply back into that dialect's shapes; everything here is the same whatever
+the dialect: the API key (as a bearer token or ``x-api-key``), the body-size limit, the room for one more request
+(admission), how a failure maps to a status, and a client that goes away. Errors are
 ``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own.
 """
 

@@ -22,7 +22,7 @@ from mlxpipe.serve.text import Delta, Reply
 
 
 async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: Request, job: Job,
-                stops: list[str]) -> "Generation":
+                stops: list[str]) -> Generation:
     """``job`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
     503, a request a rank refused) or ``ClientGone``. Nothing is sent to the client before this returns, so a
     request that waited for the ranks and gave up is a plain error in its door's shape."""

@@ -134,9 +134,10 @@ class _Run:
         if self.generation.error is not None:
             yield self.reply.event("error", **shapes.error_event(failure(self.generation.error)))
             return
-        for line in self.reply.closing(self.status, self.generation):
+        closing = self.reply.closing(self.status, self.generation)
+        self._keep(self.reply.body(self.status, self.generation))  # kept before the client may leave
+        for line in closing:
             yield line
-        self._keep(self.reply.body(self.status, self.generation))
 
     def _keep(self, body: dict[str, Any]) -> None:
         """The conversation so far, its reply appended as the template reads it, for ``previous_response_id``."""
