@@ -179,14 +179,19 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
     assert engine.jobs[-1].tokens == expected
 
 
-def test_the_store_is_bounded_in_number_and_time() -> None:
+def test_the_store_is_bounded_in_number_bytes_and_time() -> None:
     now = [0.0]
-    store = ResponseStore(capacity=2, ttl=10, clock=lambda: now[0])
+    store = ResponseStore(capacity=2, ttl=10, max_bytes=1000, clock=lambda: now[0])
     for name in "abc":
         store.put(name, [], {})
     assert (store.get("a"), len(store)) == (None, 2)  # the oldest went
     now[0] = 11
     assert store.get("b") is None and store.get("c") is None  # expired
+    by_size = ResponseStore(capacity=10, max_bytes=1000)
+    for name in "bc":
+        by_size.put(name, [], {})
+    by_size.put("big", [{"content": "x" * 990}], {})
+    assert (by_size.get("b"), by_size.get("c"), len(by_size)) == (None, None, 1)  # over 1000 bytes: the others went
 
 
 # --- no body can break either door ---------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Streaming with the Responses API's events, or one ``response`` object (``respons
 package's ``client.responses`` works unchanged; errors in OpenAI's error shape naming the field
 (``responses_schemas``). Tool calls the model writes come back as ``function_call`` items, parsed with mlx-lm's
 tool parser as the chat door parses them. A completed response is kept (``store``, true by default) in a
-bounded in-memory store (``responses_store``: the last 256, for an hour) for ``previous_response_id``.
+bounded in-memory store (``responses_store``: the last 256, at most 256 MiB, each for an hour) for
+``previous_response_id``.
 """
 
 from __future__ import annotations

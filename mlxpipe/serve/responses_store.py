@@ -3,12 +3,13 @@
 A stored response keeps its conversation as chat messages (its input, the input of the responses it followed,
 and its own output), so a follow-up is that conversation plus its new input: the same tokens as before, then the
 new turn, and the ranks' prompt cache (mlx-lm's ``LRUPromptCache``) prefills only the new turn. The store holds
-at most ``DEFAULT_CAPACITY`` responses (the least recently used goes first) for at most ``DEFAULT_TTL_SECONDS``
-each; it lives in the server process and ends with it.
+at most ``DEFAULT_CAPACITY`` responses and ``DEFAULT_MAX_BYTES`` of them (as JSON; the least recently used goes
+first) for at most ``DEFAULT_TTL_SECONDS`` each; it lives in the server process and ends with it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any, Callable
 
 DEFAULT_CAPACITY = 256
 DEFAULT_TTL_SECONDS = 3600.0
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # long agent conversations, 256 of them, stay far below
 
 
 @dataclass(frozen=True)
@@ -25,22 +27,27 @@ class Stored:
     messages: list[dict[str, Any]]
     body: dict[str, Any]
     expires: float
+    size: int  # bytes, as JSON
 
 
 class ResponseStore:
-    """At most ``capacity`` responses, each for ``ttl`` seconds; ``clock`` is passed in to be tested."""
+    """At most ``capacity`` responses and ``max_bytes`` of them, each for ``ttl`` seconds; ``clock`` is passed in
+    to be tested."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, ttl: float = DEFAULT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity, self.ttl, self._clock = capacity, ttl, clock
+                 max_bytes: int = DEFAULT_MAX_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity, self.ttl, self.max_bytes, self._clock = capacity, ttl, max_bytes, clock
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._bytes = 0
 
     def put(self, response_id: str, messages: list[dict[str, Any]], body: dict[str, Any]) -> None:
-        """Keep a response (the oldest goes when the store is full)."""
-        self._items[response_id] = Stored(messages, body, self._clock() + self.ttl)
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        """Keep a response (the least recently used go while the store is over its bounds)."""
+        self.delete(response_id)
+        size = len(json.dumps(messages)) + len(json.dumps(body))
+        self._items[response_id] = Stored(messages, body, self._clock() + self.ttl, size)
+        self._bytes += size
+        while len(self._items) > self.capacity or (self._bytes > self.max_bytes and len(self._items) > 1):
+            self._bytes -= self._items.popitem(last=False)[1].size
 
     def get(self, response_id: str) -> Stored | None:
         """A response still kept, or None (never stored, expired or pushed out)."""
@@ -48,14 +55,18 @@ class ResponseStore:
         if stored is None:
             return None
         if stored.expires <= self._clock():
-            del self._items[response_id]
+            self.delete(response_id)
             return None
         self._items.move_to_end(response_id)
         return stored
 
     def delete(self, response_id: str) -> bool:
         """Forget a response; False when it was not kept."""
-        return self._items.pop(response_id, None) is not None
+        stored = self._items.pop(response_id, None)
+        if stored is None:
+            return False
+        self._bytes -= stored.size
+        return True
 
     def __len__(self) -> int:
         return len(self._items)
