@@ -2,7 +2,8 @@
 cluster's page (``cluster_view``), unknown routes.
 
 Each door is a module of its own that turns one HTTP dialect into requests for the engine and the replies back
-(``openai_api`` today: OpenAI's chat completions and completions); what every door shares (the API key, the
+(``openai_api``: OpenAI's chat completions and completions; ``anthropic_api``: Anthropic's Messages;
+``responses_api``: OpenAI's Responses; ``ollama_api``: Ollama's); what every door shares (the API key, the
 body-size limit, admission, failures, clients that go away) is ``door``. No body can break the server: a door
 checks every field before anything reaches a rank, and a failure of one request ends that request alone.
 """
@@ -16,11 +17,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxpipe.serve.anthropic_api import AnthropicApi
 from mlxpipe.serve.cluster_view import ClusterView, page_routes
 from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.ollama_api import OllamaApi
 from mlxpipe.serve.openai_api import OpenAIApi
 from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.responses_api import ResponsesApi
 
 
 def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
@@ -37,7 +41,9 @@ def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    routes = [Route("/health", health, methods=["GET"]), *OpenAIApi(engine, tokenizer, settings, log).routes()]
+    doors = [OpenAIApi(engine, tokenizer, settings, log), AnthropicApi(engine, tokenizer, settings, log),
+             ResponsesApi(engine, tokenizer, settings, log), OllamaApi(engine, tokenizer, settings, log)]
+    routes = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
     view = ClusterView(engine, log, settings.model_id)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)

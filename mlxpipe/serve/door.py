@@ -1,8 +1,9 @@
 """What every API door of ``mlxpipe serve`` shares: the server's settings, the gate, errors, clients that leave.
 
-A door (``openai_api`` today) turns one HTTP dialect into ``mlxpipe.request.Request`` and the reply back into
-that dialect's shapes; everything here is the same whatever the dialect: the API key, the body-size limit, the
-room for one more request (admission), how a failure maps to a status, and a client that goes away. Errors are
+A door (``openai_api``, ``anthropic_api``, ``responses_api``, ``ollama_api``) turns one HTTP dialect into
+``mlxpipe.request.Request`` and the reply back into that dialect's shapes; everything here is the same whatever
+the dialect: the API key (as a bearer token or ``x-api-key``), the body-size limit, the room for one more request
+(admission), how a failure maps to a status, and a client that goes away. Errors are
 ``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own.
 """
 
@@ -44,6 +45,10 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
+class ClientGone(Exception):
+    """The client went away before its reply began (answered with ``gone``)."""
+
+
 class ApiError(Exception):
     """An error response: its status, the field at fault (``param``) and a machine-readable ``code``."""
 
@@ -55,12 +60,17 @@ class ApiError(Exception):
 
 
 def authorize(request: Request, api_key: str | None) -> None:
-    """Nothing without ``--api-key``; else the request must bring it as ``Authorization: Bearer <key>``."""
+    """Nothing without ``--api-key``; else the request must bring it as ``Authorization: Bearer <key>`` (OpenAI's
+    clients) or ``x-api-key: <key>`` (Anthropic's), whatever the door."""
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+    bearer = request.headers.get("authorization", "")
+    header = request.headers.get("x-api-key", "")
+    # Both compared, always: the time taken says nothing about which header was close.
+    by_bearer = hmac.compare_digest(bearer.encode(), f"Bearer {api_key}".encode())
+    by_header = hmac.compare_digest(header.encode(), api_key.encode())
+    if not (by_bearer or by_header):
+        raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key> or x-api-key: <key>",
                        code="invalid_api_key", kind="authentication_error")
 
 

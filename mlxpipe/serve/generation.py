@@ -8,13 +8,42 @@ The door only shapes what it reads here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
+from starlette.requests import Request
+
 from mlxpipe import console
-from mlxpipe.errors import MlxpipeError, RequestFailed
+from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.serve.controller import Job, Outcome, RequestLog, Sampled, ServeEngine, Stream
+from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, until
 from mlxpipe.serve.text import Delta, Reply
+
+
+async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: Request, job: Job,
+                stops: list[str]) -> Generation:
+    """``job`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
+    503, a request a rank refused) or ``ClientGone``. Nothing is sent to the client before this returns, so a
+    request that waited for the ranks and gave up is a plain error in its door's shape."""
+    admit(engine)
+    try:
+        stream = engine.submit(job, asyncio.get_running_loop())
+    except UsageError as e:
+        raise ApiError(400, e.message) from None
+    except MlxpipeError as e:  # the pipeline gave up
+        raise failure(e) from None
+    generation = Generation(engine, tokenizer, log, job, stream, stops)
+    first = await until(stream.peek(), request)
+    if first is None:
+        generation.cancel()
+        generation.log("cancelled")
+        raise ClientGone()
+    if isinstance(first, Outcome) and first.error is not None:
+        generation.outcome = first
+        generation.log()
+        raise failure(first.error)
+    return generation
 
 
 class Generation:
@@ -101,6 +130,11 @@ class Generation:
         if reason == "stop" and self.reply.made_tool_call:
             return "tool_calls"
         return "length" if reason == "length" else "stop"
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the reply, if one did."""
+        return self.reply.stop_string
 
     @property
     def prompt_tokens(self) -> int:

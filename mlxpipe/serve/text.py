@@ -37,13 +37,15 @@ class StopFilter:
         self.stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's ``stop_sequence``)
 
     def feed(self, text: str) -> str:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         self._held += text
-        cut = min((i for i in (self._held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self._held.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             out, self._held, self.stopped = self._held[:cut], "", True
             return out
         safe = max(0, len(self._held) - (max(len(s) for s in self.stops) - 1))
@@ -72,6 +74,11 @@ class Reply:
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the reply, if one did."""
+        return self._stops.matched
 
     def add(self, token: int) -> Delta:
         """The reply's next token; the end-of-sequence token is not shown."""

@@ -1,0 +1,121 @@
+"""The Anthropic door of ``mlxpipe serve``: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Streaming with Anthropic's event sequence, or one ``message`` body (``anthropic_shapes``), so the ``anthropic``
+package and Claude-style agents work unchanged; the key comes as ``x-api-key`` (or ``Authorization: Bearer``);
+every error is in Anthropic's error shape, naming the field at fault (``anthropic_schemas`` checks every field
+before anything reaches a rank). Tool calls the model writes come back as ``tool_use`` blocks, parsed with
+mlx-lm's tool parser as the OpenAI door parses them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxpipe.errors import RequestFailed
+from mlxpipe.serve import anthropic_shapes as shapes
+from mlxpipe.serve.anthropic_schemas import Parsed, parse
+from mlxpipe.serve.controller import RequestLog, ServeEngine
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
+from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.text import tool_calls
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class AnthropicApi:
+    """The Anthropic Messages endpoints over one engine."""
+
+    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+
+    def routes(self) -> list[Route]:
+        """This door's routes."""
+        return [Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])]
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's tokens through the chat template, as ``messages`` would count them (nothing generated)."""
+        try:
+            authorize(request, self.settings.api_key)
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, counting=True)
+        except ApiError as e:
+            return shapes.error_response(e)
+        except ClientDisconnect:
+            return gone(request)
+        return JSONResponse({"input_tokens": len(parsed.job.tokens)})
+
+    async def messages(self, request: Request) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id)
+            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+        except ApiError as e:
+            return shapes.error_response(e)
+        except (ClientDisconnect, ClientGone):
+            return gone(request)
+        run = _Run(self, parsed, generation)
+        if parsed.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return await run.whole(request)
+
+
+class _Run:
+    """One request's reply in Anthropic's shapes."""
+
+    def __init__(self, api: AnthropicApi, parsed: Parsed, generation: Generation) -> None:
+        self.api, self.parsed, self.generation = api, parsed, generation
+        self.message = shapes.Message(f"msg_{uuid.uuid4().hex[:24]}", api.settings.model_id, generation.prompt_tokens)
+
+    def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        if not texts:
+            return []
+        try:
+            return tool_calls(self.api.tokenizer, texts, self.parsed.tools, False)
+        except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
+            raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
+
+    async def whole(self, request: Request) -> Response:
+        """The whole message as one body; a client that goes away before it is ready cancels it."""
+        collected = await until(self._collect(), request)
+        if collected is None:
+            return gone(request)
+        if collected is not True:
+            return shapes.error_response(failure(collected))
+        return JSONResponse(self.message.body(self.generation))
+
+    async def _collect(self) -> Any:
+        """True once the reply is in ``self.message``, else the error that ended it."""
+        deltas = self.generation.deltas()
+        try:
+            async for delta in deltas:
+                self.message.add(delta, self._calls(delta.tool_calls))
+        except RequestFailed as e:
+            await deltas.aclose()
+            return e
+        return self.generation.error or True
+
+    async def events(self) -> AsyncIterator[str]:
+        """The reply as Anthropic's events; an error after the first is an ``error`` event, the last."""
+        for line in self.message.opening():
+            yield line
+        deltas = self.generation.deltas()
+        try:
+            async for delta in deltas:
+                for line in self.message.add(delta, self._calls(delta.tool_calls)):
+                    yield line
+        except RequestFailed as e:
+            await deltas.aclose()
+            yield shapes.event(shapes.error_body(failure(e)))
+            return
+        if self.generation.error is not None:
+            yield shapes.event(shapes.error_body(failure(self.generation.error)))
+            return
+        for line in self.message.closing(self.generation):
+            yield line

@@ -1,0 +1,146 @@
+"""What the newer doors' body checks share: typed fields, sampling options over the server's, chat messages for
+the template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens and the context.
+
+Each door names the fields its own way (``messages[2].content[0]``, ``input[1].output``); every error here is an
+``ApiError`` naming that field, raised before anything reaches a rank.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import replace
+from typing import Any, Callable
+
+from mlxpipe.errors import UsageError
+from mlxpipe.prompts import prompt_tokens
+from mlxpipe.request import Request, RequestError
+from mlxpipe.serve.controller import Job
+from mlxpipe.serve.door import ApiError, ServerSettings
+
+MAX_TOOLS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000  # characters of one stop string
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", dict: "an object",
+               str: "a string"}
+
+
+def field(body: dict[str, Any], name: str, kinds: Any, default: Any = None, where: str = "") -> Any:
+    """``body[name]`` checked against ``kinds`` (bools are not numbers), or ``default`` when absent or null;
+    ``where`` prefixes the name in the error (``messages[0].``)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        names = " or ".join(_KIND_NAMES[t] for t in allowed)
+        raise ApiError(400, f"'{where}{name}' must be {names}, got {json.dumps(value)[:60]}", param=f"{where}{name}")
+    return value
+
+
+def check_model(body: dict[str, Any], settings: ServerSettings) -> None:
+    """A body naming another model than the one served is a 404 (as OpenAI's door answers it)."""
+    model = body.get("model")
+    if model is not None and model != settings.model_id:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {settings.model_id!r}",
+                       param="model", code="model_not_found")
+
+
+def _json_types(annotation: Any) -> Any:
+    """The JSON values a ``Request`` field takes: a float field takes integers too."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    kinds = [typing.get_origin(a) or a for a in args if a is not type(None)]
+    if kinds == [float]:
+        return (int, float)
+    (kind,) = kinds
+    return kind
+
+
+_HINTS = typing.get_type_hints(Request)
+
+
+def options(body: dict[str, Any], settings: ServerSettings, names: dict[str, str]) -> Request:
+    """The body's options (``names``: body field -> ``Request`` field) over the server's defaults, checked; errors
+    name the body's field."""
+    values = {}
+    for name, key in names.items():
+        value = field(body, name, _json_types(_HINTS[key]))
+        if value is not None:
+            values[key] = value
+    spelled = {key: name for name, key in names.items()}
+    try:
+        return replace(settings.defaults, **values).check(lambda key: f"'{spelled.get(key, key)}'",
+                                                          settings.vocab_size)
+    except RequestError as e:
+        raise ApiError(400, e.message, param=spelled.get(e.field, e.field)) from None
+
+
+def stops(body: dict[str, Any], name: str) -> list[str]:
+    """``body[name]``: a list of stop strings (a single string too), bounded."""
+    value = body.get(name)
+    if value is None:
+        return []
+    found = [value] if isinstance(value, str) else value
+    if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
+        raise ApiError(400, f"'{name}' must be a list of strings", param=name)
+    if len(found) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in found):
+        raise ApiError(400, f"'{name}' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                            "characters", param=name)
+    return [s for s in found if s]
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+    """A tool as chat templates (and mlx-lm's tool parsers) read it: OpenAI's function tool."""
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"'{where}.name' must be a non-empty string", param=f"{where}.name")
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"'{where}.description' must be a string", param=f"{where}.description")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ApiError(400, f"'{where}' needs its parameters' JSON schema as an object", param=where)
+    function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """An assistant message's tool call for the chat template: arguments as an object, as ``mlx_lm.server`` gives
+    them (templates write them with ``tojson``)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def image_refused(where: str, what: str) -> ApiError:
+    """Images, documents and files (``what``: "an image"...): text-only for now, and said so."""
+    return ApiError(400, f"'{where}' is {what}: this server takes text only (no images, documents or "
+                         "files yet); send the text instead", param=where)
+
+
+def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,
+               param: str) -> list[int]:
+    """The prompt's token ids through the chat template (``extra``: more template variables, such as
+    ``tool_choice``); a template that refuses the messages is a 400 naming ``param``."""
+    if extra:
+        request = replace(request, chat_template_config={**(request.chat_template_config or {}), **extra})
+    try:
+        tokens = prompt_tokens(tokenizer, request, tools)
+    except UsageError as e:
+        raise ApiError(400, e.message, param=param) from None
+    except Exception as e:  # noqa: BLE001 - a chat template that rejects these messages
+        raise ApiError(400, f"the chat template rejected '{param}': {e}", param=param) from None
+    if not tokens:
+        raise ApiError(400, "the prompt has no tokens", param=param)
+    return tokens
+
+
+def job_for(request: Request, tokens: list[int], settings: ServerSettings, param: str,
+            new_id: Callable[[], str]) -> Job:
+    """The job for the ranks: the prompt within the context, the reply bounded by what is left of it."""
+    if len(tokens) + 1 > settings.context:
+        raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
+                            f"{settings.context} tokens", param=param, code="context_length_exceeded")
+    max_tokens = min(request.max_tokens, settings.context - len(tokens))
+    # The ranks read token ids alone: the messages stay here.
+    return replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens, messages=None, prompt=None,
+                   prefill_response=None)

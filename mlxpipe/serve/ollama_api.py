@@ -1,0 +1,181 @@
+"""The Ollama door of ``mlxpipe serve``: ``POST /api/chat``, ``POST /api/generate``, ``GET /api/tags``,
+``POST /api/show``, ``GET /api/version``, for the desktop apps and tools that speak only Ollama's API.
+
+Replies stream as newline-delimited JSON (Ollama's default, ``"stream": true``) or come in one object; the last
+one has ``done``, ``done_reason`` (``stop`` / ``length``) and the counts (``prompt_eval_count``, ``eval_count``)
+with durations in nanoseconds. Tool calls the model writes come back as the message's ``tool_calls``, parsed with
+mlx-lm's tool parser. Errors are Ollama's ``{"error": "..."}``, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxpipe.errors import RequestFailed
+from mlxpipe.serve.controller import RequestLog, ServeEngine
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
+from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.ollama_schemas import Parsed, check_model, parse
+from mlxpipe.serve.text import Delta, tool_calls
+
+OLLAMA_VERSION = "0.6.0"  # the API version these shapes follow, for the clients that ask
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    """``error`` in Ollama's shape: one message (the field named in it)."""
+    return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class OllamaApi:
+    """Ollama's endpoints over one engine."""
+
+    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+
+    def routes(self) -> list[Route]:
+        """This door's routes."""
+        return [Route("/api/chat", self.chat, methods=["POST"]),
+                Route("/api/generate", self.generate, methods=["POST"]),
+                Route("/api/tags", self.tags, methods=["GET"]),
+                Route("/api/show", self.show, methods=["POST"]),
+                Route("/api/version", self.version, methods=["GET"])]
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+    async def tags(self, request: Request) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+        except ApiError as e:
+            return error_response(e)
+        name = self.settings.model_id
+        return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0,
+                                         "digest": "", "details": self._details()}]})
+
+    async def show(self, request: Request) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+            check_model(await read_json(request, self.settings.max_body_bytes), self.settings)
+        except ApiError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return gone(request)
+        capabilities = ["completion"] + (["tools"] if getattr(self.tokenizer, "has_tool_calling", False) else [])
+        return JSONResponse({"modelfile": "", "parameters": "", "template": self.tokenizer.chat_template or "",
+                             "details": self._details(), "model_info": {"context_length": self.settings.context},
+                             "capabilities": capabilities, "modified_at": _now()})
+
+    def _details(self) -> dict[str, Any]:
+        return {"format": "mlx", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
+
+    async def chat(self, request: Request) -> Response:
+        return await self._reply(request, chat=True)
+
+    async def generate(self, request: Request) -> Response:
+        return await self._reply(request, chat=False)
+
+    async def _reply(self, request: Request, chat: bool) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+            body = await read_json(request, self.settings.max_body_bytes)
+            if not chat and not body.get("prompt") and not body.get("images"):
+                # An empty prompt loads the model in Ollama; here it is loaded already.
+                return JSONResponse({"model": check_model(body, self.settings), "created_at": _now(), "response": "",
+                                     "done": True, "done_reason": "load"})
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
+            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+        except ApiError as e:
+            return error_response(e)
+        except (ClientDisconnect, ClientGone):
+            return gone(request)
+        run = _Run(self, parsed, generation, chat)
+        if parsed.stream:
+            return StreamingResponse(run.lines(), media_type="application/x-ndjson")
+        return await run.whole(request)
+
+
+class _Run:
+    """One request's reply in Ollama's shapes."""
+
+    def __init__(self, api: OllamaApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
+        self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
+        self.started = time.monotonic_ns()
+
+    def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        if not texts or not self.chat:
+            return []
+        try:
+            parsed = tool_calls(self.api.tokenizer, texts, self.parsed.tools, False)
+        except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
+            raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
+        return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in parsed]
+
+    def _piece(self, delta: Delta, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        head = {"model": self.parsed.model, "created_at": _now()}
+        if not self.chat:
+            return {**head, "response": delta.text, **({"thinking": delta.reasoning} if delta.reasoning else {}),
+                    "done": False}
+        message: dict[str, Any] = {"role": "assistant", "content": delta.text}
+        if delta.reasoning:
+            message["thinking"] = delta.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {**head, "message": message, "done": False}
+
+    def _last(self, piece: dict[str, Any]) -> dict[str, Any]:
+        """The last object: done, why, and the counts."""
+        g = self.generation
+        elapsed = time.monotonic_ns() - self.started
+        first = g.stream.first_token or g.stream.submitted
+        prefill = int((first - g.stream.submitted) * 1e9)
+        return {**piece, "done": True, "done_reason": "length" if g.finish_reason == "length" else "stop",
+                "total_duration": elapsed + prefill, "load_duration": 0, "prompt_eval_count": g.prompt_tokens,
+                "prompt_eval_duration": prefill, "eval_count": g.completion_tokens, "eval_duration": elapsed}
+
+    async def whole(self, request: Request) -> Response:
+        collected = await until(self._collect(), request)
+        if collected is None:
+            return gone(request)
+        if isinstance(collected, Exception):
+            return error_response(failure(collected))
+        text, reasoning, calls = collected
+        return JSONResponse(self._last(self._piece(Delta(text, reasoning), calls)))
+
+    async def _collect(self) -> Any:
+        deltas = self.generation.deltas()
+        text, reasoning, calls = "", "", []
+        try:
+            async for delta in deltas:
+                text, reasoning = text + delta.text, reasoning + delta.reasoning
+                calls.extend(self._calls(delta.tool_calls))
+        except RequestFailed as e:
+            await deltas.aclose()
+            return e
+        return self.generation.error or (text, reasoning, calls)
+
+    async def lines(self) -> AsyncIterator[str]:
+        """The reply as newline-delimited JSON; an error after the first line is an ``{"error"}`` line, the last."""
+        deltas = self.generation.deltas()
+        try:
+            async for delta in deltas:
+                yield json.dumps(self._piece(delta, self._calls(delta.tool_calls))) + "\n"
+        except RequestFailed as e:
+            await deltas.aclose()
+            yield json.dumps({"error": failure(e).message}) + "\n"
+            return
+        if self.generation.error is not None:
+            yield json.dumps({"error": failure(self.generation.error).message}) + "\n"
+            return
+        yield json.dumps(self._last(self._piece(Delta(), []))) + "\n"

@@ -1,0 +1,134 @@
+"""Ollama's request bodies (``/api/chat``, ``/api/generate``) as a typed ``mlxpipe.request.Request``.
+
+Sampling comes in ``options`` under Ollama's names (``num_predict``, ``repeat_penalty``, ``stop``...), messages as
+Ollama sends them (an assistant's ``tool_calls`` with object arguments, ``tool`` messages with ``tool_name``), and
+``/api/generate``'s prompt goes through the chat template unless ``raw``. Images and ``format`` (structured output)
+are refused with a 400; options that tune Ollama's own runtime (``num_ctx``, ``num_thread``...) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from mlxpipe.serve import bodies
+from mlxpipe.serve.bodies import field
+from mlxpipe.serve.controller import Job
+from mlxpipe.serve.door import ApiError, ServerSettings
+
+# options field -> Request field.
+_OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "seed": "seed", "repeat_penalty": "repetition_penalty", "repeat_last_n": "repetition_context_size",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+@dataclass
+class Parsed:
+    """A validated Ollama body."""
+
+    job: Job
+    stream: bool
+    stops: list[str]
+    tools: list[dict[str, Any]] | None
+    model: str  # the name the client used, echoed back
+
+
+def served_name(settings: ServerSettings) -> str:
+    """The model's name in Ollama's lists: the ``--model`` value."""
+    return settings.model_id
+
+
+def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
+    """The model named (Ollama's clients add ``:latest``), which must be the one served; 404 otherwise."""
+    model = field(body, "model", str, settings.model_id)
+    if model not in (settings.model_id, f"{settings.model_id}:latest"):
+        raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r}", param="model")
+    return model
+
+
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+          new_id: Callable[[], str]) -> Parsed:
+    """``body`` checked and turned into a job for the ranks; raises ``ApiError``."""
+    model = check_model(body, settings)
+    if body.get("format") not in (None, ""):
+        # Structured output (format "json" or a schema) would map to Request.response_format once the grammar
+        # engine has landed; refused until then, never silently unconstrained.
+        raise ApiError(400, "'format' (structured output) is not supported by this server yet", param="format")
+    if body.get("images"):
+        raise bodies.image_refused("images", "an image")
+    options = field(body, "options", dict, {})
+    request = _options(options, settings)
+    stops = bodies.stops(options, "stop")
+    tools = _tools(body) if chat else None
+    param = "messages" if chat else "prompt"
+    if chat:
+        request = replace(request, messages=_messages(field(body, "messages", list)))
+    else:
+        prompt = field(body, "prompt", str, "")
+        if not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
+        raw = field(body, "raw", bool, False)
+        system = field(body, "system", str)
+        request = replace(request, prompt=prompt, ignore_chat_template=raw,
+                          system_prompt=system if system is not None else request.system_prompt)
+    tokens = bodies.tokens_for(tokenizer, request, tools, None, param)
+    job = bodies.job_for(request, tokens, settings, param, new_id)
+    return Parsed(job, field(body, "stream", bool, True), stops, tools, model)
+
+
+def _options(options: dict[str, Any], settings: ServerSettings) -> Any:
+    values = dict(options)
+    if values.get("num_predict") in (-1, -2):  # Ollama's "until the context ends"
+        values["num_predict"] = settings.context
+    try:
+        return bodies.options(values, settings, _OPTIONS)
+    except ApiError as e:
+        raise ApiError(e.status, e.message.replace(f"'{e.param}'", f"'options.{e.param}'"),
+                       param=f"options.{e.param}") from None
+
+
+def _messages(messages: list[Any] | None) -> list[dict[str, Any]]:
+    if not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"'{where}' must be an object with a 'role' of system, user, assistant or tool",
+                           param=where)
+        if m.get("images"):
+            raise bodies.image_refused(f"{where}.images", "an image")
+        message: dict[str, Any] = {"role": m["role"], "content": field(m, "content", str, "", f"{where}.")}
+        calls = field(m, "tool_calls", list, None, f"{where}.")
+        if calls:
+            message["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]", i, j) for j, c in enumerate(calls)]
+        name = m.get("tool_name") or m.get("name")
+        if m["role"] == "tool" and isinstance(name, str):
+            message["name"] = name
+        out.append(message)
+    return out
+
+
+def _call(call: Any, where: str, i: int, j: int) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"'{where}.function' must name the function", param=f"{where}.function")
+    arguments = field(function, "arguments", dict, {}, f"{where}.function.")
+    return bodies.tool_call(f"call_{i}_{j}", function["name"], arguments)
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = field(body, "tools", list)
+    if not tools:
+        return None
+    if len(tools) > bodies.MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            raise ApiError(400, f"'tools[{i}]' must be a function tool ({{\"type\": \"function\", \"function\": "
+                                "...}})", param=f"tools[{i}]")
+        out.append(bodies.function_tool(function.get("name"), function.get("description"),
+                                        function.get("parameters"), f"tools[{i}].function"))
+    return out

@@ -1,0 +1,161 @@
+"""The OpenAI Responses door of ``mlxpipe serve``: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+Streaming with the Responses API's events, or one ``response`` object (``responses_shapes``), so the ``openai``
+package's ``client.responses`` works unchanged; errors in OpenAI's error shape naming the field
+(``responses_schemas``). Tool calls the model writes come back as ``function_call`` items, parsed with mlx-lm's
+tool parser as the chat door parses them. A completed response is kept (``store``, true by default) in a
+bounded in-memory store (``responses_store``: the last 256, at most 256 MiB, each for an hour) for
+``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxpipe.errors import RequestFailed
+from mlxpipe.serve import responses_shapes as shapes
+from mlxpipe.serve.controller import RequestLog, ServeEngine
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
+from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.responses_schemas import Parsed, parse
+from mlxpipe.serve.responses_store import ResponseStore
+from mlxpipe.serve.text import tool_calls
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ResponsesApi:
+    """The Responses endpoints over one engine, with their store."""
+
+    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog,
+                 store: ResponseStore | None = None) -> None:
+        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+        self.store = store or ResponseStore()
+
+    def routes(self) -> list[Route]:
+        """This door's routes."""
+        return [Route("/v1/responses", self.create, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.retrieve, methods=["GET", "DELETE"])]
+
+    async def retrieve(self, request: Request) -> Response:
+        """A stored response (``GET``), or forget it (``DELETE``)."""
+        response_id = request.path_params["response_id"]
+        try:
+            authorize(request, self.settings.api_key)
+            stored = self.store.get(response_id)
+            if stored is None:
+                raise ApiError(404, f"no response {response_id[:60]!r} is kept", param="response_id",
+                               code="not_found", kind="invalid_request_error")
+        except ApiError as e:
+            return error_response(e)
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse(stored.body)
+
+    async def create(self, request: Request) -> Response:
+        try:
+            authorize(request, self.settings.api_key)
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, self.store)
+            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, [])
+        except ApiError as e:
+            return error_response(e)
+        except (ClientDisconnect, ClientGone):
+            return gone(request)
+        run = _Run(self, parsed, generation)
+        if parsed.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return await run.whole(request)
+
+
+class _Run:
+    """One request's reply in the Responses API's shapes."""
+
+    def __init__(self, api: ResponsesApi, parsed: Parsed, generation: Generation) -> None:
+        self.api, self.parsed, self.generation = api, parsed, generation
+        self.reply = shapes.Reply(f"resp_{uuid.uuid4().hex}", int(time.time()), api.settings.model_id, parsed.echo)
+
+    def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        if not texts:
+            return []
+        try:
+            return tool_calls(self.api.tokenizer, texts, self.parsed.tools, False)
+        except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
+            raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.generation.finish_reason == "length" else "completed"
+
+    async def whole(self, request: Request) -> Response:
+        """The whole response as one body; a client that goes away before it is ready cancels it."""
+        collected = await until(self._collect(), request)
+        if collected is None:
+            return gone(request)
+        if collected is not True:
+            return error_response(failure(collected))
+        self.reply.finish()
+        body = self.reply.body(self.status, self.generation)
+        self._keep(body)
+        return JSONResponse(body)
+
+    async def _collect(self) -> Any:
+        """True once the reply is in ``self.reply``, else the error that ended it."""
+        deltas = self.generation.deltas()
+        try:
+            async for delta in deltas:
+                self.reply.add(delta, self._calls(delta.tool_calls))
+        except RequestFailed as e:
+            await deltas.aclose()
+            return e
+        return self.generation.error or True
+
+    async def events(self) -> AsyncIterator[str]:
+        """The response as the Responses API's events; an error after the first is an ``error`` event, the last."""
+        for line in self.reply.opening():
+            yield line
+        deltas = self.generation.deltas()
+        try:
+            async for delta in deltas:
+                for line in self.reply.add(delta, self._calls(delta.tool_calls)):
+                    yield line
+        except RequestFailed as e:
+            await deltas.aclose()
+            yield self.reply.event("error", **shapes.error_event(failure(e)))
+            return
+        if self.generation.error is not None:
+            yield self.reply.event("error", **shapes.error_event(failure(self.generation.error)))
+            return
+        closing = self.reply.closing(self.status, self.generation)
+        self._keep(self.reply.body(self.status, self.generation))  # kept before the client may leave
+        for line in closing:
+            yield line
+
+    def _keep(self, body: dict[str, Any]) -> None:
+        """The conversation so far, its reply appended as the template reads it, for ``previous_response_id``."""
+        if not self.parsed.store:
+            return
+        text = "".join(i["content"][0]["text"] for i in self.reply.output if i["type"] == "message")
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": i["name"], "arguments": _loads(i["arguments"])}}
+                 for i in self.reply.output if i["type"] == "function_call"]
+        answer: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            answer["tool_calls"] = calls
+        self.api.store.put(self.reply.id, [*self.parsed.conversation, answer], body)
+
+
+def _loads(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

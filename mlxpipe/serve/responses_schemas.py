@@ -1,0 +1,206 @@
+"""OpenAI Responses bodies (``/v1/responses``) as a typed ``mlxpipe.request.Request``.
+
+``input`` (a string, or a list of message, ``function_call`` and ``function_call_output`` items) becomes the chat
+messages a template reads, after the conversation of ``previous_response_id`` (from ``responses_store``) and after
+``instructions`` (a system message, never carried over, as OpenAI's API does). Function ``tools`` go to the
+template; ``tool_choice`` ``none`` withholds them, ``required`` and a named function reach the template as its
+``tool_choice`` variable. Images and files are refused (400). Every error names the field (``input[2].call_id``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from mlxpipe.serve import bodies
+from mlxpipe.serve.bodies import field
+from mlxpipe.serve.controller import Job
+from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.responses_store import ResponseStore
+
+# Body field -> Request field: the Responses API's sampling fields, then mlx-lm's (through extra_body).
+_OPTIONS = {"max_output_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k",
+            "min_p": "min_p", "seed": "seed", "repetition_penalty": "repetition_penalty",
+            "chat_template_kwargs": "chat_template_config"}
+_MEDIA = {"input_image": "an image", "input_file": "a file", "input_audio": "audio"}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+@dataclass
+class Parsed:
+    """A validated Responses body, with what the response echoes back."""
+
+    job: Job
+    stream: bool
+    store: bool
+    conversation: list[dict[str, Any]]  # every message but the instructions: what a follow-up continues
+    tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
+    echo: dict[str, Any]  # the request's fields a response object repeats
+
+
+def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
+          store: ResponseStore) -> Parsed:
+    """``body`` checked and turned into a job for the ranks; raises ``ApiError``."""
+    bodies.check_model(body, settings)
+    _refuse_unsupported(body)
+    request = bodies.options(body, settings, _OPTIONS)
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    conversation = _previous(body, store) + input_messages(body.get("input"))
+    instructions = field(body, "instructions", str)
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    offered = tools if choice != "none" else None
+    extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
+    tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
+    job = bodies.job_for(request, tokens, settings, "input", new_id)
+    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": request.temp, "top_p": request.top_p, "tool_choice": choice or "auto",
+            "tools": field(body, "tools", list, []), "parallel_tool_calls": field(body, "parallel_tool_calls", bool,
+                                                                                 True),
+            "previous_response_id": body.get("previous_response_id"), "metadata": field(body, "metadata", dict, {}),
+            "text": {"format": {"type": "text"}}}
+    return Parsed(job, field(body, "stream", bool, False), field(body, "store", bool, True), conversation, offered,
+                  echo)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """What this server does not do yet, refused rather than ignored."""
+    text = field(body, "text", dict, {})
+    fmt = text.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        # Structured output: text.format json_object / json_schema maps to Request.response_format once the
+        # grammar engine has landed; until then a request for it is refused, never silently unconstrained.
+        raise ApiError(400, "'text.format' json_object / json_schema (structured output) is not supported by this "
+                            "server yet; leave 'text.format' out or send {\"type\": \"text\"}", param="text.format")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise ApiError(400, "'top_logprobs' is not supported by this server's Responses API yet", param="top_logprobs")
+    if body.get("conversation") is not None:
+        raise ApiError(400, "'conversation' (stored conversations) is not supported; chain responses with "
+                            "'previous_response_id'", param="conversation")
+
+
+def _previous(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]]:
+    previous = field(body, "previous_response_id", str)
+    if previous is None:
+        return []
+    stored = store.get(previous)
+    if stored is None:
+        raise ApiError(400, f"'previous_response_id': no response {previous[:60]!r} is kept (this server keeps the "
+                            f"last {store.capacity} stored responses for {store.ttl:g} s, in memory)",
+                       param="previous_response_id", code="previous_response_not_found")
+    return [dict(m) for m in stored.messages]
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = _kind(item, "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call_id = field(item, "call_id", str, None, f"{where}.")
+            name = field(item, "name", str, None, f"{where}.")
+            if not call_id or not name:
+                raise ApiError(400, f"'{where}' needs a 'call_id' and a 'name'", param=where)
+            names[call_id] = name
+            call = bodies.tool_call(call_id, name, _arguments(field(item, "arguments", str, "{}", f"{where}."),
+                                                              f"{where}.arguments"))
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = field(item, "call_id", str, None, f"{where}.")
+            if not call_id:
+                raise ApiError(400, f"'{where}.call_id' must name the function call it answers",
+                               param=f"{where}.call_id")
+            output = item.get("output")
+            text = _parts(output, f"{where}.output") if isinstance(output, list) else field(item, "output", str, "",
+                                                                                           f"{where}.")
+            tool = {"role": "tool", "tool_call_id": call_id, "content": text}
+            if call_id in names:
+                tool["name"] = names[call_id]
+            out.append(tool)
+        elif kind == "reasoning":
+            continue  # earlier turns' reasoning: templates drop it too
+        else:
+            raise ApiError(400, f"'{where}' must be a message, function_call or function_call_output item, got "
+                                f"type {str(kind)[:40]!r}", param=where)
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
+    if role is None:
+        raise ApiError(400, f"'{where}.role' must be user, assistant, system or developer", param=f"{where}.role")
+    content = item.get("content")
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
+    return {"role": role, "content": text}
+
+
+def _parts(parts: Any, where: str) -> str:
+    """The text of a message's content parts (``input_text``, ``output_text``, ``text``)."""
+    if not isinstance(parts, list):
+        raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = _kind(part)
+        if kind in _MEDIA:
+            raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"'{where}[{j}]' must be an input_text part", param=f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _arguments(text: str, where: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        raise ApiError(400, f"'{where}' must be a JSON object as a string", param=where) from None
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = field(body, "tools", list)
+    if tools is None:
+        return None
+    if len(tools) > bodies.MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = _kind(tool)
+        if kind != "function":
+            raise ApiError(400, f"'{where}' must be a function tool; built-in tools ({str(kind)[:40]}) are not "
+                                "run by this server", param=where)
+        out.append(bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
+    return out or None
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+    choice = body.get("tool_choice")
+    if choice is None or (isinstance(choice, str) and choice in ("auto", "none", "required")):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
+                           param="tool_choice.name")
+        return {"type": "function", "function": {"name": name}}
+    raise ApiError(400, "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
+                   param="tool_choice")
+
+
+def _kind(block: Any, default: str | None = None) -> str | None:
+    """A block's ``type`` when it is a string (anything else matches no type)."""
+    kind = block.get("type", default) if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None

@@ -1,0 +1,202 @@
+"""The Anthropic Messages door of ``mlxpipe serve``, with the official ``anthropic`` package as client.
+
+Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
+alone on the same chat-template input. The demo model's template has no tool calls, so the tool calls the
+model writes are checked through the same door over a scripted engine (``fixtures.chat_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import anthropic
+import httpx
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from starlette.testclient import TestClient
+
+from fixtures.chat_reference import ScriptedEngine, greedy, is_eos, prompt
+from fixtures.serve_process import KEY, ServeProcess
+from mlxpipe.serve.app import build_app
+from mlxpipe.serve.controller import RequestLog
+from mlxpipe.serve.door import ServerSettings
+
+MAX_TOKENS = 8
+QUESTION = "What is the capital of France?"
+WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city.",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# The same tool as chat templates read it.
+WEATHER_FUNCTION = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                     "parameters": WEATHER_TOOL["input_schema"]}}
+GREEDY = {"temperature": 0}  # recent SDKs take no temperature argument: it goes through extra_body
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.ranks
+def test_a_message_is_token_identical_to_mlx_lm(client: anthropic.Anthropic, demo_model: Path) -> None:
+    system = "You answer in one short sentence."
+    text, tokens = greedy(demo_model, [{"role": "system", "content": system}, *_user(QUESTION)], MAX_TOKENS)
+    reply = client.messages.create(model=str(demo_model), max_tokens=MAX_TOKENS, system=[{"type": "text",
+                                   "text": system}], messages=_user(QUESTION), extra_body=GREEDY)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == text
+    assert reply.stop_reason == ("end_turn" if is_eos(demo_model, tokens[-1]) else "max_tokens")
+    assert reply.usage.output_tokens == len(tokens) and reply.stop_sequence is None
+    prompt_tokens = reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    assert prompt_tokens == len(prompt(demo_model, [{"role": "system", "content": system}, *_user(QUESTION)]))
+    assert reply.role == "assistant" and reply.model == str(demo_model) and reply.id.startswith("msg_")
+
+
+@pytest.mark.ranks
+def test_a_streamed_message_has_anthropics_event_sequence(server: ServeProcess, demo_model: Path) -> None:
+    text, tokens = greedy(demo_model, _user("Hi"), 12)
+    body = {"model": str(demo_model), "max_tokens": 12, "messages": _user("Hi"), "stream": True,
+            **GREEDY}
+    # Raw events: the SDK's stream hides the pings.
+    with httpx.stream("POST", f"{server.base}/v1/messages", json=body, headers={"x-api-key": KEY},
+                      timeout=120) as response:
+        lines = list(response.iter_lines())
+    names = [line.split(": ", 1)[1] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("data: ")]
+    assert names == [e["type"] for e in events]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == text
+    end = events[-2]
+    assert end["usage"]["output_tokens"] == len(tokens)
+    assert end["delta"]["stop_reason"] == ("end_turn" if is_eos(demo_model, tokens[-1]) else "max_tokens")
+
+
+@pytest.mark.ranks
+def test_a_stop_sequence_ends_the_reply_and_is_named(client: anthropic.Anthropic, demo_model: Path) -> None:
+    text, _ = greedy(demo_model, _user(QUESTION), 20)
+    assert "Paris" in text  # the demo model's answer
+    with client.messages.stream(model=str(demo_model), max_tokens=20, messages=_user(QUESTION),
+                                stop_sequences=["Paris", "Rome"], extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        reply = stream.get_final_message()
+    assert streamed == reply.content[0].text == text[: text.index("Paris")]
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "Paris")
+
+
+@pytest.mark.ranks
+def test_a_tool_turn_reaches_the_template_as_mlx_lm_gives_it(client: anthropic.Anthropic, demo_model: Path) -> None:
+    """tool_use then tool_result: the template reads the assistant's tool call and a tool message, with the tools."""
+    messages = [
+        *_user("What is the weather in Paris?"),
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "22 C and sunny"}]}]},
+    ]
+    template_messages = [
+        *_user("What is the weather in Paris?"),
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "22 C and sunny"},
+    ]
+    text, _ = greedy(demo_model, template_messages, MAX_TOKENS, tools=[WEATHER_FUNCTION])
+    reply = client.messages.create(model=str(demo_model), max_tokens=MAX_TOKENS, messages=messages,
+                                   tools=[WEATHER_TOOL], tool_choice={"type": "auto"}, extra_body=GREEDY)
+    assert reply.content[0].text == text
+    counted = client.messages.count_tokens(model=str(demo_model), messages=messages, tools=[WEATHER_TOOL])
+    assert counted.input_tokens == len(prompt(demo_model, template_messages, [WEATHER_FUNCTION]))
+
+
+@pytest.mark.ranks
+def test_a_last_assistant_message_is_continued(client: anthropic.Anthropic, demo_model: Path) -> None:
+    messages = [*_user(QUESTION), {"role": "assistant", "content": "The capital"}]
+    text, _ = greedy(demo_model, messages, MAX_TOKENS, prefill=True)
+    reply = client.messages.create(model=str(demo_model), max_tokens=MAX_TOKENS, messages=messages, extra_body=GREEDY)
+    assert reply.content[0].text == text
+
+
+_OK: dict[str, Any] = {"max_tokens": 5, "messages": _user("hi")}
+BAD = [
+    ({"messages": _user("hi")}, 400, "max_tokens"),
+    ({**_OK, "messages": []}, 400, "messages"),
+    ({**_OK, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
+    ({**_OK, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x",
+                                                                                    "media_type": "image/png"}}]}]},
+     400, "messages[0].content[0]"),
+    ({**_OK, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
+     400, "messages[0].content[0]"),
+    ({**_OK, "system": 3}, 400, "system"),
+    ({**_OK, "temperature": -1}, 400, "temperature"),
+    ({**_OK, "top_k": "many"}, 400, "top_k"),
+    ({**_OK, "stop_sequences": "x" * 2000}, 400, "stop_sequences"),
+    ({**_OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
+    ({**_OK, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, 400, "tool_choice.name"),
+    ({**_OK, "model": "claude-other"}, 404, "model"),
+]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(("body", "status", "field"), BAD)
+def test_bad_input_is_a_4xx_in_anthropics_shape_naming_the_field(server: ServeProcess, body: dict[str, Any],
+                                                                  status: int, field: str) -> None:
+    response = httpx.post(f"{server.base}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and field in error["error"]["message"]
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+@pytest.mark.ranks
+def test_a_wrong_key_is_anthropics_authentication_error(server: ServeProcess, demo_model: Path) -> None:
+    wrong = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model=str(demo_model), max_tokens=5, messages=_user("hi"))
+    assert e.value.body["error"]["type"] == "authentication_error"
+    # A bearer token is the same key.
+    response = httpx.post(f"{server.base}/v1/messages/count_tokens", json={"messages": _user("hi")},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 200 and response.json()["input_tokens"] > 0
+
+
+# --- tool calls the model writes (a scripted engine: the demo model's template has none) -------------------------
+
+
+TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
+    """The real app and door over a scripted engine, its tokenizer given mlx-lm's JSON tool parser."""
+    tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
+    app = build_app(ScriptedEngine(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
+    with TestClient(app) as http:
+        yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
+
+
+def test_a_tool_call_comes_back_as_a_tool_use_block(scripted: anthropic.Anthropic) -> None:
+    reply = scripted.messages.create(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
+                                     tools=[WEATHER_TOOL])
+    assert [b.type for b in reply.content] == ["text", "tool_use"]
+    assert reply.content[0].text == "Checking."
+    call = reply.content[1]
+    assert (call.name, call.input, reply.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
+    assert call.id.startswith("toolu_")
+
+
+def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthropic) -> None:
+    with scripted.messages.stream(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
+                                  tools=[WEATHER_TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert "text_delta" in deltas and "input_json_delta" in deltas
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"
