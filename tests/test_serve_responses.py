@@ -118,12 +118,30 @@ BAD = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
      "input[0].content[0]"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input[0].call_id"),
-    ({**_OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format"),
+    ({**_OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strang"}}}}, 400,
+     "text.format"),
+    ({**_OK, "text": {"format": {"type": "yaml"}}}, 400, "text.format"),
     ({**_OK, "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
     ({**_OK, "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({**_OK, "temperature": "hot"}, 400, "temperature"),
     ({**_OK, "model": "gpt-other"}, 404, "model"),
 ]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+@pytest.mark.ranks
+def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, demo_model: Path) -> None:
+    import jsonschema
+
+    reply = client.responses.create(
+        model=str(demo_model), input="Name a city and its population.", max_output_tokens=40, temperature=0.8,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+    )
+    assert reply.status == "completed", reply.output_text  # the grammar ends the reply, not max_output_tokens
+    jsonschema.validate(json.loads(reply.output_text), CITY)
 
 
 @pytest.mark.ranks

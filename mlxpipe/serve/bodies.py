@@ -18,6 +18,7 @@ from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError
 from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.worker.constraints import compile_error
 
 MAX_TOOLS = 128
 MAX_STOP_STRINGS = 16
@@ -144,3 +145,15 @@ def job_for(request: Request, tokens: list[int], settings: ServerSettings, param
     # The ranks read token ids alone: the messages stay here.
     return replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens, messages=None, prompt=None,
                    prefill_response=None)
+
+
+def check_schema(response_format: dict[str, Any], param: str) -> None:
+    """A schema llguidance cannot compile is a 400 naming it (``param``: the body's field), before anything
+    reaches a rank."""
+    error = compile_error(response_format)
+    if error is None:
+        return
+    name = (response_format.get("json_schema") or {}).get("name")
+    what = f"the schema {name!r}" if name else "the schema"
+    raise ApiError(400, f"'{param}': {what} cannot be used for constrained decoding: {error[:300]}",
+                   param=param, code="invalid_json_schema")

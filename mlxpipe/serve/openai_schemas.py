@@ -18,8 +18,8 @@ from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.controller import Job
+from mlxpipe.serve.bodies import check_schema
 from mlxpipe.serve.door import ApiError, ServerSettings
-from mlxpipe.worker.constraints import compile_error
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters of one stop string
@@ -117,7 +117,7 @@ def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Requ
     except RequestError as e:
         raise ApiError(400, e.message, param=names.get(e.field, e.field)) from None
     if request.response_format is not None:
-        _compile(request.response_format)
+        check_schema(request.response_format, "response_format")
     return request
 
 
@@ -132,17 +132,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     if top is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return {"logprobs": True, "top_logprobs": top or 0} if wanted else {}
-
-
-def _compile(response_format: dict[str, Any]) -> None:
-    """A schema llguidance cannot compile is a 400 naming it, before anything reaches a rank."""
-    error = compile_error(response_format)
-    if error is None:
-        return
-    name = (response_format.get("json_schema") or {}).get("name")
-    what = f"the schema {name!r}" if name else "the schema"
-    raise ApiError(400, f"'response_format': {what} cannot be used for constrained decoding: {error[:300]}",
-                   param="response_format", code="invalid_json_schema")
 
 
 def _tokens(body: dict[str, Any], chat: bool, tools: list[Any] | None, options: Request,

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from mlxpipe.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.controller import Job
@@ -44,7 +45,7 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
     """``body`` checked and turned into a job for the ranks; raises ``ApiError``."""
     bodies.check_model(body, settings)
     _refuse_unsupported(body)
-    request = bodies.options(body, settings, _OPTIONS)
+    request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
     tools = _tools(body)
     choice = _tool_choice(body, tools)
     conversation = _previous(body, store) + input_messages(body.get("input"))
@@ -66,19 +67,32 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """What this server does not do yet, refused rather than ignored."""
-    text = field(body, "text", dict, {})
-    fmt = text.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        # Structured output: text.format json_object / json_schema maps to Request.response_format once the
-        # grammar engine has landed; until then a request for it is refused, never silently unconstrained.
-        raise ApiError(400, "'text.format' json_object / json_schema (structured output) is not supported by this "
-                            "server yet; leave 'text.format' out or send {\"type\": \"text\"}", param="text.format")
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise ApiError(400, "'top_logprobs' is not supported by this server's Responses API yet", param="top_logprobs")
     if body.get("conversation") is not None:
         raise ApiError(400, "'conversation' (stored conversations) is not supported; chain responses with "
                             "'previous_response_id'", param="conversation")
+
+
+def _with_format(request: Request, body: dict[str, Any], settings: ServerSettings) -> Request:
+    """``text.format`` (structured output) as the chat API's ``response_format``: constrained decoding on the ranks.
+
+    Responses spell a schema flat (``{"type": "json_schema", "name", "schema", "strict"}``), chat nests it under
+    ``json_schema``; both reach the grammar engine in chat's shape.
+    """
+    fmt = field(body, "text", dict, {}).get("format")
+    if fmt is None:
+        return request
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    try:
+        request = replace(request, response_format=fmt).check(lambda key: "'text.format'", settings.vocab_size)
+    except RequestError as e:
+        raise ApiError(400, e.message, param="text.format") from None
+    if request.response_format is not None:
+        bodies.check_schema(request.response_format, "text.format")
+    return request
 
 
 def _previous(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]]:
