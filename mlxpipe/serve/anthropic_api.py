@@ -92,14 +92,8 @@ class _Run:
 
     async def _collect(self) -> Any:
         """True once the reply is in ``self.message``, else the error that ended it."""
-        deltas = self.generation.deltas()
-        try:
-            async for delta in deltas:
-                self.message.add(delta, self._calls(delta.tool_calls))
-        except RequestFailed as e:
-            await deltas.aclose()
-            return e
-        return self.generation.error or True
+        error = await self.generation.each(lambda delta: self.message.add(delta, self._calls(delta.tool_calls)))
+        return error or True
 
     async def events(self) -> AsyncIterator[str]:
         """The reply as Anthropic's events; an error after the first is an ``error`` event, the last."""

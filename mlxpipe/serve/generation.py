@@ -104,6 +104,17 @@ class Generation:
                 self.cancel()  # the client went away
             self.log()
 
+    async def each(self, add: Callable[[Delta], Any]) -> BaseException | None:
+        """Feed every delta of the reply to ``add``: the error that ended it, or None once it is complete."""
+        deltas = self.deltas()
+        try:
+            async for delta in deltas:
+                add(delta)
+        except RequestFailed as e:
+            await deltas.aclose()
+            return e
+        return self.error
+
     async def collect(self) -> tuple[str, str, list[str]]:
         """The whole reply: its text, its reasoning and its raw tool-call texts."""
         text, reasoning, calls = "", "", []

@@ -154,16 +154,15 @@ class _Run:
         return JSONResponse(self._last(self._piece(Delta(text, reasoning), calls)))
 
     async def _collect(self) -> Any:
-        deltas = self.generation.deltas()
-        text, reasoning, calls = "", "", []
-        try:
-            async for delta in deltas:
-                text, reasoning = text + delta.text, reasoning + delta.reasoning
-                calls.extend(self._calls(delta.tool_calls))
-        except RequestFailed as e:
-            await deltas.aclose()
-            return e
-        return self.generation.error or (text, reasoning, calls)
+        texts, reasonings, calls = [], [], []
+
+        def add(delta: Delta) -> None:
+            texts.append(delta.text)
+            reasonings.append(delta.reasoning)
+            calls.extend(self._calls(delta.tool_calls))
+
+        error = await self.generation.each(add)
+        return error or ("".join(texts), "".join(reasonings), calls)
 
     async def lines(self) -> AsyncIterator[str]:
         """The reply as newline-delimited JSON; an error after the first line is an ``{"error"}`` line, the last."""
