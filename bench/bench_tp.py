@@ -34,12 +34,19 @@ PROMPT = "Explain how tensor parallelism splits one transformer layer across two
 def _pin_self(ranks: int) -> None:
     rank = int(os.environ.get("MLX_RANK", "0"))
     os.sched_setaffinity(0, {rank_cores(ranks)[rank]})  # before MLX starts its threads: they inherit it
+    # As mlxpipe's controller does (launch.ranks.lower_priority): mlx.launch's I/O threads spin on
+    # the ranks' stdin and, left at normal priority, take ~1.6 cores from the pinned ranks (measured
+    # here: a 40x768 @ 768x1024 matmul loop in a rank ran 2.1-3.6 s, 0.7-0.9 s once it was reniced,
+    # 0.62 s in a lone pinned process). Every launched row (mlxpipe's and mlx-lm's shard()) gets it.
+    from mlxpipe.launch.ranks import lower_priority
+
+    lower_priority(os.getppid())
 
 
 def _rank_main(spec: dict[str, Any]) -> None:
     """One rank: load the job (or mlx-lm's shard()), run the single stream, then the batches; rank 0 prints."""
-    _pin_self(spec["ranks"])
     sys.path.insert(0, str(REPO))
+    _pin_self(spec["ranks"])
     import mlx.core as mx
 
     out: dict[str, Any] = {}

@@ -19,10 +19,18 @@ neighbours, in MLX's own ``send``/``recv`` (never a transport of ours):
   for T = 2, the two members swap their partials and each adds them in the
   same order (``a + b`` is bitwise ``b + a``), so both hold the same bits; for
   T > 2 the partial sum runs down the chain to member 0 and the total back up.
-  A rank sends to its right neighbour only after hearing from it in the same
-  exchange: ring collectives of the world group (the ranks' agreement each
-  tick) read from the left neighbour, and a rank that left one early must not
-  write into it.
+
+On the ring, everything two neighbours exchange (these sends and receives,
+the world's collectives) travels over the same sockets, in the order each
+rank issues it, so every pair of neighbours must issue its operations in the
+same order. A receive has no inputs in MLX's graph, so nothing in a lazy graph
+orders it after a send of the same rank: MLX's evaluation may run it first,
+and with the other member receiving too, both wait forever (it happened on a
+batched decode tick of 2 stages x tp 2). So every exchange of a group is
+scheduled (``mx.async_eval``) as it is built, its sends before its receives
+where the member sends first, and its result too: the members run their
+exchanges in program order, each one whole, whether or not the rest of the
+graph is ever evaluated (a prefill chunk evaluates only the caches).
 
 The JACCL and MPI backends can split a group (``Group.split``); mlxpipe still
 uses the neighbour exchanges there, which every backend has.
@@ -86,22 +94,22 @@ class TensorGroup:
     def _recv(self, like: mx.array, member: int) -> mx.array:
         return mx.distributed.recv_like(like, self.first + member, group=self.world)
 
+    @staticmethod
+    def _issued(x: mx.array) -> mx.array:
+        """``x`` scheduled now on the stream: after every exchange issued before it, before any issued after."""
+        mx.async_eval(x)
+        return x
+
     def _swap_sum(self, x: mx.array) -> mx.array:
         """T = 2: member 1 sends then receives, member 0 receives then sends (never both waiting on a full
-        socket); each adds member 0's partial to member 1's.
-
-        Member 0 sends (rightwards) only once member 1's partial has arrived: a rank that leaves a world
-        collective early must not write into a socket its right neighbour still reads the collective
-        from. Leftward sends are safe (the pipeline's hop has always relied on it).
-        """
+        socket); each adds member 0's partial to member 1's (x1 + x0 is bitwise x0 + x1: both members hold
+        the same bits)."""
         if self.index == 1:
-            sent = self._send(x, 0)
-            # The send is an input of the sum's first operand, so it runs before the receive
-            # (x1 + x0 is bitwise x0 + x1: both members hold the same bits).
-            return mx.depends(x, sent) + self._recv(x, 0)
+            sent = self._issued(self._send(x, 0))  # before the receive below: see the module docstring
+            return self._issued(mx.depends(x, sent) + self._recv(x, 0))
         received = self._recv(x, 1)
-        sent = self._send(mx.depends(x, received), 1)
-        return mx.depends(x + received, sent)
+        sent = self._send(mx.depends(x, received), 1)  # after the receive: its input depends on it
+        return self._issued(mx.depends(x + received, sent))
 
     def _chain_sum(self, x: mx.array) -> mx.array:
         """T > 2: partial sums down the chain to member 0, ``(x_{T-1} + x_{T-2}) + ...``, the total back up."""
@@ -112,11 +120,11 @@ class TensorGroup:
         if self.index == 0:
             total = partial
         else:
-            sent = self._send(partial, self.index - 1)
+            sent = self._issued(self._send(partial, self.index - 1))
             total = mx.depends(self._recv(x, self.index - 1), sent)
         if self.index < last:
             total = mx.depends(total, self._send(total, self.index + 1))
-        return total
+        return self._issued(total)
 
     def _chain_gather(self, x: mx.array) -> mx.array:
         """Every member's ``x`` stacked on a new first axis, along the chain: down to member 0, then back up."""
@@ -130,14 +138,14 @@ class TensorGroup:
         if self.index == 0:
             every = below
         else:
-            sent = self._send(below, self.index - 1)
+            sent = self._issued(self._send(below, self.index - 1))
             every = mx.distributed.recv(
                 (self.tp, *x.shape), x.dtype, self.first + self.index - 1, group=self.world
             )
             every = mx.depends(every, sent)
         if self.index < last:
             every = mx.depends(every, self._send(every, self.index + 1))
-        return every
+        return self._issued(every)
 
 
 class Topology:

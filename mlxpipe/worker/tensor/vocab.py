@@ -9,7 +9,11 @@ largest matrices a token goes through. Both splits are exact:
   others, and the group adds them up: one member alone is non-zero, and adding
   zeros is exact. A tied head (``embed_tokens.as_linear``) uses the same rows.
 
-A vocabulary that does not divide by the group's size stays whole.
+A vocabulary that does not divide by the group's size stays whole. In a
+pipeline only stage 0 needs the logits: the head of another stage computes
+nothing (its group's exchanges run as they are built, whether or not their
+result is used, see ``worker.groups``) and gives zeros of the logits' shape,
+which nothing reads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class VocabShardedEmbedding(nn.Embedding):
         nn.Module.__init__(self)
         rows = embedding.weight.shape[0] // tensor.size()
         self.offset, self.rows, self.tensor = tensor.rank() * rows, rows, tensor
+        self.vocab = embedding.weight.shape[0]
         self.weight = mx.contiguous(embedding.weight[self.offset : self.offset + rows])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -38,6 +43,8 @@ class VocabShardedEmbedding(nn.Embedding):
         return self.tensor.all_sum(mx.where(inside[..., None], found, mx.zeros((), found.dtype)))
 
     def as_linear(self, x: mx.array) -> mx.array:
+        if not _logits_needed(self.tensor):
+            return _unread_logits(x, self.vocab)
         return self.tensor.all_gather(x @ self.weight.T)
 
 
@@ -48,14 +55,26 @@ class VocabShardedLinear(nn.Linear):
         nn.Module.__init__(self)
         rows = linear.weight.shape[0] // tensor.size()
         start = tensor.rank() * rows
-        self.tensor = tensor
+        self.tensor, self.vocab = tensor, linear.weight.shape[0]
         self.weight = mx.contiguous(linear.weight[start : start + rows])
         if "bias" in linear:
             self.bias = mx.contiguous(linear.bias[start : start + rows])
 
     def __call__(self, x: mx.array) -> mx.array:
+        if not _logits_needed(self.tensor):
+            return _unread_logits(x, self.vocab)
         logits = mx.addmm(self["bias"], x, self["weight"].T) if "bias" in self else x @ self["weight"].T
         return self.tensor.all_gather(logits)
+
+
+def _logits_needed(tensor: TensorGroup) -> bool:
+    """Whether this group's logits are read: stage 0's (the one whose member 0 is world rank 0)."""
+    return tensor.first == 0
+
+
+def _unread_logits(x: mx.array, vocab: int) -> mx.array:
+    """A lazy stand-in of the logits' shape for a stage that never reads them."""
+    return mx.broadcast_to(mx.zeros((), x.dtype), (*x.shape[:-1], vocab))
 
 
 def shard_vocab(model: nn.Module, tensor: TensorGroup) -> list[str]:
