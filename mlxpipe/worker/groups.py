@@ -32,8 +32,9 @@ where the member sends first, and its result too: the members run their
 exchanges in program order, each one whole, whether or not the rest of the
 graph is ever evaluated (a prefill chunk evaluates only the caches).
 
-The JACCL and MPI backends can split a group (``Group.split``); mlxpipe still
-uses the neighbour exchanges there, which every backend has.
+From MLX's sources: JACCL's mesh refuses ``Group.split`` too ("[jaccl] Group split
+not supported") but reaches every peer; MPI splits (``MPI_Comm_split``). mlxpipe
+uses the neighbour exchanges on every backend, since every backend has them.
 """
 
 from __future__ import annotations
