@@ -49,7 +49,7 @@ def check_model(body: dict[str, Any], settings: ServerSettings) -> None:
                        param="model", code="model_not_found")
 
 
-def _json_types(annotation: Any) -> Any:
+def json_types(annotation: Any) -> Any:
     """The JSON values a ``Request`` field takes: a float field takes integers too."""
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     kinds = [typing.get_origin(a) or a for a in args if a is not type(None)]
@@ -59,7 +59,7 @@ def _json_types(annotation: Any) -> Any:
     return kind
 
 
-_HINTS = typing.get_type_hints(Request)
+HINTS = typing.get_type_hints(Request)
 
 
 def options(body: dict[str, Any], settings: ServerSettings, names: dict[str, str]) -> Request:
@@ -67,7 +67,7 @@ def options(body: dict[str, Any], settings: ServerSettings, names: dict[str, str
     name the body's field."""
     values = {}
     for name, key in names.items():
-        value = field(body, name, _json_types(_HINTS[key]))
+        value = field(body, name, json_types(HINTS[key]))
         if value is not None:
             values[key] = value
     spelled = {key: name for name, key in names.items()}
@@ -85,7 +85,7 @@ def stops(body: dict[str, Any], name: str) -> list[str]:
         return []
     found = [value] if isinstance(value, str) else value
     if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
-        raise ApiError(400, f"'{name}' must be a list of strings", param=name)
+        raise ApiError(400, f"'{name}' must be a string or a list of strings", param=name)
     if len(found) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in found):
         raise ApiError(400, f"'{name}' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
                             "characters", param=name)

@@ -8,9 +8,6 @@ mlx_lm.server's, which is ``Request``'s own); only which fields a body may set i
 
 from __future__ import annotations
 
-import json
-import types
-import typing
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -18,12 +15,10 @@ from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.controller import Job
-from mlxpipe.serve.bodies import check_schema
+from mlxpipe.serve import bodies
+from mlxpipe.serve.bodies import HINTS, check_schema, field, json_types
 from mlxpipe.serve.door import ApiError, ServerSettings
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 1000  # characters of one stop string
-MAX_TOOLS = 128
 
 # The Request fields a body may set, in the order they are checked; the rest (the KV cache, the prompt's
 # template switches...) are the server's flags alone.
@@ -53,17 +48,17 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     if model is not None and model != settings.model_id:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {settings.model_id!r}",
                        param="model", code="model_not_found")
-    n = _field(body, "n", int, 1)
+    n = field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
     request = _options(body, settings, chat)
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict, None) or {}
+    stream = field(body, "stream", bool, False)
+    options = field(body, "stream_options", dict, None) or {}
     include_usage = bool(options.get("include_usage", False))
-    stops = _stops(body)
-    tools = _field(body, "tools", list, None) if chat else None
-    if tools is not None and len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    stops = bodies.stops(body, "stop")
+    tools = field(body, "tools", list, None) if chat else None
+    if tools is not None and len(tools) > bodies.MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
     tokens = _tokens(body, chat, tools, request, tokenizer)
     if len(tokens) + 1 > settings.context:
         param = "messages" if chat else "prompt"
@@ -74,34 +69,23 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     return Parsed(job, stream, include_usage, stops, tools)
 
 
-def _json_types(annotation: Any) -> Any:
-    """The JSON values a ``Request`` field takes: a float field takes integers too, ``None`` means absent."""
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    kinds = [typing.get_origin(a) or a for a in args if a is not type(None)]
-    if kinds == [float]:
-        return (int, float)
-    (kind,) = kinds
-    return kind
-
-
-_HINTS = typing.get_type_hints(Request)
 # Body field -> (Request field, JSON types).
 _BODY_OPTIONS: dict[str, tuple[str, Any]] = {
-    _OPENAI_NAMES.get(key, key): (key, _json_types(_HINTS[key])) for key in _BODY_FIELDS
+    _OPENAI_NAMES.get(key, key): (key, json_types(HINTS[key])) for key in _BODY_FIELDS
 }
 
 
 def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Request:
     """The body's options over the server's defaults, checked; errors name the body's field."""
     values: dict[str, Any] = _logprobs(body, chat)
-    response_format = _field(body, "response_format", dict, None)
+    response_format = field(body, "response_format", dict, None)
     if response_format is not None:
         values["response_format"] = response_format
     for name, (key, kinds) in _BODY_OPTIONS.items():
-        value = _field(body, name, kinds, None)
+        value = field(body, name, kinds, None)
         if value is not None:
             values[key] = value
-    max_tokens = _field(body, "max_completion_tokens", _BODY_OPTIONS["max_tokens"][1], None)
+    max_tokens = field(body, "max_completion_tokens", _BODY_OPTIONS["max_tokens"][1], None)
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     names = {key: name for name, (key, _) in _BODY_OPTIONS.items()}
@@ -125,10 +109,10 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, with ``logprobs``); the legacy
     completions' ``logprobs``: how many top tokens to list (0 too: only the chosen token's)."""
     if not chat:
-        top = _field(body, "logprobs", int, None)
+        top = field(body, "logprobs", int, None)
         return {} if top is None else {"logprobs": True, "top_logprobs": top}
-    wanted = _field(body, "logprobs", bool, False)
-    top = _field(body, "top_logprobs", int, None)
+    wanted = field(body, "logprobs", bool, False)
+    top = field(body, "top_logprobs", int, None)
     if top is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return {"logprobs": True, "top_logprobs": top or 0} if wanted else {}
@@ -137,7 +121,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 def _tokens(body: dict[str, Any], chat: bool, tools: list[Any] | None, options: Request,
             tokenizer: Any) -> list[int]:
     if chat:
-        messages = _field(body, "messages", list, None)
+        messages = field(body, "messages", list, None)
         if not messages:
             raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
         request = replace(options, messages=[_message(m, i) for i, m in enumerate(messages)])
@@ -157,32 +141,6 @@ def _tokens(body: dict[str, Any], chat: bool, tools: list[Any] | None, options: 
     if not tokens:
         raise ApiError(400, "the prompt has no tokens", param="messages" if chat else "prompt")
     return tokens
-
-
-def _field(body: dict[str, Any], name: str, kinds: Any, default: Any) -> Any:
-    """``body[name]`` checked against ``kinds`` (bools are not numbers), or ``default`` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
-    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
-        names = " or ".join({int: "an integer", float: "a number", bool: "a boolean", list: "a list",
-                             dict: "an object", str: "a string"}[t] for t in allowed)
-        raise ApiError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
-    return value
-
-
-def _stops(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
-        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
-                            "characters", param="stop")
-    return [s for s in stops if s]
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
