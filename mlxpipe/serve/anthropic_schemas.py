@@ -151,21 +151,16 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    tools = field(body, "tools", list)
-    if tools is None:
-        return None
-    if len(tools) > bodies.MAX_TOOLS:
-        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise ApiError(400, f"'{where}' must be an object", param=where)
-        if _kind(tool, "custom") != "custom" or "input_schema" not in tool:
-            raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema'; server tools "
-                                f"({str(tool.get('type'))[:40]}) are not run by this server", param=where)
-        out.append(bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
-    return out or None
+    return bodies.tool_list(body, _tool) or None
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise ApiError(400, f"'{where}' must be an object", param=where)
+    if _kind(tool, "custom") != "custom" or "input_schema" not in tool:
+        raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema'; server tools "
+                            f"({str(tool.get('type'))[:40]}) are not run by this server", param=where)
+    return bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:

@@ -92,6 +92,15 @@ def stops(body: dict[str, Any], name: str) -> list[str]:
     return [s for s in found if s]
 
 
+def tool_list(body: dict[str, Any], convert: Callable[[Any, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The body's ``tools``, at most ``MAX_TOOLS``, each turned into the template's shape by ``convert(tool,
+    where)`` (which raises ``ApiError`` naming ``tools[i]``); empty when absent."""
+    tools = field(body, "tools", list) or []
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    return [convert(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+
+
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
     """A tool as chat templates (and mlx-lm's tool parsers) read it: OpenAI's function tool."""
     if not isinstance(name, str) or not name:

@@ -118,17 +118,13 @@ def _call(call: Any, where: str, i: int, j: int) -> dict[str, Any]:
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    tools = field(body, "tools", list)
-    if not tools:
-        return None
-    if len(tools) > bodies.MAX_TOOLS:
-        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict):
-            raise ApiError(400, f"'tools[{i}]' must be a function tool ({{\"type\": \"function\", \"function\": "
-                                "...}})", param=f"tools[{i}]")
-        out.append(bodies.function_tool(function.get("name"), function.get("description"),
-                                        function.get("parameters"), f"tools[{i}].function"))
-    return out
+    return bodies.tool_list(body, _tool) or None
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict):
+        raise ApiError(400, f"'{where}' must be a function tool ({{\"type\": \"function\", \"function\": "
+                            "...}})", param=where)
+    return bodies.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                f"{where}.function")

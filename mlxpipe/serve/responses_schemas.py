@@ -184,20 +184,15 @@ def _arguments(text: str, where: str) -> Any:
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    tools = field(body, "tools", list)
-    if tools is None:
-        return None
-    if len(tools) > bodies.MAX_TOOLS:
-        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        kind = _kind(tool)
-        if kind != "function":
-            raise ApiError(400, f"'{where}' must be a function tool; built-in tools ({str(kind)[:40]}) are not "
-                                "run by this server", param=where)
-        out.append(bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
-    return out or None
+    return bodies.tool_list(body, _tool) or None
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    kind = _kind(tool)
+    if kind != "function":
+        raise ApiError(400, f"'{where}' must be a function tool; built-in tools ({str(kind)[:40]}) are not "
+                            "run by this server", param=where)
+    return bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
