@@ -131,6 +131,22 @@ def test_notes_say_what_is_split() -> None:
     assert "--tp" not in " ".join(make_plan(llama(), hosts(4)).notes)
 
 
+@pytest.mark.parametrize("name, shape, replicated", [
+    ("model.layers.0.mlp.switch_mlp.gate_proj.weight", (8, 32, 64), False),  # routed experts: split
+    ("model.layers.0.mlp.switch_mlp.down_proj.weight", (8, 64, 32), False),
+    ("model.layers.0.mlp.shared_expert.up_proj.weight", (32, 64), False),  # a shared expert: split
+    ("model.layers.0.mlp.gate.weight", (8, 64), True),  # the router: whole, every member routes alike
+    ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64), True),
+    ("model.layers.0.block_sparse_moe.router.layer.weight", (8, 64), True),
+])
+def test_moe_experts_split_and_routers_replicated(name: str, shape: tuple[int, ...], replicated: bool) -> None:
+    """As the worker shards them (``worker/tensor/experts.py``): each expert by its hidden width."""
+    from mlxpipe.plan.costs import is_replicated
+
+    assert is_replicated(name, shape) is replicated
+    assert "MoE experts included" in " ".join(make_plan(llama(), hosts(2), tp=2).notes)
+
+
 def test_tp_1_is_the_pipeline_unchanged() -> None:
     assert make_plan(llama(), hosts(4), tp=1) == make_plan(llama(), hosts(4))
 

@@ -100,7 +100,7 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=config.chosen_backend))
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
-    check_pipelinable(meta, config.mode, config.trust_remote_code)
+    check_pipelinable(meta, config.mode, config.trust_remote_code, config.target.tp, len(the_plan.split))
     if config.draft_model is not None:
         check_draft(ensure_draft(config), meta, config.trust_remote_code)
     return meta, the_plan
@@ -278,12 +278,13 @@ def _fetch(tasks: Any, meta: ModelMetadata, from_controller: bool, quiet: bool) 
             dl.run_on_hosts(tasks, on_update)
 
 
-def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool) -> None:
-    """Refuse a model the pipeline cannot handle before any rank starts."""
+def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool, tp: int = 1, stages: int = 1) -> None:
+    """Refuse a model the pipeline (with ``tp`` > 1: the tensor-parallel sharder) cannot handle before any
+    rank starts."""
     from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.worker.load import check_pipelinable as check
 
-    check(controller_model_dir(meta), mode=mode, trust_remote_code=trust)
+    check(controller_model_dir(meta), mode=mode, trust_remote_code=trust, tp=tp, stages=stages)
 
 
 def _status(text: str, quiet: bool) -> Any:

@@ -3,7 +3,8 @@
 ``--tp T``: the hostfile's hosts, in order, form groups of T consecutive ranks; group g
 (ranks ``g*T .. g*T+T-1``) is pipeline stage g, and stage 0 runs the LAST layers, as
 rank 0 does without ``--tp``. Inside a group each member holds 1/T of the attention
-and MLP weights (split by heads, and by the MLP's hidden width), 1/T of the vocabulary
+and MLP weights (split by heads, and by the MLP's hidden width; an MoE block's routed
+and shared experts each by their own hidden width), 1/T of the vocabulary
 head and of the embedding (split by vocabulary), and 1/T of the KV cache (split by KV
 heads); norms, the biases and routers of the layers whose output is summed are
 replicated on every member.
@@ -120,6 +121,7 @@ def notes(tp: int, stages: int, config: dict[str, Any]) -> tuple[str, ...]:
     layout = "one stage: pure tensor parallelism" if stages == 1 else f"{stages} pipeline stages"
     return (
         f"--tp {tp}: {layout}, each a group of {tp} consecutive hosts. Each member holds 1/{tp} of its stage's "
-        f"attention and MLP weights and of the vocabulary head and embedding (split by vocabulary); norms and "
-        f"routers are replicated; the KV cache is {kv}. Every member fetches its stage's whole files.",
+        f"attention and MLP weights (MoE experts included, each split by its hidden width) and of the vocabulary "
+        f"head and embedding (split by vocabulary); norms and routers are replicated; the KV cache is {kv}. Every "
+        f"member fetches its stage's whole files.",
     )

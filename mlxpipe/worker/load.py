@@ -26,7 +26,7 @@ from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.pipeline.cut import learn_layouts, pipeline_generic, pipeline_native
 from mlxpipe.worker.pipeline.layers import check_supported, find_layers
-from mlxpipe.worker.tensor import shard_model
+from mlxpipe.worker.tensor import check_shardable, shard_model
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
@@ -299,9 +299,10 @@ def check_trimmable(model: nn.Module) -> None:
 
 
 def check_pipelinable(
-    model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False
+    model_path: str | Path, mode: str = "generic", trust_remote_code: bool = False, tp: int = 1, stages: int = 1
 ) -> None:
-    """Raise ModelError unless mlxpipe can pipeline the model at ``model_path``.
+    """Raise ModelError unless mlxpipe can pipeline the model at ``model_path`` (and, with ``tp`` > 1,
+    slice its layers across ``stages`` tensor-parallel groups of ``tp``).
 
     Cheap: builds the model from its config without reading any weights, so
     the controller can call it before launching ranks.
@@ -309,6 +310,8 @@ def check_pipelinable(
     model = build_without_weights(model_path, trust_remote_code)
     if mode != "native":
         check_supported(model)
+        if tp > 1:
+            check_shardable(model, tp, stages)
     else:
         inner = model.get("model")
         if not callable(getattr(inner, "pipeline", None)):

@@ -24,9 +24,39 @@ from mlxpipe.worker.tensor.reduce import group_reductions, stray_group_users
 from mlxpipe.worker.tensor.vocab import shard_vocab
 
 
+# Models whose code the sharder cannot see into, refused by name: what they do that a split would break.
+REFUSED_MODEL_TYPES = {
+    "exaone": "its attention reshapes its output to the whole hidden size, which a split by heads halves",
+    "plamo": "its query heads read the KV heads tiled (head i reads KV head i modulo their count), which a "
+             "split into consecutive heads breaks",
+    "bailing_moe_linear": "its linear-attention layers keep per-head decay rates for all heads",
+    "seed_oss": "its tied head reads embed_tokens.weight itself, of which the vocabulary split leaves a part",
+}
+
+
 def has_own_shard(model: nn.Module) -> bool:
     """Whether mlx-lm's class for this model has its own ``shard()``."""
     return callable(getattr(type(model), "shard", None))
+
+
+class _Shapes:
+    """A stand-in MLX group for checks before launch: its size and rank are all that slicing a lazily
+    built model's weights reads (no collective ever runs on it)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def check_shardable(model: nn.Module, tp: int, stages: int = 1) -> str:
+    """Slice a model built without weights as a rank of ``stages`` groups of ``tp`` would; ModelError
+    where the ranks would refuse (cheap: nothing is computed). Returns how it shards."""
+    return shard_model(model, Topology(_Shapes(tp * stages), tp))
 
 
 def shard_model(model: nn.Module, topology: Topology) -> str:
@@ -34,6 +64,9 @@ def shard_model(model: nn.Module, topology: Topology) -> str:
     if not topology.sharded:
         return "none"
     tensor = topology.tensor
+    model_type = model_type_of(model)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ModelError(f"{model_type}: {REFUSED_MODEL_TYPES[model_type]}", hint="run it without --tp (a pipeline)")
     # Pure tensor parallelism: the world is the group, and MLX's own collectives reduce.
     group = topology.world if tensor.whole_world else tensor
     how = "generic"

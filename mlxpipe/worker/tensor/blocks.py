@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.tensor.experts import moe_blocks, shard_moe
 
 # Attention layouts: (column-parallel projections, the row-parallel output).
 _ATTENTION = [
@@ -28,7 +29,16 @@ _ATTENTION = [
     (("q_proj", "k_proj", "v_proj"), "dense"),
     (("wq", "wk", "wv"), "wo"),
 ]
-_FUSED_QKV = ("qkv_proj", "o_proj")
+# Fused projections (fused, the row-parallel output) and how their rows are laid out:
+# "parts" is [Q | K | V], split part by part; "grouped" is per KV head its query heads then
+# its key and value heads (InternLM2's wqkv, phi3small) or per head [q k v] (GPT-NeoX), where a
+# contiguous split gives each member whole groups. A name some models lay out differently is
+# looked up by the model's module (query_key_value).
+_FUSED_QKV = [("qkv_proj", "o_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
+              ("query_key_value", "dense")]
+_FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped",
+                                                        "bailing_moe": "parts", "bailing_moe_linear": "parts",
+                                                        "bailing_hybrid": "parts"}}
 # MLP layouts: (column-parallel projections, the row-parallel output).
 _MLP = [
     (("gate_proj", "up_proj"), "down_proj"),
@@ -36,62 +46,101 @@ _MLP = [
     (("fc1",), "fc2"),
     (("c_fc",), "c_proj"),
     (("up_proj",), "down_proj"),
+    (("c_fc_0", "c_fc_1"), "c_proj"),
+    (("w1", "w2"), "c_proj"),
+    (("fc_in",), "fc_out"),
+    (("dense_h_to_4h",), "dense_4h_to_h"),
 ]
 _FUSED_GATE_UP = ("gate_up_proj", "down_proj")
+# Projection widths some attention code splits its fused output by (PLaMo 3).
+_WIDTHS = ("q_proj_dim", "k_proj_dim", "v_proj_dim")
+# Gates on the attention's output (sigmoid(gate(x)) * attention before the output projection).
+_OUTPUT_GATES = ("g_proj", "gate_proj")
+_HINT = "run it without --tp (a pipeline)"
 # The attributes attention code reads its head counts from.
-_HEAD_COUNTS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
-_KV_HEAD_COUNTS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head")
-_REFUSED_FUSED = {"wqkv": "InternLM2's grouped wqkv", "query_key_value": "a per-head interleaved query_key_value",
-                  "c_attn": "a fused c_attn", "Wqkv": "a fused Wqkv"}
+_HEAD_COUNTS = ("n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_heads")
+_KV_HEAD_COUNTS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "k_num_heads", "v_num_heads")
 
 
 def shard_block(block: nn.Module, group: Any, where: str) -> None:
     """Slice ``block``'s attention and MLP in place for ``group``; ModelError naming ``where`` otherwise."""
     n = group.size()
+    # MoE blocks first: their shared experts are dense MLPs that must not reduce on their own.
+    moe = moe_blocks(block)
+    for _, module in moe:
+        shard_moe(module, group, _MLP)
+    inside = {id(sub) for _, module in moe for _, sub in module.named_modules()}
     attention = mlp = None
     for _, module in block.named_modules():
+        if id(module) in inside:
+            continue
         if attention is None and _shard_attention(module, group, n, where):
             attention = module
         elif mlp is None and module is not attention and _shard_mlp(module, group):
             mlp = module
     if attention is None:
-        raise ModelError(f"{where}: no attention projections the tensor-parallel sharder knows"
-                         + _fused_note(block), hint="run it without --tp (a pipeline)")
-    _check_rest(block, where)
+        parts = ", ".join(name for name, child in block.children().items() if isinstance(child, nn.Module))
+        raise ModelError(f"{where}: no attention projections the tensor-parallel sharder knows (its parts: {parts})",
+                         hint=_HINT)
+    _check_rest(block, where, inside)
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
     return all(isinstance(module.get(name), (nn.Linear, nn.QuantizedLinear)) for name in names)
 
 
+def _fused_layout(module: nn.Module) -> tuple[tuple[str, str] | None, str]:
+    """The fused q/k/v projection of ``module`` and its layout ("parts" or "grouped"); "unknown" when the
+    name is laid out differently by different models and this one is not known."""
+    fused = next((lay for lay in _FUSED_QKV if _has(module, lay)), None)
+    if fused is None:
+        return None, ""
+    kind = _FUSED_LAYOUT.get(fused[0], "parts")
+    if isinstance(kind, dict):
+        kind = kind.get(type(module).__module__.rsplit(".", 1)[-1], "unknown")
+    return fused, kind
+
+
 def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
-    fused = _has(module, _FUSED_QKV)
-    layout = next((lay for lay in _ATTENTION if _has(module, (*lay[0], lay[1]))), None)
-    if not fused and layout is None:
+    fused, kind = _fused_layout(module)
+    layout = None if fused else next((lay for lay in _ATTENTION if _has(module, (*lay[0], lay[1]))), None)
+    if fused is None and layout is None:
         return False
+    if kind == "unknown":
+        raise ModelError(f"{where}: its fused {fused[0]} has a row layout the tensor-parallel sharder does not "
+                         "know", hint=_HINT)
     heads = _count(module, _HEAD_COUNTS)
     kv_heads = _count(module, _KV_HEAD_COUNTS) or heads
     if heads is None:
-        raise ModelError(f"{where}: its attention keeps no head count the sharder can update")
+        raise ModelError(f"{where}: its attention keeps no head count the sharder can update", hint=_HINT)
     if heads % n or kv_heads % n:
+        fits = [str(t) for t in range(2, kv_heads + 1) if heads % t == 0 and kv_heads % t == 0]
         raise ModelError(f"{where}: {heads} attention heads and {kv_heads} KV heads do not divide by --tp {n}",
-                         hint=f"use a --tp that divides {kv_heads}")
-    q_width = (module["qkv_proj"].weight.shape[0] * heads // (heads + 2 * kv_heads) if fused
-               else module[layout[0][0]].weight.shape[0])
+                         hint=f"use --tp {' or '.join(fits)}" if fits else _HINT)
+    width = module[(fused or layout[0])[0]].weight.shape[0]
+    q_width = width * heads // (heads + 2 * kv_heads) if fused else width
     _check_head_norms(module, q_width // heads, where)
     if fused:
         kv_width = q_width * kv_heads // heads
-        module["qkv_proj"] = shard_linear(module["qkv_proj"], "all-to-sharded",
-                                          segments=[q_width, q_width + kv_width], group=group)
-        module["o_proj"] = shard_linear(module["o_proj"], "sharded-to-all", group=group)
+        segments = [q_width, q_width + kv_width] if kind == "parts" else 1
+        module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=segments, group=group)
+        module[fused[1]] = shard_linear(module[fused[1]], "sharded-to-all", group=group)
     else:
         for name in layout[0]:
             module[name] = shard_linear(module[name], "all-to-sharded", group=group)
         module[layout[1]] = shard_linear(module[layout[1]], "sharded-to-all", group=group)
+    for name in _OUTPUT_GATES:
+        # A gate on the attention's output, per head or per head and channel: split with the heads.
+        gate = module.get(name)
+        if isinstance(gate, (nn.Linear, nn.QuantizedLinear)) and gate.weight.shape[0] in (q_width, heads):
+            module[name] = shard_linear(gate, "all-to-sharded", group=group)
     for names, total in ((_HEAD_COUNTS, heads), (_KV_HEAD_COUNTS, kv_heads)):
         for name in names:
             if isinstance(getattr(module, name, None), int):
                 setattr(module, name, total // n)
+    for name in _WIDTHS:
+        if isinstance(getattr(module, name, None), int):
+            setattr(module, name, getattr(module, name) // n)
     return True
 
 
@@ -124,25 +173,17 @@ def _check_head_norms(module: nn.Module, head_dim: int, where: str) -> None:
         weight = norm.get("weight") if isinstance(norm, nn.Module) else None
         if weight is not None and weight.shape[-1] != head_dim:
             raise ModelError(f"{where}: its {name} normalizes across all heads at once, "
-                             "which a split by heads would change", hint="run it without --tp (a pipeline)")
+                             "which a split by heads would change", hint=_HINT)
 
 
-def _check_rest(block: nn.Module, where: str) -> None:
-    """Every weight left whole in ``block`` must be a vector (a norm, a row-parallel layer's bias)."""
+def _check_rest(block: nn.Module, where: str, moe: set[int]) -> None:
+    """Every weight left whole in ``block`` must be a vector (a norm, a row-parallel layer's bias), or an
+    MoE block's router (``moe``: the modules of its MoE blocks, replicated on purpose)."""
     for name, module in block.named_modules():
-        if type(module).__module__ == "mlx.nn.layers.distributed":
+        if type(module).__module__ == "mlx.nn.layers.distributed" or id(module) in moe:
             continue
         for key, value in module.items():
             if isinstance(value, mx.array) and value.ndim > 1:
                 what = f"{name}.{key}" if name else key
-                raise ModelError(f"{where}: {what} {tuple(value.shape)} is not a shape the tensor-parallel "
-                                 "sharder knows (an MoE block's experts, a fused projection...)"
-                                 + _fused_note(block), hint="run it without --tp (a pipeline)")
-
-
-def _fused_note(block: nn.Module) -> str:
-    for _, module in block.named_modules():
-        for key, what in _REFUSED_FUSED.items():
-            if key in module:
-                return f" ({what} is not split yet)"
-    return ""
+                raise ModelError(f"{where}: {what} {tuple(value.shape)} is a weight the tensor-parallel "
+                                 "sharder does not know how to split", hint=_HINT)

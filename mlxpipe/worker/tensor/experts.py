@@ -1,0 +1,90 @@
+"""MoE blocks sliced across a tensor group: every expert split like a dense MLP, one all-reduce per block.
+
+As mlx-lm's own ``shard()`` of qwen3_moe / deepseek_v3 / gpt_oss does it: each
+routed expert of a ``SwitchGLU`` (``SwitchMLP``), whose ``SwitchLinear``
+weights are shaped (experts, out, in), is split over its intermediate width
+(gate and up column-parallel, down row-parallel, ``shard_inplace``), and so is
+every dense shared expert beside it. The router and any gate on the shared
+expert stay whole on every member, so every member routes alike. The experts'
+outputs are then partial sums that the block only weights and adds (linear), so
+the block's output is summed across the group once (not once per expert
+layer): in a pipeline of several stages by the stage's own
+``TensorGroup.all_sum`` (MLX's ring cannot split a group, ``reduce``), with
+pure tensor parallelism by MLX's ``all_sum`` over the world.
+
+A row-parallel layer's bias would be added by every member before the sum:
+only member 0 keeps it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+# Routed experts: (column-parallel projections, the row-parallel output).
+_EXPERTS = {SwitchGLU: (("gate_proj", "up_proj"), "down_proj"), SwitchMLP: (("fc1",), "fc2")}
+
+
+class ReducedMoE:
+    """Marks an MoE block whose output this module sums across the tensor group (``tp_reduce``)."""
+
+    tp_reduce: Callable[[mx.array], mx.array]
+
+
+_REDUCING: dict[type, type] = {}
+
+
+def moe_blocks(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``block`` that hold routed experts (a ``SwitchGLU`` or ``SwitchMLP``) as a child."""
+    found = []
+    for name, module in block.named_modules():
+        if any(isinstance(child, tuple(_EXPERTS)) for child in module.children().values()):
+            found.append((name, module))
+    return found
+
+
+def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str, ...], str]]) -> None:
+    """Split ``module``'s routed and shared experts in place for ``group``; sum its output across it once.
+
+    ``dense_layouts`` are the dense MLP shapes a shared expert may have (``blocks``' own).
+    """
+    for _, sub in module.named_modules():
+        layout = _EXPERTS.get(type(sub)) or next(
+            (lay for lay in dense_layouts if _has_dense(sub, (*lay[0], lay[1]))), None
+        )
+        if sub is module or layout is None:
+            continue
+        for name in layout[0]:
+            shard_inplace(sub[name], "all-to-sharded", group=group)
+        down = sub[layout[1]]
+        shard_inplace(down, "sharded-to-all", group=group)
+        if "bias" in down and group.rank() != 0:
+            down["bias"] = mx.zeros_like(down["bias"])
+    cls = type(module)
+    if cls not in _REDUCING:
+        _REDUCING[cls] = type(cls.__name__, (cls, ReducedMoE), {"__call__": _reduced_call(cls)})
+    module.__class__ = _REDUCING[cls]
+    # Not a module attribute mlx would treat as a parameter: a plain attribute on the instance.
+    object.__setattr__(module, "tp_reduce", _reducer(group))
+
+
+def _reduced_call(cls: type) -> Callable[..., mx.array]:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
+        return self.tp_reduce(cls.__call__(self, *args, **kwargs))
+
+    return __call__
+
+
+def _reducer(group: Any) -> Callable[[mx.array], mx.array]:
+    """A stage's ``TensorGroup`` sums by itself; an MLX group (pure tensor parallelism) by ``all_sum``."""
+    own = getattr(group, "all_sum", None)
+    return own if callable(own) else partial(mx.distributed.all_sum, group=group)
+
+
+def _has_dense(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(module.get(name), (nn.Linear, nn.QuantizedLinear)) for name in names)

@@ -1,0 +1,119 @@
+"""Every architecture the pipeline runs, at ``--tp 2``: token-identical to mlx-lm, or refused with its reason.
+
+``tests/tensor_parallel.json`` says, per model type the pipeline runs
+(``identical`` in ``tests/architectures.json``), what tensor parallelism does
+with it: ``identical`` (greedy tokens of both members equal single-process
+mlx-lm's, sliced by the model's own ``shard()`` or by the generic sharder, as
+recorded), ``near-tie`` (a reordered sum flips a near-tie of the random tiny
+model: its tokens are not compared, its logits must be within
+``LOGITS_TOLERANCE`` of mlx-lm's), ``refused`` (refused before launch by
+``check_pipelinable(..., tp=2)`` with the recorded one-line reason) or
+``untested`` (with why). One launch of 2 ranks runs every shardable
+architecture (``fixtures/tp_suite.py``); docs/tensor-parallel.md's table is
+generated from the same file (``PYTHONPATH=tests python tests/fixtures/tp_suite.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures import arch_suite, tp_suite
+
+from mlxpipe.errors import ModelError
+
+STATUS = tp_suite.load_status()
+PIPELINED = {t for t, s in arch_suite.load_status().items() if s["status"] == "identical"}
+RUN = sorted(t for t, s in STATUS.items() if s["status"] in ("identical", "near-tie") and t in PIPELINED)
+IDENTICAL = [t for t in RUN if STATUS[t]["status"] == "identical"]
+NEAR_TIE = [t for t in RUN if STATUS[t]["status"] == "near-tie"]
+REFUSED = sorted(t for t, s in STATUS.items() if s["status"] == "refused" and t in PIPELINED)
+_TIMEOUT = 120 + 3 * len(RUN)  # about 0.3 s per architecture on 2 CPU cores
+
+
+@pytest.fixture(scope="session")
+def tp_arch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny checkpoints are built (once per session)."""
+    return tmp_path_factory.mktemp("tp-architectures")
+
+
+@pytest.fixture(scope="session")
+def tp_arch_run(tp_arch_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The one launch over every architecture that shards: (launch, (model type, event) -> both ranks' events)."""
+    return tp_suite.run(RUN, NEAR_TIE, tp_arch_root, tmp_path_factory.mktemp("tp-arch-run"), _TIMEOUT)
+
+
+def _events(run: Any, model_type: str, event: str) -> list[dict[str, Any]]:
+    result, events = run
+    found = events.get((model_type, event), [])
+    if len(found) != tp_suite.TP:
+        pytest.fail(f"no {event} for {model_type} from every rank\n{result.describe()}")
+    return found
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("model_type", IDENTICAL)
+def test_tp2_token_identical(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
+    case = _events(tp_arch_run, model_type, "case")
+    tokens = [e["turns"][0]["tokens"] for e in case]
+    assert tokens[0] == tokens[1], f"the members disagree: {tokens}"
+    assert tokens[0] == arch_suite.reference(arch_suite.build(model_type, tp_arch_root))
+    assert [e["sharding"] for e in case] == [STATUS[model_type]["sharding"]] * tp_suite.TP
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("model_type", NEAR_TIE)
+def test_tp2_near_tie_logits_within_tolerance(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
+    import mlx.core as mx
+
+    events = _events(tp_arch_run, model_type, "logits")
+    assert events[0]["logits"] == events[1]["logits"], "the members hold different logits"
+    expected = tp_suite.reference_logits(arch_suite.build(model_type, tp_arch_root))
+    got = mx.array(events[0]["logits"])
+    assert got.shape == expected.shape
+    assert mx.abs(got - expected).max().item() <= tp_suite.LOGITS_TOLERANCE
+    # Both members still agree on every token (they sample the same logits).
+    tokens = [e["turns"][0]["tokens"] for e in _events(tp_arch_run, model_type, "case")]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_tp2_refused_before_launch(tp_arch_root: Path, model_type: str) -> None:
+    from mlxpipe.worker.load import check_pipelinable
+
+    path = arch_suite.build(model_type, tp_arch_root)
+    check_pipelinable(path)  # the pipeline alone runs it
+    with pytest.raises(ModelError) as error:
+        check_pipelinable(path, tp=tp_suite.TP)
+    assert str(error.value) == STATUS[model_type]["reason"]
+    assert error.value.hint == "run it without --tp (a pipeline)"
+
+
+@pytest.mark.parametrize("model_type", RUN)
+def test_tp2_shardable_before_launch(tp_arch_root: Path, model_type: str) -> None:
+    """The check before launch lets through what the ranks run, and says how it will shard."""
+    from mlxpipe.worker.load import build_without_weights
+    from mlxpipe.worker.tensor import check_shardable
+
+    model = build_without_weights(arch_suite.build(model_type, tp_arch_root))
+    assert check_shardable(model, tp_suite.TP) == STATUS[model_type]["sharding"]
+
+
+def test_tp_status_covers_every_pipelined_architecture() -> None:
+    """Every architecture the pipeline runs has a tensor-parallel status; every one that is not
+    identical says why; every one that runs says how it shards."""
+    assert set(STATUS) == PIPELINED, (
+        "record each architecture the pipeline runs in tests/tensor_parallel.json: "
+        f"missing {sorted(PIPELINED - set(STATUS))}, extra {sorted(set(STATUS) - PIPELINED)}"
+    )
+    for model_type, entry in STATUS.items():
+        assert entry["status"] in tp_suite.STATUSES, model_type
+        assert entry["status"] == "identical" or entry.get("reason"), model_type
+        if entry["status"] in ("identical", "near-tie"):
+            assert entry.get("sharding") in tp_suite.SHARDINGS, model_type
+
+
+def test_tp_docs_table_is_generated_from_the_status_file() -> None:
+    section = tp_suite.table_section(tp_suite.DOC.read_text())
+    assert section == tp_suite.table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/tp_suite.py"
