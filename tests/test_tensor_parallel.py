@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures import arch_suite
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from test_overlap import _reference
@@ -55,6 +56,9 @@ CASES_4: dict[str, dict[str, Any]] = {
     # Overlapped, batched decode on tensor-parallel stages (it once hung: a member's receive run
     # before its own send by MLX's lazy evaluation; see worker/groups.py).
     "qwen2-batched": {"arch": "qwen2", "split": [3, 3], "requests": BATCH_REQUESTS, "concurrency": [[3, 2]]},
+    # The generic sharder's MoE block (routed experts, a gated shared expert) summed by each stage's own
+    # all-reduce: the architecture suite's tiny qwen2_moe (4 layers).
+    "qwen2_moe-2-2": {"arch": "qwen2_moe", "suite": True, "split": [2, 2], "turns": OTHER_PROMPT},
 }
 CASES = {2: CASES_2, 4: CASES_4}
 TP = 2
@@ -79,7 +83,18 @@ def _job(case: dict[str, Any], checkpoint: Path, tmp: Path) -> JobSpec:
 
 
 @pytest.fixture(scope="session")
-def tp_results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
+def checkpoints(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
+    """A case's checkpoint: ``tiny_models``' (6 layers), or with ``suite`` the architecture suite's (4 layers)."""
+    root = tmp_path_factory.mktemp("tp-suite-models")
+
+    def get(case: dict[str, Any]) -> Path:
+        return arch_suite.build(case["arch"], root) if case.get("suite") else tiny_models[case["arch"]]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tp_results(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     """rank count -> (the driver run over all its cases, {(case, rank): event}), launched on first use."""
     runs: dict[int, tuple[LaunchResult, dict[tuple[str, int], dict[str, Any]]]] = {}
 
@@ -88,7 +103,7 @@ def tp_results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
             tmp = tmp_path_factory.mktemp(f"tp{num_ranks}")
             cases = []
             for case_id, case in CASES[num_ranks].items():
-                checkpoint = tiny_models[case["arch"]]
+                checkpoint = checkpoints(case)
                 spec = {"id": case_id, "job": asdict(_job(case, checkpoint, tmp / case_id))}
                 if case.get("logits"):
                     spec["logits"] = _prompt_ids(checkpoint)
@@ -115,12 +130,12 @@ def _events(tp_results, num_ranks: int, case_id: str) -> list[dict[str, Any]]:
     return events  # type: ignore[return-value]
 
 
-def _check_turns(tp_results, tiny_models: TinyModels, num_ranks: int, case_id: str) -> None:
+def _check_turns(tp_results, checkpoints, num_ranks: int, case_id: str) -> None:
     case = CASES[num_ranks][case_id]
     events = _events(tp_results, num_ranks, case_id)
     tokens = [[t["tokens"] for t in e["turns"]] for e in events]
     assert all(t == tokens[0] for t in tokens), f"ranks disagree: {tokens}"
-    assert tokens[0] == reference_tokens(tiny_models[case["arch"]], case["turns"])
+    assert tokens[0] == reference_tokens(checkpoints(case), case["turns"])
     # Every member of stage s runs the stage's layers.
     for rank, event in enumerate(events):
         stage = rank // TP
@@ -132,8 +147,8 @@ TURN_CASES_2 = [c for c, case in CASES_2.items() if "turns" in case]
 
 
 @pytest.mark.parametrize("case_id", TURN_CASES_2)
-def test_tp2_on_two_ranks_matches_mlx_lm(tp_results, tiny_models, case_id: str) -> None:
-    _check_turns(tp_results, tiny_models, 2, case_id)
+def test_tp2_on_two_ranks_matches_mlx_lm(tp_results, checkpoints, case_id: str) -> None:
+    _check_turns(tp_results, checkpoints, 2, case_id)
 
 
 @pytest.mark.parametrize("arch, sharding", [("phi3", "generic"), ("llama", "own shard()")])
@@ -157,9 +172,9 @@ def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, tiny_m
         assert whole / 2 <= event["parameters"] < whole / 2 * 1.02
 
 
-@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4"])
-def test_tp2_times_two_stages_on_four_ranks_matches_mlx_lm(tp_results, tiny_models, case_id: str) -> None:
-    _check_turns(tp_results, tiny_models, 4, case_id)
+@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4", "qwen2_moe-2-2"])
+def test_tp2_times_two_stages_on_four_ranks_matches_mlx_lm(tp_results, checkpoints, case_id: str) -> None:
+    _check_turns(tp_results, checkpoints, 4, case_id)
 
 
 def test_overlapped_batched_decode_on_tp_stages_matches_mlx_lm(tp_results, tiny_models) -> None:
