@@ -27,6 +27,7 @@ from mlxpipe.worker.tensor.vocab import shard_vocab
 # Models whose code the sharder cannot see into, refused by name: what they do that a split would break.
 REFUSED_MODEL_TYPES = {
     "exaone": "its attention reshapes its output to the whole hidden size, which a split by heads halves",
+    "nanochat": "its attention reshapes its output to the whole hidden size, which a split by heads halves",
     "plamo": "its query heads read the KV heads tiled (head i reads KV head i modulo their count), which a "
              "split into consecutive heads breaks",
     "bailing_moe_linear": "its linear-attention layers keep per-head decay rates for all heads",
@@ -56,7 +57,11 @@ class _Shapes:
 def check_shardable(model: nn.Module, tp: int, stages: int = 1) -> str:
     """Slice a model built without weights as a rank of ``stages`` groups of ``tp`` would; ModelError
     where the ranks would refuse (cheap: nothing is computed). Returns how it shards."""
-    return shard_model(model, Topology(_Shapes(tp * stages), tp))
+    try:
+        return shard_model(model, Topology(_Shapes(tp * stages), tp))
+    except (ValueError, KeyError, IndexError) as e:  # a layout the sharder misread: refuse, never crash
+        raise ModelError(f"{model_type_of(model)}: the tensor-parallel sharder cannot split it ({e})",
+                         hint="run it without --tp (a pipeline)") from e
 
 
 def shard_model(model: nn.Module, topology: Topology) -> str:

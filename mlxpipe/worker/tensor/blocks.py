@@ -21,6 +21,7 @@ from mlx.nn.layers.distributed import shard_linear
 
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.tensor.experts import moe_blocks, shard_moe
+from mlxpipe.worker.tensor.mla import shard_mla
 
 # Attention layouts: (column-parallel projections, the row-parallel output).
 _ATTENTION = [
@@ -28,13 +29,15 @@ _ATTENTION = [
     (("q_proj", "k_proj", "v_proj"), "out_proj"),
     (("q_proj", "k_proj", "v_proj"), "dense"),
     (("wq", "wk", "wv"), "wo"),
+    (("c_q", "c_k", "c_v"), "c_proj"),
+    (("attn_query", "attn_key", "attn_value"), "attn_resid"),
 ]
 # Fused projections (fused, the row-parallel output) and how their rows are laid out:
 # "parts" is [Q | K | V], split part by part; "grouped" is per KV head its query heads then
 # its key and value heads (InternLM2's wqkv, phi3small) or per head [q k v] (GPT-NeoX), where a
 # contiguous split gives each member whole groups. A name some models lay out differently is
 # looked up by the model's module (query_key_value).
-_FUSED_QKV = [("qkv_proj", "o_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
+_FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
               ("query_key_value", "dense")]
 _FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped",
                                                         "bailing_moe": "parts", "bailing_moe_linear": "parts",
@@ -49,11 +52,14 @@ _MLP = [
     (("c_fc_0", "c_fc_1"), "c_proj"),
     (("w1", "w2"), "c_proj"),
     (("fc_in",), "fc_out"),
+    (("mlp_gate", "mlp_linear"), "mlp_resid"),
     (("dense_h_to_4h",), "dense_4h_to_h"),
 ]
 _FUSED_GATE_UP = ("gate_up_proj", "down_proj")
 # Projection widths some attention code splits its fused output by (PLaMo 3).
 _WIDTHS = ("q_proj_dim", "k_proj_dim", "v_proj_dim")
+# Modules holding one parameter per query head (Talkie's head_gain).
+_PER_HEAD = ("head_gain",)
 # Gates on the attention's output (sigmoid(gate(x)) * attention before the output projection).
 _OUTPUT_GATES = ("g_proj", "gate_proj")
 _HINT = "run it without --tp (a pipeline)"
@@ -74,7 +80,11 @@ def shard_block(block: nn.Module, group: Any, where: str) -> None:
     for _, module in block.named_modules():
         if id(module) in inside:
             continue
-        if attention is None and _shard_attention(module, group, n, where):
+        kept = shard_mla(module, group, where, _HINT) if attention is None else None
+        if kept is not None:
+            attention = module
+            inside |= {id(k) for k in kept}
+        elif attention is None and _shard_attention(module, group, n, where):
             attention = module
         elif mlp is None and module is not attention and _shard_mlp(module, group):
             mlp = module
@@ -86,7 +96,12 @@ def shard_block(block: nn.Module, group: Any, where: str) -> None:
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(isinstance(module.get(name), (nn.Linear, nn.QuantizedLinear)) for name in names)
+    return all(is_plain_linear(module.get(name)) for name in names)
+
+
+def is_plain_linear(module: Any) -> bool:
+    """mlx's own ``Linear`` or ``QuantizedLinear``: a model's subclass may lay out or use its weight otherwise."""
+    return type(module) in (nn.Linear, nn.QuantizedLinear)
 
 
 def _fused_layout(module: nn.Module) -> tuple[tuple[str, str] | None, str]:
@@ -132,12 +147,17 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
     for name in _OUTPUT_GATES:
         # A gate on the attention's output, per head or per head and channel: split with the heads.
         gate = module.get(name)
-        if isinstance(gate, (nn.Linear, nn.QuantizedLinear)) and gate.weight.shape[0] in (q_width, heads):
+        if is_plain_linear(gate) and gate.weight.shape[0] in (q_width, heads):
             module[name] = shard_linear(gate, "all-to-sharded", group=group)
     for names, total in ((_HEAD_COUNTS, heads), (_KV_HEAD_COUNTS, kv_heads)):
         for name in names:
             if isinstance(getattr(module, name, None), int):
                 setattr(module, name, total // n)
+    for name in _PER_HEAD:
+        # Per-head parameters (a gain per query head): each member keeps its heads' entries.
+        if isinstance(module.get(name), nn.Module):
+            part = heads // n
+            module[name].apply(lambda w: w[group.rank() * part : (group.rank() + 1) * part])
     for name in _WIDTHS:
         if isinstance(getattr(module, name, None), int):
             setattr(module, name, getattr(module, name) // n)

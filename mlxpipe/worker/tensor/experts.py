@@ -87,4 +87,4 @@ def _reducer(group: Any) -> Callable[[mx.array], mx.array]:
 
 
 def _has_dense(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(isinstance(module.get(name), (nn.Linear, nn.QuantizedLinear)) for name in names)
+    return all(type(module.get(name)) in (nn.Linear, nn.QuantizedLinear) for name in names)
