@@ -75,7 +75,7 @@ def _members(make: Callable[[], nn.Module], quantized: bool) -> tuple[nn.Module,
         block.update(_biases(block))
         blocks.append(block)
     for rank, member in enumerate(blocks[1:]):
-        shard_moe(member, _Member(rank), _MLP)
+        shard_moe(member, _Member(rank), _MLP, "test", "hint")
     return blocks[0], blocks[1:]
 
 
@@ -116,3 +116,18 @@ def test_moe_blocks_are_the_experts_parents() -> None:
     block = _qwen2_moe()
     assert [name for name, _ in moe_blocks(block)] == [""]
     assert moe_blocks(nn.Sequential(nn.Linear(4, 4))) == []
+
+
+class _UnknownShared(_BiasedExperts):
+    """Experts beside a dense part the sharder does not know: its output would be added by every member."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(HIDDEN, HIDDEN)
+
+
+def test_an_unknown_dense_part_beside_the_experts_is_refused() -> None:
+    from mlxpipe.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"layer 3: extra.weight \(64, 64\) in its MoE block is neither an expert"):
+        shard_moe(_UnknownShared(), _Member(0), _MLP, "layer 3", "hint")

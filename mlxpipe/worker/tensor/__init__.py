@@ -27,7 +27,6 @@ from mlxpipe.worker.tensor.vocab import shard_vocab
 # Models whose code the sharder cannot see into, refused by name: what they do that a split would break.
 REFUSED_MODEL_TYPES = {
     "exaone": "its attention reshapes its output to the whole hidden size, which a split by heads halves",
-    "nanochat": "its attention reshapes its output to the whole hidden size, which a split by heads halves",
     "plamo": "its query heads read the KV heads tiled (head i reads KV head i modulo their count), which a "
              "split into consecutive heads breaks",
     "bailing_moe_linear": "its linear-attention layers keep per-head decay rates for all heads",

@@ -38,7 +38,7 @@ _ATTENTION = [
 # contiguous split gives each member whole groups. A name some models lay out differently is
 # looked up by the model's module (query_key_value).
 _FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
-              ("query_key_value", "dense")]
+              ("query_key_value", "dense"), ("q_k_v_proj", "out_proj")]
 _FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped",
                                                         "bailing_moe": "parts", "bailing_moe_linear": "parts",
                                                         "bailing_hybrid": "parts"}}
@@ -46,6 +46,7 @@ _FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "
 _MLP = [
     (("gate_proj", "up_proj"), "down_proj"),
     (("w1", "w3"), "w2"),
+    (("w1", "v1"), "w2"),
     (("fc1",), "fc2"),
     (("c_fc",), "c_proj"),
     (("up_proj",), "down_proj"),
@@ -56,10 +57,12 @@ _MLP = [
     (("dense_h_to_4h",), "dense_4h_to_h"),
 ]
 _FUSED_GATE_UP = ("gate_up_proj", "down_proj")
-# Projection widths some attention code splits its fused output by (PLaMo 3).
-_WIDTHS = ("q_proj_dim", "k_proj_dim", "v_proj_dim")
+# Projection widths some attention code splits its fused output by (PLaMo 3, Spark 2.5).
+_WIDTHS = ("q_proj_dim", "k_proj_dim", "v_proj_dim", "q_size", "kv_size")
 # Modules holding one parameter per query head (Talkie's head_gain).
 _PER_HEAD = ("head_gain",)
+# The model's width, read by some attention code as the width of all its heads together.
+_MODEL_WIDTHS = ("d_model", "hidden_size")
 # Gates on the attention's output (sigmoid(gate(x)) * attention before the output projection).
 _OUTPUT_GATES = ("g_proj", "gate_proj")
 _HINT = "run it without --tp (a pipeline)"
@@ -74,7 +77,7 @@ def shard_block(block: nn.Module, group: Any, where: str) -> None:
     # MoE blocks first: their shared experts are dense MLPs that must not reduce on their own.
     moe = moe_blocks(block)
     for _, module in moe:
-        shard_moe(module, group, _MLP)
+        shard_moe(module, group, _MLP, where, _HINT)
     inside = {id(sub) for _, module in moe for _, sub in module.named_modules()}
     attention = mlp = None
     for _, module in block.named_modules():
@@ -161,6 +164,10 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
     for name in _WIDTHS:
         if isinstance(getattr(module, name, None), int):
             setattr(module, name, getattr(module, name) // n)
+    for name in _MODEL_WIDTHS:
+        # The model's width where the attention code uses it as the queries' (DBRX's split, nanochat's reshape).
+        if getattr(module, name, None) == q_width:
+            setattr(module, name, q_width // n)
     return True
 
 

@@ -26,6 +26,8 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from mlxpipe.errors import ModelError
+
 # Routed experts: (column-parallel projections, the row-parallel output).
 _EXPERTS = {SwitchGLU: (("gate_proj", "up_proj"), "down_proj"), SwitchMLP: (("fc1",), "fc2")}
 
@@ -40,25 +42,45 @@ _REDUCING: dict[type, type] = {}
 
 
 def moe_blocks(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules of ``block`` that hold routed experts (a ``SwitchGLU`` or ``SwitchMLP``) as a child."""
+    """The modules of ``block`` that hold routed experts as a child: a ``SwitchGLU`` or ``SwitchMLP``, or a list
+    ``experts`` of dense MLPs (DBRX)."""
     found = []
     for name, module in block.named_modules():
-        if any(isinstance(child, tuple(_EXPERTS)) for child in module.children().values()):
+        children = module.children()
+        listed = children.get("experts")
+        if any(isinstance(child, tuple(_EXPERTS)) for child in children.values()) or (
+            isinstance(listed, list) and len(listed) > 1 and all(isinstance(e, nn.Module) for e in listed)
+        ):
             found.append((name, module))
     return found
 
 
-def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str, ...], str]]) -> None:
+def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str, ...], str]], where: str,
+              hint: str) -> None:
     """Split ``module``'s routed and shared experts in place for ``group``; sum its output across it once.
 
-    ``dense_layouts`` are the dense MLP shapes a shared expert may have (``blocks``' own).
+    ``dense_layouts`` are the dense MLP shapes a shared (or listed) expert may have (``blocks``' own). What
+    is left whole must be a router: a weight as wide as the block's output there would be added by every
+    member (ModelError naming ``where``).
     """
-    for _, sub in module.named_modules():
+    split: list[tuple[str, nn.Module, tuple[tuple[str, ...], str]]] = []
+    for name, sub in module.named_modules():
         layout = _EXPERTS.get(type(sub)) or next(
             (lay for lay in dense_layouts if _has_dense(sub, (*lay[0], lay[1]))), None
         )
-        if sub is module or layout is None:
-            continue
+        if sub is not module and layout is not None:
+            split.append((name, sub, layout))
+    if not split:
+        raise ModelError(f"{where}: its MoE block holds no experts the tensor-parallel sharder knows", hint=hint)
+    hidden = split[0][1][split[0][2][1]].weight.shape[-2]  # the down projection's output width
+    done = {id(m) for _, sub, _ in split for _, m in sub.named_modules()}
+    for name, sub in module.named_modules():
+        for key, value in sub.items() if id(sub) not in done else ():
+            if isinstance(value, mx.array) and value.ndim > 1 and value.shape[-2] == hidden:
+                what = ".".join(p for p in (name, key) if p)
+                raise ModelError(f"{where}: {what} {tuple(value.shape)} in its MoE block is neither an expert the "
+                                 "tensor-parallel sharder knows nor a router", hint=hint)
+    for _, sub, layout in split:
         for name in layout[0]:
             shard_inplace(sub[name], "all-to-sharded", group=group)
         down = sub[layout[1]]
