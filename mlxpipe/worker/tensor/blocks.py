@@ -22,6 +22,7 @@ from mlx.nn.layers.distributed import shard_linear
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.tensor.experts import moe_blocks, shard_moe
 from mlxpipe.worker.tensor.mla import shard_mla
+from mlxpipe.worker.tensor.norms import GroupRMSNorm, split_norm
 
 # Attention layouts: (column-parallel projections, the row-parallel output).
 _ATTENTION = [
@@ -31,6 +32,9 @@ _ATTENTION = [
     (("wq", "wk", "wv"), "wo"),
     (("c_q", "c_k", "c_v"), "c_proj"),
     (("attn_query", "attn_key", "attn_value"), "attn_resid"),
+    # Cross-layer attention (Hunyuan's CLA): queries only, the keys and values of an earlier layer's cache,
+    # which that layer's own split already sliced by KV heads.
+    (("q_proj",), "o_proj"),
 ]
 # Fused projections (fused, the row-parallel output) and how their rows are laid out:
 # "parts" is [Q | K | V], split part by part; "grouped" is per KV head its query heads then
@@ -91,9 +95,10 @@ def shard_block(block: nn.Module, group: Any, where: str) -> None:
             attention = module
         elif mlp is None and module is not attention and _shard_mlp(module, group):
             mlp = module
-    if attention is None:
+    if attention is None and mlp is None and not moe:
         parts = ", ".join(name for name, child in block.children().items() if isinstance(child, nn.Module))
-        raise ModelError(f"{where}: no attention projections the tensor-parallel sharder knows (its parts: {parts})",
+        raise ModelError(f"{where}: no attention or MLP projections the tensor-parallel sharder knows "
+                         f"(its parts: {parts})",
                          hint=_HINT)
     _check_rest(block, where, inside)
 
@@ -137,9 +142,11 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
                          hint=f"use --tp {' or '.join(fits)}" if fits else _HINT)
     width = module[(fused or layout[0])[0]].weight.shape[0]
     q_width = width * heads // (heads + 2 * kv_heads) if fused else width
+    kv_width = q_width * kv_heads // heads
+    for name, width in (("q_norm", q_width), ("k_norm", kv_width)):
+        split_norm(module, name, width, group)
     _check_head_norms(module, q_width // heads, where)
     if fused:
-        kv_width = q_width * kv_heads // heads
         segments = [q_width, q_width + kv_width] if kind == "parts" else 1
         module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=segments, group=group)
         module[fused[1]] = shard_linear(module[fused[1]], "sharded-to-all", group=group)
@@ -194,9 +201,12 @@ def _count(module: nn.Module, names: tuple[str, ...]) -> int | None:
 
 
 def _check_head_norms(module: nn.Module, head_dim: int, where: str) -> None:
-    """Per-head query/key norms split with the heads; one norm over all heads' widths at once cannot."""
+    """Per-head query/key norms split with the heads; one norm over all heads' widths at once cannot, unless
+    ``norms`` split it (an RMSNorm)."""
     for name in ("q_norm", "k_norm", "q_layernorm", "k_layernorm"):
         norm = module.get(name)
+        if isinstance(norm, GroupRMSNorm):
+            continue
         weight = norm.get("weight") if isinstance(norm, nn.Module) else None
         if weight is not None and weight.shape[-1] != head_dim:
             raise ModelError(f"{where}: its {name} normalizes across all heads at once, "

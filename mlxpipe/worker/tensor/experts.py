@@ -18,7 +18,6 @@ only member 0 keeps it.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.tensor.reduce import reducer
 
 # Routed experts: (column-parallel projections, the row-parallel output).
 _EXPERTS = {SwitchGLU: (("gate_proj", "up_proj"), "down_proj"), SwitchMLP: (("fc1",), "fc2")}
@@ -92,7 +92,7 @@ def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str
         _REDUCING[cls] = type(cls.__name__, (cls, ReducedMoE), {"__call__": _reduced_call(cls)})
     module.__class__ = _REDUCING[cls]
     # Not a module attribute mlx would treat as a parameter: a plain attribute on the instance.
-    object.__setattr__(module, "tp_reduce", _reducer(group))
+    object.__setattr__(module, "tp_reduce", reducer(group))
 
 
 def _reduced_call(cls: type) -> Callable[..., mx.array]:
@@ -100,12 +100,6 @@ def _reduced_call(cls: type) -> Callable[..., mx.array]:
         return self.tp_reduce(cls.__call__(self, *args, **kwargs))
 
     return __call__
-
-
-def _reducer(group: Any) -> Callable[[mx.array], mx.array]:
-    """A stage's ``TensorGroup`` sums by itself; an MLX group (pure tensor parallelism) by ``all_sum``."""
-    own = getattr(group, "all_sum", None)
-    return own if callable(own) else partial(mx.distributed.all_sum, group=group)
 
 
 def _has_dense(module: nn.Module, names: tuple[str, ...]) -> bool:

@@ -9,6 +9,9 @@ layers keep their class's behaviour with the group's neighbour exchange
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any, Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
@@ -66,3 +69,10 @@ def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
         ):
             stray.append(name or "the model")
     return stray
+
+
+def reducer(group: Any) -> Callable[[mx.array], mx.array]:
+    """The sum across ``group`` for layers mlxpipe slices itself (MoE blocks, norms over all heads): a stage's
+    ``TensorGroup`` sums by itself (neighbour exchanges); an MLX group (pure tensor parallelism) by ``all_sum``."""
+    own = getattr(group, "all_sum", None)
+    return own if callable(own) else partial(mx.distributed.all_sum, group=group)
