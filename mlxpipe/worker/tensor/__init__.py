@@ -5,7 +5,11 @@
 
 * the blocks: the model's own ``shard(group)`` where mlx-lm has one, else the
   generic sharder of ``blocks`` (attention split by heads, MLPs split, fused
-  projections by their real layout; anything else refused in one line);
+  projections by their real layout; MoE experts in ``experts``, latent
+  attention in ``mla``, norms over all heads in ``norms``; anything else
+  refused in one line, and a few models by name, ``REFUSED_MODEL_TYPES``);
+* ``check_shardable`` runs the same on a model built without weights, so the
+  controller refuses before launching what the ranks would refuse;
 * in a pipeline of several stages, the row-parallel layers' reduction is the
   stage's own (``reduce``): MLX's ring cannot split the world group;
 * the vocabulary head and the embedding, split by vocabulary (``vocab``): exact

@@ -2,13 +2,17 @@
 without their own ``shard()``.
 
 Attention is split by heads: the query, key and value projections column-parallel
-(each member computes its heads; a fused ``qkv_proj`` is split part by part,
-``[Q | K | V]``), the output projection row-parallel (partial sums, added across
-the group), and the head counts the attention code reads divided by the group's
-size. MLPs: gate and up (or ``fc1``) column-parallel, a fused ``gate_up_proj``
-half by half, down (or ``fc2``) row-parallel. What is left whole must be a norm
-or a bias (one vector per layer); any other weight is a shape this sharder does
-not know, refused in one line rather than computed wrong.
+(each member computes its heads; a fused projection by its real layout:
+``[Q | K | V]`` part by part, InternLM2's grouped ``wqkv`` by whole KV groups),
+the output projection row-parallel (partial sums, added across the group), and
+the head counts and widths the attention code reads divided by the group's size;
+a gate on the attention's output and per-head gains go with the heads. MLPs: gate
+and up (or ``fc1``...) column-parallel, a fused ``gate_up_proj`` half by half,
+down (or ``fc2``...) row-parallel. MoE blocks (``experts``), latent attention
+(``mla``) and norms over all heads (``norms``) have their own modules. What is
+left whole must be a norm or a bias (one vector per layer); any other weight is
+a shape this sharder does not know, refused in one line rather than computed
+wrong.
 """
 
 from __future__ import annotations
