@@ -74,6 +74,9 @@ _MODEL_WIDTHS = ("d_model", "hidden_size")
 # Gates on the attention's output (sigmoid(gate(x)) * attention before the output projection).
 _OUTPUT_GATES = ("g_proj", "gate_proj")
 _HINT = "run it without --tp (a pipeline)"
+# A block's parts that read and write the residual stream only (whole on every member, each computes
+# the same): Gemma 3n/4's per-layer inputs, Gemma 3n's AltUp and LAuReL.
+_REPLICATED = ("per_layer_input_gate", "per_layer_projection", "altup", "laurel")
 # The attributes attention code reads its head counts from.
 _HEAD_COUNTS = ("n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_heads")
 _KV_HEAD_COUNTS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "k_num_heads", "v_num_heads")
@@ -99,6 +102,9 @@ def shard_block(block: nn.Module, group: Any, where: str) -> None:
             attention = module
         elif mlp is None and module is not attention and _shard_mlp(module, group):
             mlp = module
+    if mlp is not None and getattr(mlp, "activation_sparsity", 0) > 0:
+        raise ModelError(f"{where}: its MLP keeps only the activations above a cutoff taken over its whole hidden "
+                         "width (activation sparsity), which a split of that width would change", hint=_HINT)
     if attention is None and mlp is None and not moe:
         parts = ", ".join(name for name, child in block.children().items() if isinstance(child, nn.Module))
         raise ModelError(f"{where}: no attention or MLP projections the tensor-parallel sharder knows "
@@ -221,7 +227,8 @@ def _check_rest(block: nn.Module, where: str, moe: set[int]) -> None:
     """Every weight left whole in ``block`` must be a vector (a norm, a row-parallel layer's bias), or an
     MoE block's router (``moe``: the modules of its MoE blocks, replicated on purpose)."""
     for name, module in block.named_modules():
-        if type(module).__module__ == "mlx.nn.layers.distributed" or id(module) in moe:
+        if type(module).__module__ == "mlx.nn.layers.distributed" or id(module) in moe \
+                or name.split(".")[0] in _REPLICATED:
             continue
         for key, value in module.items():
             if isinstance(value, mx.array) and value.ndim > 1:
