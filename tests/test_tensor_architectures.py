@@ -8,7 +8,8 @@ recorded), ``near-tie`` (a reordered sum flips a near-tie of the random tiny
 model: its tokens are not compared, its logits must be within
 ``LOGITS_TOLERANCE`` of mlx-lm's), ``refused`` (refused before launch by
 ``check_pipelinable(..., tp=2)`` with the recorded one-line reason) or
-``untested`` (with why). One launch of 2 ranks runs every shardable
+``untested`` (with why). An identical architecture whose tiny model repeats
+one token (``"logits": true``) has its logits compared too. One launch of 2 ranks runs every shardable
 architecture (``fixtures/tp_suite.py``); docs/tensor-parallel.md's table is
 generated from the same file (``PYTHONPATH=tests python tests/fixtures/tp_suite.py``).
 """
@@ -28,6 +29,8 @@ PIPELINED = {t for t, s in arch_suite.load_status().items() if s["status"] == "i
 RUN = sorted(t for t, s in STATUS.items() if s["status"] in ("identical", "near-tie") and t in PIPELINED)
 IDENTICAL = [t for t in RUN if STATUS[t]["status"] == "identical"]
 NEAR_TIE = [t for t in RUN if STATUS[t]["status"] == "near-tie"]
+# Logits compared: the near-ties, and identical ones whose greedy tokens repeat one token (a weak check alone).
+LOGITS = NEAR_TIE + [t for t in IDENTICAL if STATUS[t].get("logits")]
 REFUSED = sorted(t for t, s in STATUS.items() if s["status"] == "refused" and t in PIPELINED)
 _TIMEOUT = 120 + 3 * len(RUN)  # about 0.3 s per architecture on 2 CPU cores
 
@@ -41,7 +44,7 @@ def tp_arch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tp_arch_run(tp_arch_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """The one launch over every architecture that shards: (launch, (model type, event) -> both ranks' events)."""
-    return tp_suite.run(RUN, NEAR_TIE, tp_arch_root, tmp_path_factory.mktemp("tp-arch-run"), _TIMEOUT)
+    return tp_suite.run(RUN, LOGITS, tp_arch_root, tmp_path_factory.mktemp("tp-arch-run"), _TIMEOUT)
 
 
 def _events(run: Any, model_type: str, event: str) -> list[dict[str, Any]]:
@@ -63,8 +66,8 @@ def test_tp2_token_identical(tp_arch_run, tp_arch_root: Path, model_type: str) -
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("model_type", NEAR_TIE)
-def test_tp2_near_tie_logits_within_tolerance(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
+@pytest.mark.parametrize("model_type", LOGITS)
+def test_tp2_logits_within_tolerance(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
     import mlx.core as mx
 
     events = _events(tp_arch_run, model_type, "logits")

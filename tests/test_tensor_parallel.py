@@ -59,6 +59,8 @@ CASES_4: dict[str, dict[str, Any]] = {
     # The generic sharder's MoE block (routed experts, a gated shared expert) summed by each stage's own
     # all-reduce: the architecture suite's tiny qwen2_moe (4 layers).
     "qwen2_moe-2-2": {"arch": "qwen2_moe", "suite": True, "split": [2, 2], "turns": OTHER_PROMPT},
+    # Norms over all heads (one more group sum per layer) and an MoE block, on 2 stages.
+    "olmoe-1-3": {"arch": "olmoe", "suite": True, "split": [1, 3], "turns": OTHER_PROMPT},
 }
 CASES = {2: CASES_2, 4: CASES_4}
 TP = 2
@@ -172,7 +174,7 @@ def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, tiny_m
         assert whole / 2 <= event["parameters"] < whole / 2 * 1.02
 
 
-@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4", "qwen2_moe-2-2"])
+@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4", "qwen2_moe-2-2", "olmoe-1-3"])
 def test_tp2_times_two_stages_on_four_ranks_matches_mlx_lm(tp_results, checkpoints, case_id: str) -> None:
     _check_turns(tp_results, checkpoints, 4, case_id)
 
