@@ -64,7 +64,8 @@ _MLP = [
     (("mlp_gate", "mlp_linear"), "mlp_resid"),
     (("dense_h_to_4h",), "dense_4h_to_h"),
 ]
-_FUSED_GATE_UP = ("gate_up_proj", "down_proj")
+# Fused [gate | up] projections, split half by half: (fused, the row-parallel output).
+_FUSED_GATE_UP = [("gate_up_proj", "down_proj"), ("proj_1", "proj_2")]
 # Projection widths some attention code splits its fused output by (PLaMo 3, Spark 2.5).
 _WIDTHS = ("q_proj_dim", "k_proj_dim", "v_proj_dim", "q_size", "kv_size")
 # Modules holding one parameter per query head (Talkie's head_gain).
@@ -189,9 +190,10 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
 
 
 def _shard_mlp(module: nn.Module, group: Any) -> bool:
-    if _has(module, _FUSED_GATE_UP):
-        module["gate_up_proj"] = shard_linear(module["gate_up_proj"], "all-to-sharded", segments=2, group=group)
-        module["down_proj"] = shard_linear(module["down_proj"], "sharded-to-all", group=group)
+    fused = next((lay for lay in _FUSED_GATE_UP if _has(module, lay)), None)
+    if fused is not None:
+        module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=2, group=group)
+        module[fused[1]] = shard_linear(module[fused[1]], "sharded-to-all", group=group)
         return True
     layout = next((lay for lay in _MLP if _has(module, (*lay[0], lay[1]))), None)
     if layout is None:
