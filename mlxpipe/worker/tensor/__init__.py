@@ -27,7 +27,6 @@ from mlxpipe.worker.tensor.blocks import shard_block
 from mlxpipe.worker.tensor.reduce import group_reductions, stray_group_users
 from mlxpipe.worker.tensor.vocab import shard_vocab
 
-
 # Models whose code the sharder cannot see into, refused by name: what they do that a split would break.
 REFUSED_MODEL_TYPES = {
     "exaone": "its attention reshapes its output to the whole hidden size, which a split by heads halves",

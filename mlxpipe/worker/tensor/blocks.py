@@ -174,11 +174,11 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
         for name in names:
             if isinstance(getattr(module, name, None), int):
                 setattr(module, name, total // n)
+    start, part = group.rank() * (heads // n), heads // n
     for name in _PER_HEAD:
         # Per-head parameters (a gain per query head): each member keeps its heads' entries.
         if isinstance(module.get(name), nn.Module):
-            part = heads // n
-            module[name].apply(lambda w: w[group.rank() * part : (group.rank() + 1) * part])
+            module[name].apply(lambda w: w[start : start + part])
     for name in _WIDTHS:
         if isinstance(getattr(module, name, None), int):
             setattr(module, name, getattr(module, name) // n)
