@@ -120,3 +120,17 @@ def test_tp_status_covers_every_pipelined_architecture() -> None:
 def test_tp_docs_table_is_generated_from_the_status_file() -> None:
     section = tp_suite.table_section(tp_suite.DOC.read_text())
     assert section == tp_suite.table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/tp_suite.py"
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("mamba", "exaone") if t in REFUSED])
+def test_generate_refuses_before_any_rank_starts(tp_arch_root: Path, model_type: str) -> None:
+    """The controller says the ranks' refusal in one line, before launching anything (exit 1)."""
+    from typer.testing import CliRunner
+
+    from mlxpipe.cli import app
+
+    hostfile = Path(__file__).resolve().parents[1] / "hostfiles" / "local-2.json"
+    result = CliRunner().invoke(app, ["generate", "--model", str(arch_suite.build(model_type, tp_arch_root)),
+                                      "--hostfile", str(hostfile), "--tp", "2", "--prompt", "hi"])
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == f"error: {STATUS[model_type]['reason']}\nhint: run it without --tp (a pipeline)\n"
