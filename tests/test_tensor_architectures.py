@@ -134,3 +134,15 @@ def test_generate_refuses_before_any_rank_starts(tp_arch_root: Path, model_type:
                                       "--hostfile", str(hostfile), "--tp", "2", "--prompt", "hi"])
     assert (result.exit_code, result.stdout) == (1, "")
     assert result.stderr == f"error: {STATUS[model_type]['reason']}\nhint: run it without --tp (a pipeline)\n"
+
+
+def test_own_shard_reducing_inside_its_blocks_is_refused_in_a_pipeline(tp_arch_root: Path) -> None:
+    """qwen3_moe's own shard() sums its MoE block over an MLX group: with one stage that is the world's
+    (fine), in a pipeline of 2 stages the ring cannot split it off, refused before launch."""
+    from mlxpipe.worker.load import build_without_weights
+    from mlxpipe.worker.tensor import check_shardable
+
+    path = arch_suite.build("qwen3_moe", tp_arch_root)
+    assert check_shardable(build_without_weights(path), 2, stages=1) == "own shard()"
+    with pytest.raises(ModelError, match=r"^qwen3_moe's own shard\(\) reduces in model\.layers\.\d+\.mlp over an MLX"):
+        check_shardable(build_without_weights(path), 2, stages=2)
