@@ -56,6 +56,25 @@ CASES_4: dict[str, dict[str, Any]] = {
     # before its own send by MLX's lazy evaluation; see worker/groups.py).
     "qwen2-batched": {"arch": "qwen2", "split": [3, 3], "requests": BATCH_REQUESTS, "concurrency": [[3, 2]]},
 }
+
+
+def _ahead_requests(checkpoint: Path, lengths: tuple[int, int, int] = (8, 5, 7)) -> list[dict[str, Any]]:
+    """Greedy requests of several lengths, one ending on an end-of-sequence token (its third greedy token):
+    the decode step run ahead of it is taken back (see worker/ahead.py)."""
+    from fixtures.option_reference import reference
+
+    requests = [{"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": n}
+                for i, (p, n) in enumerate(zip([QUESTION, "Why split attention by heads?", "Short one."], lengths))]
+    third = reference(checkpoint, {k: v for k, v in requests[0].items() if k != "id"})[0][2]
+    requests[0]["extra_eos_token"] = [str(third)]
+    return requests
+
+
+# Pure tensor parallelism decodes a step ahead (worker/ahead.py): one request at a time, and one group of 3.
+CASES_2["qwen2-ahead-k1"] = {"arch": "qwen2", "split": [6], "requests": _ahead_requests, "concurrency": [1]}
+# The short prompts decode while the long one prefills: long enough replies for a group of all three.
+CASES_2["qwen2-ahead-k3"] = {"arch": "qwen2", "split": [6], "requests": lambda c: _ahead_requests(c, (8, 14, 12)),
+                            "concurrency": [[3, 3]]}
 CASES = {2: CASES_2, 4: CASES_4}
 TP = 2
 _TIMEOUT = {2: 300.0, 4: 400.0}
@@ -93,7 +112,9 @@ def tp_results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
                 if case.get("logits"):
                     spec["logits"] = _prompt_ids(checkpoint)
                 elif "requests" in case:
-                    spec.update(requests=case["requests"], concurrency=case["concurrency"])
+                    requests = case["requests"]
+                    spec.update(requests=requests(checkpoint) if callable(requests) else requests,
+                                concurrency=case["concurrency"])
                 else:
                     spec["turns"] = [{"type": "generate", "max_tokens": MAX_TOKENS, "keep_cache": True, **t}
                                      for t in case["turns"]]
@@ -172,6 +193,80 @@ def test_overlapped_batched_decode_on_tp_stages_matches_mlx_lm(tp_results, tiny_
     dones = [next(x for x in e["events"] if x["event"] == "batch_done") for e in events]
     assert len({(d["ticks"], d["generation_tokens"]) for d in dones}) == 1, "ranks disagree on the schedule"
     assert dones[0]["decode_batch"] == 2
+
+
+@pytest.mark.parametrize("case_id", ["qwen2-ahead-k1", "qwen2-ahead-k3"])
+def test_decode_run_ahead_on_one_stage_matches_mlx_lm(tp_results, tiny_models, case_id: str) -> None:
+    from fixtures.option_reference import reference
+
+    checkpoint = tiny_models["qwen2"]
+    events = _events(tp_results, 2, case_id)
+    results = {e["id"]: e for e in events[0]["events"] if e["event"] == "result"}
+    for request in CASES_2[case_id]["requests"](checkpoint):
+        expected, _ = reference(checkpoint, {k: v for k, v in request.items() if k != "id"})
+        assert results[request["id"]]["tokens"] == expected, request["id"]
+    assert len(results[0]["tokens"]) == 3, "the end-of-sequence token did not end the first request"
+    dones = [next(x for x in e["events"] if x["event"] == "batch_done") for e in events]
+    assert dones[0]["run_ahead"] == dones[1]["run_ahead"], "the members ran different steps ahead"
+    # Every decode step but the first of a group is run ahead; the one after the end-of-sequence is undone.
+    assert dones[0]["run_ahead"]["used"] > 0 and dones[0]["run_ahead"]["taken_back"] >= 1
+
+
+# --- mlxpipe serve --tp 2: the per-tick agreement on messages, lazily (worker/ahead.py) -------------
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
+    """``mlxpipe serve`` of the tiny qwen2 at ``--tp 2`` on 2 local ranks, for this module."""
+    from fixtures.serve_process import ServeProcess, stop_all
+
+    proc = ServeProcess(["--model", str(tiny_models["qwen2"]), "--hostfile", "hostfiles/local-2.json", "--tp", "2",
+                         "--max-concurrency", "3", "--decode-batch", "3"], tmp_path_factory.mktemp("tp-serve"))
+    try:
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        stop_all(proc)
+
+
+def _chat(tp_server: Any, messages: list[dict[str, str]], max_tokens: int = 12, stream: bool = False) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=tp_server.url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    if not stream:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+        return reply.choices[0].message.content
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                            stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_serve_with_tp_gives_mlx_lms_replies_alone_together_and_after_a_cancel(tp_server, tiny_models) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from fixtures.option_reference import reference
+
+    checkpoint = tiny_models["qwen2"]
+    questions = [QUESTION, "Why split attention by heads?", "Short one."]
+
+    def expected(messages: list[dict[str, str]], n: int = 12) -> str:
+        return reference(checkpoint, {"messages": messages, "max_tokens": n})[1]
+
+    first = [{"role": "user", "content": questions[0]}]
+    assert _chat(tp_server, first) == expected(first)
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda q: _chat(tp_server, [{"role": "user", "content": q}], stream=True), questions))
+    assert together == [expected([{"role": "user", "content": q}]) for q in questions]
+    # A stream dropped after its first chunk: its cancel reaches the ranks while a step runs ahead.
+    body = {"model": "m", "messages": [{"role": "user", "content": "A long one, please."}], "max_tokens": 200,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{tp_server.url}/chat/completions", json=body, timeout=120) as response:
+        next(response.iter_lines())
+    history = [*first, {"role": "assistant", "content": _chat(tp_server, first)},
+               {"role": "user", "content": "And then?"}]
+    assert _chat(tp_server, history) == expected(history)  # the prompt cache holds what the first turn fed
 
 
 def test_job_with_tp_needs_a_path_per_rank_and_a_split_per_stage() -> None:
