@@ -49,6 +49,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.request import Request
+from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.context import RankContext
@@ -408,35 +409,8 @@ class Engine:
         if inbox is None and sampling is None:
             return None, 0
         rows = len(sampling.requests) if sampling is not None else 1
-        tokens, agreed = self._read_shared(self._shared(sampled, rows, inbox), rows, inbox)
+        tokens, agreed = read_tick(self._shared(sampled, rows, inbox), rows, inbox is not None)
         return (tokens if sampling is not None else None), agreed
-
-    def _shared(self, sampled: mx.array | None, rows: int, inbox: Inbox | None) -> mx.array:
-        """The per-tick collective, lazy: rank 0's ``sampled`` tokens on every rank and, with an inbox, every
-        rank's count of messages received."""
-        if self.size == 1:
-            return sampled if inbox is None else mx.concatenate([sampled, mx.array([inbox.received], mx.int32)])
-        if inbox is None:
-            mine = sampled.astype(mx.int32) if self.rank == 0 else mx.zeros((rows,), mx.int32)
-            return mx.distributed.all_sum(mine, group=self.context.group, stream=mx.cpu)
-        tokens = (
-            sampled.astype(mx.int32) if self.rank == 0 and sampled is not None else mx.full((rows,), -1, mx.int32)
-        )
-        mine = mx.concatenate([tokens, mx.array([inbox.received], mx.int32)])
-        return mx.distributed.all_gather(mine, group=self.context.group, stream=mx.cpu).reshape(-1, rows + 1)
-
-    @staticmethod
-    def _shared_tokens(shared: mx.array, rows: int, inbox: Inbox | None) -> mx.array:
-        """Rank 0's tokens in ``_shared``'s collective, still lazy."""
-        return shared if inbox is None else shared[0, :rows]
-
-    @staticmethod
-    def _read_shared(shared: mx.array, rows: int, inbox: Inbox | None) -> tuple[list[int], int]:
-        """``_shared``'s collective read: rank 0's tokens, and the message count every rank has."""
-        values = shared.tolist()
-        if inbox is None:
-            return values, 0
-        return values[0][:rows], min(int(v[rows]) for v in values)
 
     # --- one stage: lazy tokens, a step ahead (see worker.ahead) -------------------
 
@@ -455,9 +429,9 @@ class Engine:
         else:
             shared = self._lazy_step(batch, mx.array(batch.rows), cache, inbox)
         if may_run_ahead(self.schedule, batch, cache):
-            inputs = self._shared_tokens(shared, rows, inbox).reshape(rows, 1)
+            inputs = tick_tokens(shared, rows, inbox is not None).reshape(rows, 1)
             self.ahead = RunAhead(batch.requests, batch.group, self._lazy_step(batch, inputs, cache, inbox), cache)
-        result = self._read_shared(shared, rows, inbox)
+        result = read_tick(shared, rows, inbox is not None)
         self.spent.compute += time.perf_counter() - tic
         return result
 
@@ -474,6 +448,11 @@ class Engine:
         # logits too: another member's share of the gathered vocabulary head runs even though it reads nothing
         mx.async_eval(shared, logits)
         return shared
+
+    def _shared(self, sampled: mx.array | None, rows: int, inbox: Inbox | None) -> mx.array:
+        """The tick's collective, lazy (``agree.tick_collective``)."""
+        received = inbox.received if inbox is not None else None
+        return tick_collective(self.context.group, sampled if self.rank == 0 else None, rows, received)
 
     def _take_back(self) -> None:
         """The schedule runs something else: the step run ahead is undone before its caches are used."""
