@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from test_draft import first_layers_draft
@@ -38,6 +39,7 @@ from mlxpipe.worker.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]
+DRAFT_SAMPLED = [{"messages": [{"role": "user", "content": QUESTION}], "temp": 0.9, "top_p": 0.95, "seed": 11}]
 
 # Pure tensor parallelism on 2 ranks: one stage of all 6 layers.
 CASES_2: dict[str, dict[str, Any]] = {
@@ -64,6 +66,8 @@ CASES_4: dict[str, dict[str, Any]] = {
     "phi3-2-4": {"arch": "phi3", "split": [2, 4], "turns": OTHER_PROMPT},
     "llama-4bit-3-3": {"arch": "llama-4bit", "split": [3, 3], "turns": OTHER_PROMPT},
     "qwen2-draft-3-3": {"arch": "qwen2", "split": [3, 3], "turns": CHAT, "draft": True},
+    # Seeded speculative sampling: every stage computes the logits it samples from (see worker/tensor/vocab.py).
+    "qwen2-draft-sampled-3-3": {"arch": "qwen2", "split": [3, 3], "turns": DRAFT_SAMPLED, "draft": True},
     # Overlapped, batched decode on tensor-parallel stages (it once hung: a member's receive run
     # before its own send by MLX's lazy evaluation; see worker/groups.py).
     "qwen2-batched": {"arch": "qwen2", "split": [3, 3], "requests": BATCH_REQUESTS, "concurrency": [[3, 2]]},
@@ -217,6 +221,18 @@ def test_speculative_decoding_on_tp_groups_gives_greedy_tokens(tp_results, check
     assert 0 < drafted < sum(len(t["tokens"]) for t in turns)
     if len(turns) > 1:
         assert turns[1]["cached_tokens"] > 0
+
+
+def test_seeded_speculative_sampling_on_tp_stages_gives_mlx_lms_tokens(tp_results, checkpoints) -> None:
+    """Sampled, the draft shows (speculative sampling draws other tokens than plain sampling); every rank of
+    both stages draws mlx-lm's."""
+    events = _events(tp_results, 4, "qwen2-draft-sampled-3-3")
+    got = [e["turns"][0]["tokens"] for e in events]
+    fields = {**DRAFT_SAMPLED[0], "max_tokens": MAX_TOKENS}
+    expected = mlx_lm_reference(checkpoints["qwen2"], fields, prefill_step_size=PREFILL_STEP,
+                                draft=checkpoints.draft("qwen2"))[0]
+    assert got == [expected] * 4
+    assert expected != mlx_lm_reference(checkpoints["qwen2"], fields, prefill_step_size=PREFILL_STEP)[0]
 
 
 def test_overlapped_batched_decode_on_tp_stages_matches_mlx_lm(tp_results, tiny_models) -> None:
