@@ -9,8 +9,9 @@ starcoder2: biases, ``c_fc``/``c_proj``), and tensor x pipeline on 4 ranks
 checkpoints (4-bit, as mlx-community's; float32 scales) too: their quantized
 head and embedding are split by vocabulary like plain ones (llama's own head,
 qwen2's tied one). And speculative decoding (``--draft-model``) on a group,
-pure and hybrid: greedy, it gives plain greedy's tokens. One ``mlx.launch`` run
-per rank count serves every case (``fixtures/tp_ranks.py``).
+pure and hybrid: greedy, it gives plain greedy's tokens; seeded sampling,
+mlx-lm's speculative ones. One ``mlx.launch`` run per rank count serves every
+case (``fixtures/tp_ranks.py``).
 
 The sliced layers add their partial sums in another order than one process
 does, so logits differ in the last bits; they are checked within
