@@ -5,8 +5,13 @@ single-process ``mlx_lm.stream_generate``: pure tensor parallelism on 2 ranks
 (``--tp 2``), for architectures with their own ``shard()`` (llama, qwen2 with a
 tied head) and without (phi3: fused ``qkv_proj`` and ``gate_up_proj``;
 starcoder2: biases, ``c_fc``/``c_proj``), and tensor x pipeline on 4 ranks
-(2 stages x ``--tp 2``), overlapped and batched decode included. One
-``mlx.launch`` run per rank count serves every case (``fixtures/tp_ranks.py``).
+(2 stages x ``--tp 2``), overlapped and batched decode included. Quantized
+checkpoints (4-bit, as mlx-community's; float32 scales) too: their quantized
+head and embedding are split by vocabulary like plain ones (llama's own head,
+qwen2's tied one). And speculative decoding (``--draft-model``) on a group,
+pure and hybrid: greedy, it gives plain greedy's tokens; seeded sampling,
+mlx-lm's speculative ones. One ``mlx.launch`` run per rank count serves every
+case (``fixtures/tp_ranks.py``).
 
 The sliced layers add their partial sums in another order than one process
 does, so logits differ in the last bits; they are checked within
@@ -23,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
+from test_draft import first_layers_draft
 from test_overlap import _reference
 from test_pipeline_correctness import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
@@ -33,6 +40,7 @@ from mlxpipe.worker.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]
+DRAFT_SAMPLED = [{"messages": [{"role": "user", "content": QUESTION}], "temp": 0.9, "top_p": 0.95, "seed": 11}]
 
 # Pure tensor parallelism on 2 ranks: one stage of all 6 layers.
 CASES_2: dict[str, dict[str, Any]] = {
@@ -43,6 +51,11 @@ CASES_2: dict[str, dict[str, Any]] = {
     "qwen2-sampled": {"arch": "qwen2", "split": [6], "turns": SAMPLED},
     "phi3-logits": {"arch": "phi3", "split": [6], "logits": True},
     "llama-logits": {"arch": "llama", "split": [6], "logits": True},
+    # Quantized (4-bit): qwen2's tied QuantizedEmbedding head, llama's QuantizedLinear head.
+    "qwen2-4bit": {"arch": "qwen2-4bit", "split": [6], "turns": CHAT},
+    "llama-4bit-logits": {"arch": "llama-4bit", "split": [6], "logits": True},
+    # Speculative decoding: a draft of the target's first layers, whole on every member.
+    "qwen2-draft": {"arch": "qwen2", "split": [6], "turns": CHAT, "draft": True},
 }
 # Tensor x pipeline on 4 ranks: 2 stages of a 2-rank group each. Slow on 2 cores: few prompts.
 BATCH_REQUESTS = [
@@ -52,6 +65,10 @@ BATCH_REQUESTS = [
 CASES_4: dict[str, dict[str, Any]] = {
     "llama-3-3": {"arch": "llama", "split": [3, 3], "turns": CHAT[:1]},
     "phi3-2-4": {"arch": "phi3", "split": [2, 4], "turns": OTHER_PROMPT},
+    "llama-4bit-3-3": {"arch": "llama-4bit", "split": [3, 3], "turns": OTHER_PROMPT},
+    "qwen2-draft-3-3": {"arch": "qwen2", "split": [3, 3], "turns": CHAT, "draft": True},
+    # Seeded speculative sampling: every stage computes the logits it samples from (see worker/tensor/vocab.py).
+    "qwen2-draft-sampled-3-3": {"arch": "qwen2", "split": [3, 3], "turns": DRAFT_SAMPLED, "draft": True},
     # Overlapped, batched decode on tensor-parallel stages (it once hung: a member's receive run
     # before its own send by MLX's lazy evaluation; see worker/groups.py).
     "qwen2-batched": {"arch": "qwen2", "split": [3, 3], "requests": BATCH_REQUESTS, "concurrency": [[3, 2]]},
@@ -91,14 +108,44 @@ def _prompt_ids(checkpoint: Path) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _job(case: dict[str, Any], checkpoint: Path, tmp: Path) -> JobSpec:
-    """Each member of a stage's group gets its stage's files."""
-    dirs = rank_dirs(checkpoint, case["split"], tmp)
-    return JobSpec([str(d) for d in dirs for _ in range(TP)], case["split"], prefill_step_size=PREFILL_STEP, tp=TP)
+def _job(case: dict[str, Any], checkpoints: Checkpoints, tmp: Path) -> JobSpec:
+    """Each member of a stage's group gets its stage's files; with a draft, every rank the whole draft."""
+    dirs = rank_dirs(checkpoints[case["arch"]], case["split"], tmp)
+    paths = [str(d) for d in dirs for _ in range(TP)]
+    draft = [str(checkpoints.draft(case["arch"]))] * len(paths) if case.get("draft") else None
+    return JobSpec(paths, case["split"], prefill_step_size=PREFILL_STEP, tp=TP, draft_paths=draft)
+
+
+class Checkpoints:
+    """The tiny checkpoints of the cases: ``arch``, ``arch-4bit`` (mlx-lm's 4-bit conversion, group size 32,
+    float32 scales), and ``draft(arch)``: the first layers of ``arch``."""
+
+    def __init__(self, tiny_models: TinyModels, root: Path) -> None:
+        self.tiny_models, self.root = tiny_models, root
+
+    def __getitem__(self, name: str) -> Path:
+        if not name.endswith("-4bit"):
+            return self.tiny_models[name]
+        dest = self.root / name
+        if not dest.exists():
+            from mlx_lm.convert import convert
+
+            convert(str(self.tiny_models[name.removesuffix("-4bit")]), str(dest), quantize=True, q_group_size=32,
+                    q_bits=4, dtype="float32")
+        return dest
+
+    def draft(self, name: str) -> Path:
+        dest = self.root / f"{name}-draft"
+        return dest if dest.exists() else first_layers_draft(self[name], dest)
 
 
 @pytest.fixture(scope="session")
-def tp_results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
+def checkpoints(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tiny_models, tmp_path_factory.mktemp("tp_checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tp_results(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory):
     """rank count -> (the driver run over all its cases, {(case, rank): event}), launched on first use."""
     runs: dict[int, tuple[LaunchResult, dict[tuple[str, int], dict[str, Any]]]] = {}
 
@@ -107,8 +154,8 @@ def tp_results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
             tmp = tmp_path_factory.mktemp(f"tp{num_ranks}")
             cases = []
             for case_id, case in CASES[num_ranks].items():
-                checkpoint = tiny_models[case["arch"]]
-                spec = {"id": case_id, "job": asdict(_job(case, checkpoint, tmp / case_id))}
+                checkpoint = checkpoints[case["arch"]]
+                spec = {"id": case_id, "job": asdict(_job(case, checkpoints, tmp / case_id))}
                 if case.get("logits"):
                     spec["logits"] = _prompt_ids(checkpoint)
                 elif "requests" in case:
@@ -136,12 +183,13 @@ def _events(tp_results, num_ranks: int, case_id: str) -> list[dict[str, Any]]:
     return events  # type: ignore[return-value]
 
 
-def _check_turns(tp_results, tiny_models: TinyModels, num_ranks: int, case_id: str) -> None:
+def _check_turns(tp_results, checkpoints: Checkpoints, num_ranks: int, case_id: str) -> None:
     case = CASES[num_ranks][case_id]
     events = _events(tp_results, num_ranks, case_id)
     tokens = [[t["tokens"] for t in e["turns"]] for e in events]
     assert all(t == tokens[0] for t in tokens), f"ranks disagree: {tokens}"
-    assert tokens[0] == reference_tokens(tiny_models[case["arch"]], case["turns"])
+    # Greedy speculative decoding gives plain greedy decoding's tokens.
+    assert tokens[0] == reference_tokens(checkpoints[case["arch"]], case["turns"])
     # Every member of stage s runs the stage's layers.
     for rank, event in enumerate(events):
         stage = rank // TP
@@ -149,16 +197,17 @@ def _check_turns(tp_results, tiny_models: TinyModels, num_ranks: int, case_id: s
         assert event["layers"] == [start, start + case["split"][stage]]
 
 
-TURN_CASES_2 = [c for c, case in CASES_2.items() if "turns" in case]
+TURN_CASES_2 = [c for c, case in CASES_2.items() if "turns" in case and not case.get("draft")]
 
 
 @pytest.mark.parametrize("case_id", TURN_CASES_2)
-def test_tp2_on_two_ranks_matches_mlx_lm(tp_results, tiny_models, case_id: str) -> None:
-    _check_turns(tp_results, tiny_models, 2, case_id)
+def test_tp2_on_two_ranks_matches_mlx_lm(tp_results, checkpoints, case_id: str) -> None:
+    _check_turns(tp_results, checkpoints, 2, case_id)
 
 
-@pytest.mark.parametrize("arch, sharding", [("phi3", "generic"), ("llama", "own shard()")])
-def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, tiny_models, arch: str,
+@pytest.mark.parametrize("arch, sharding", [("phi3", "generic"), ("llama", "own shard()"),
+                                            ("llama-4bit", "own shard()")])
+def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, checkpoints, arch: str,
                                                               sharding: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -166,8 +215,8 @@ def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, tiny_m
 
     events = _events(tp_results, 2, f"{arch}-logits")
     assert events[0]["logits"] == events[1]["logits"], "the members hold different logits"
-    model, _ = load(str(tiny_models[arch]))
-    expected = model(mx.array([_prompt_ids(tiny_models[arch])]))[0, -1]
+    model, _ = load(str(checkpoints[arch]))
+    expected = model(mx.array([_prompt_ids(checkpoints[arch])]))[0, -1]
     got = mx.array(events[0]["logits"])
     assert got.shape == expected.shape
     assert mx.abs(got - expected).max().item() <= LOGITS_TOLERANCE
@@ -178,9 +227,34 @@ def test_tp2_members_hold_half_the_weights_and_mlx_lms_logits(tp_results, tiny_m
         assert whole / 2 <= event["parameters"] < whole / 2 * 1.02
 
 
-@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4"])
-def test_tp2_times_two_stages_on_four_ranks_matches_mlx_lm(tp_results, tiny_models, case_id: str) -> None:
-    _check_turns(tp_results, tiny_models, 4, case_id)
+@pytest.mark.parametrize("case_id", ["llama-3-3", "phi3-2-4", "llama-4bit-3-3"])
+def test_tp2_times_two_stages_on_four_ranks_matches_mlx_lm(tp_results, checkpoints, case_id: str) -> None:
+    _check_turns(tp_results, checkpoints, 4, case_id)
+
+
+@pytest.mark.parametrize("num_ranks, case_id", [(2, "qwen2-draft"), (4, "qwen2-draft-3-3")])
+def test_speculative_decoding_on_tp_groups_gives_greedy_tokens(tp_results, checkpoints, num_ranks: int,
+                                                                case_id: str) -> None:
+    """``--draft-model`` with ``--tp``: every rank drafts with its whole draft, the group verifies; some
+    drafts accepted, some rejected (caches trimmed; the second chat turn reuses them)."""
+    _check_turns(tp_results, checkpoints, num_ranks, case_id)
+    turns = _events(tp_results, num_ranks, case_id)[0]["turns"]
+    drafted = sum(t["draft_tokens"] for t in turns)
+    assert 0 < drafted < sum(len(t["tokens"]) for t in turns)
+    if len(turns) > 1:
+        assert turns[1]["cached_tokens"] > 0
+
+
+def test_seeded_speculative_sampling_on_tp_stages_gives_mlx_lms_tokens(tp_results, checkpoints) -> None:
+    """Sampled, the draft shows (speculative sampling draws other tokens than plain sampling); every rank of
+    both stages draws mlx-lm's."""
+    events = _events(tp_results, 4, "qwen2-draft-sampled-3-3")
+    got = [e["turns"][0]["tokens"] for e in events]
+    fields = {**DRAFT_SAMPLED[0], "max_tokens": MAX_TOKENS}
+    expected = mlx_lm_reference(checkpoints["qwen2"], fields, prefill_step_size=PREFILL_STEP,
+                                draft=checkpoints.draft("qwen2"))[0]
+    assert got == [expected] * 4
+    assert expected != mlx_lm_reference(checkpoints["qwen2"], fields, prefill_step_size=PREFILL_STEP)[0]
 
 
 def test_overlapped_batched_decode_on_tp_stages_matches_mlx_lm(tp_results, tiny_models) -> None:
