@@ -36,25 +36,31 @@ def _raw(**options: Any) -> dict[str, Any]:
     return {"prompt": LONG, "ignore_chat_template": True, "max_tokens": 12, **options}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny qwen2 target, a draft made of its first layers, and a draft whose tokenizer has one more token."""
+def first_layers_draft(target: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:
+    """A draft model made of ``target``'s first ``layers`` blocks (its embedding, norm and head too): it drafts
+    some tokens right and some wrong."""
     import mlx.core as mx
 
-    root = tmp_path_factory.mktemp("draft")
-    target = make_tiny_checkpoint("qwen2", root / "target", overrides={"hidden_size": 128})
-    draft = root / "draft"
-    draft.mkdir()
+    dest.mkdir(parents=True)
     weights: dict[str, Any] = {}
     for f in target.glob("*.safetensors"):
         weights.update(mx.load(str(f)))
-    dropped = tuple(f"layers.{i}." for i in range(DRAFT_LAYERS, 6))
-    mx.save_safetensors(str(draft / "model.safetensors"), {k: v for k, v in weights.items() if not any(d in k for d in dropped)})
     config = json.loads((target / "config.json").read_text())
-    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DRAFT_LAYERS}))
+    dropped = tuple(f"layers.{i}." for i in range(layers, config["num_hidden_layers"]))
+    mx.save_safetensors(str(dest / "model.safetensors"), {k: v for k, v in weights.items() if not any(d in k for d in dropped)})
+    (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
     for f in target.iterdir():
         if f.name.startswith("tokenizer"):
-            shutil.copy(f, draft / f.name)
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny qwen2 target, a draft made of its first layers, and a draft whose tokenizer has one more token."""
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_checkpoint("qwen2", root / "target", overrides={"hidden_size": 128})
+    draft = first_layers_draft(target, root / "draft")
     other = root / "other-vocab"
     shutil.copytree(draft, other)
     tokenizer = json.loads((other / "tokenizer.json").read_text())

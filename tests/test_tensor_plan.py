@@ -18,6 +18,7 @@ from mlxpipe.cli import app
 from mlxpipe.cluster.doctor import tp_link_checks
 from mlxpipe.cluster.hostfile import parse_hostfile
 from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import even_split, proportional_split
@@ -123,6 +124,38 @@ def test_the_fit_check_is_per_member() -> None:
     assert make_plan(llama(), wired(budget, budget), context=16, tp=2).fits
     small = make_plan(llama(), wired(budget, budget / 4), context=16, tp=2)
     assert [r.fits for r in small.ranks] == [True, False]
+
+
+def quantized_llama() -> tuple[Any, int, int]:
+    """A 4-bit llama as mlx-community's: every matrix a packed uint32 ``weight`` (1/4 of bf16's bytes) with
+    bf16 ``scales`` and ``biases`` (a value each per group of 64); returns it, the bytes of its head and
+    embedding, and of one layer's matrices."""
+    def parts(name: str, bf16_bytes: int, file: str) -> list[Any]:
+        rows = 64
+        columns = bf16_bytes // 2 // rows
+        return [Tensor(f"{name}.weight", "U32", (rows, columns // 8), file),
+                Tensor(f"{name}.scales", "BF16", (rows, columns // 64), file),
+                Tensor(f"{name}.biases", "BF16", (rows, columns // 64), file)]
+
+    ts = [t for i in range(N) for name, size in SHARDED.items()
+          for t in parts(f"model.layers.{i}.{name.removesuffix('.weight')}", size, f"layer-{i}.safetensors")]
+    ts += [tensor(f"model.layers.{i}.{name}", size, f"layer-{i}.safetensors")
+           for i in range(N) for name, size in REPLICATED.items()]
+    vocab = [t for name, size in VOCAB.items() for t in parts(name.removesuffix(".weight"), size, "shared.safetensors")]
+    ts += [*vocab, T("model.norm.weight", FINAL_NORM, "shared.safetensors")]
+    layer = sum(t.nbytes for t in ts if t.name.startswith("model.layers.0.") and len(t.shape) == 2)
+    return meta(ts, N, num_attention_heads=8, num_key_value_heads=4), sum(t.nbytes for t in vocab), layer
+
+
+def test_a_quantized_head_and_embedding_are_split_by_vocabulary_too() -> None:
+    """The worker splits a quantized head and embedding by vocabulary rows (packed weights, scales, biases):
+    each member of a group counts 1/N of all three."""
+    model, vocab, layer = quantized_llama()
+    assert vocab == sum(VOCAB.values()) * 9 // 32  # 4-bit: 1/4 of bf16's bytes, scales and biases 1/64 each
+    for tp in (1, 2, 4):
+        plan = make_plan(model, hosts(4), strategy="even", tp=tp)
+        per_layer = sum(REPLICATED.values()) + -(-layer // tp)
+        assert all(r.weight_bytes == FINAL_NORM + -(-vocab // tp) + r.layers * per_layer for r in plan.ranks), tp
 
 
 def test_notes_say_what_is_split() -> None:

@@ -1,4 +1,4 @@
-"""Tiny collectives by which the ranks agree before they act alike: a minimum, a flag, a seed."""
+"""Tiny collectives by which the ranks agree before they act alike: a minimum, a flag, a seed, a tick's tokens."""
 
 from __future__ import annotations
 
@@ -37,3 +37,32 @@ def shared_seed(group: Any) -> int:
         return mine
     shared = mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu)
     return int(shared.item())
+
+
+def tick_collective(group: Any, sampled: mx.array | None, rows: int, received: int | None) -> mx.array:
+    """The engine's per-tick collective, lazy: rank 0's ``sampled`` tokens (``rows`` of them; None on the
+    other ranks) on every rank and, with ``received`` (the messages this rank's inbox holds), every rank's
+    count, one row per rank (see ``read_tick``)."""
+    if group.size() == 1:
+        assert sampled is not None
+        mine = sampled.astype(mx.int32)
+        return mine if received is None else mx.concatenate([mine, mx.array([received], mx.int32)])
+    if received is None:
+        mine = sampled.astype(mx.int32) if sampled is not None else mx.zeros((rows,), mx.int32)
+        return mx.distributed.all_sum(mine, group=group, stream=mx.cpu)
+    tokens = sampled.astype(mx.int32) if sampled is not None else mx.full((rows,), -1, mx.int32)
+    mine = mx.concatenate([tokens, mx.array([received], mx.int32)])
+    return mx.distributed.all_gather(mine, group=group, stream=mx.cpu).reshape(-1, rows + 1)
+
+
+def tick_tokens(shared: mx.array, rows: int, counted: bool) -> mx.array:
+    """Rank 0's tokens in ``tick_collective``'s result (``counted``: made with message counts), still lazy."""
+    return shared.reshape(-1, rows + 1)[0, :rows] if counted else shared
+
+
+def read_tick(shared: mx.array, rows: int, counted: bool) -> tuple[list[int], int]:
+    """``tick_collective``'s result read: rank 0's tokens, and the message count every rank has (0 without)."""
+    if not counted:
+        return shared.tolist(), 0
+    values = shared.reshape(-1, rows + 1).tolist()
+    return values[0][:rows], min(int(v[rows]) for v in values)

@@ -49,6 +49,8 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.request import Request
+from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
+from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.groups import Topology
@@ -126,6 +128,11 @@ class Engine:
         self.prompt_cache = prompt_cache  # kept by the caller when it outlives the engine (chat turns)
         self._by_id: dict[Any, int] = {}
         self._exit = False
+        # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
+        # scheduled one tick ahead (see worker.ahead).
+        self.lazy: set[int] = set()
+        self.ahead: RunAhead | None = None
+        self.run_ahead = {"used": 0, "taken_back": 0}  # steps run ahead: read at the next tick, or undone
 
     # --- requests in ---------------------------------------------------------------
 
@@ -230,6 +237,7 @@ class Engine:
             "seconds": seconds,
             "peak_memory": mx.get_peak_memory() / 1e9,
             "decode_batch": self.decode_batch,
+            "run_ahead": dict(self.run_ahead),
             "time": self.spent.report(seconds),
         }
 
@@ -242,10 +250,16 @@ class Engine:
         for group in self.schedule.ended_groups:
             self.caches.groups.pop(group, None)
         batch = self.schedule.at(self.stage)
-        sampled = self._run_stage(batch, hidden_in) if batch is not None else None
-        hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
+        if self.ahead is not None and not self.ahead.runs(batch):
+            self._take_back()
         sampling = self.schedule.sampling
-        tokens, agreed = self._share(sampled, sampling, inbox)
+        if batch is not None and self._runs_lazily(batch):
+            tokens, agreed = self._run_lazily(batch, inbox)
+            hidden_next = None
+        else:
+            sampled = self._run_stage(batch, hidden_in) if batch is not None else None
+            hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
+            tokens, agreed = self._share(sampled, sampling, inbox)
         if sampling is not None and tokens is not None:
             for index, token in zip(sampling.requests, tokens):
                 if not self.schedule.requests[index].cancelled and token != FAILED:
@@ -287,6 +301,8 @@ class Engine:
         if self.rank == 0:
             self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
             self.processors[index] = logits_processors(request)
+        if self.pipe_size == 1 and lazy_sampling(request, bool(logits_processors(request))):
+            self.lazy.add(index)
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
@@ -388,24 +404,68 @@ class Engine:
         self, sampled: mx.array | None, sampling: MicroBatch | None, inbox: Inbox | None
     ) -> tuple[list[int] | None, int]:
         received = inbox.received if inbox is not None else 0
-        rows = len(sampling.requests) if sampling is not None else 1
         if self.size == 1:
             return (sampled.tolist() if sampling is not None and sampled is not None else None), received
-        if inbox is None:
-            if sampling is None:
-                return None, 0
-            mine = sampled.astype(mx.int32) if self.rank == 0 else mx.zeros((rows,), mx.int32)
-            return mx.distributed.all_sum(mine, group=self.context.group, stream=mx.cpu).tolist(), 0
-        tokens = (
-            sampled.astype(mx.int32) if self.rank == 0 and sampled is not None else mx.full((rows,), -1, mx.int32)
-        )
-        mine = mx.concatenate([tokens, mx.array([received], mx.int32)])
-        every = mx.distributed.all_gather(mine, group=self.context.group, stream=mx.cpu).reshape(self.size, rows + 1)
-        values = every.tolist()
-        return (values[0][:rows] if sampling is not None else None), min(int(v[rows]) for v in values)
+        if inbox is None and sampling is None:
+            return None, 0
+        rows = len(sampling.requests) if sampling is not None else 1
+        tokens, agreed = read_tick(self._shared(sampled, rows, inbox), rows, inbox is not None)
+        return (tokens if sampling is not None else None), agreed
+
+    # --- one stage: lazy tokens, a step ahead (see worker.ahead) -------------------
+
+    def _runs_lazily(self, batch: MicroBatch) -> bool:
+        """Whether ``batch`` is a decode step of one stage whose every token can stay lazy."""
+        return self.pipe_size == 1 and batch.samples and all(i in self.lazy for i in batch.requests)
+
+    def _run_lazily(self, batch: MicroBatch, inbox: Inbox | None) -> tuple[list[int], int]:
+        """Steps 1 and 3 of a lazily sampled decode step (its token read once the next step is scheduled)."""
+        tic = time.perf_counter()
+        rows = len(batch.requests)
+        cache = self.caches.for_batch(batch)
+        if self.ahead is not None:  # built at the last tick: it is this batch (checked as the tick began)
+            shared, self.ahead = self.ahead.shared, None
+            self.run_ahead["used"] += 1
+        else:
+            shared = self._lazy_step(batch, mx.array(batch.rows), cache, inbox)
+        if may_run_ahead(self.schedule, batch, cache):
+            inputs = tick_tokens(shared, rows, inbox is not None).reshape(rows, 1)
+            self.ahead = RunAhead(batch.requests, batch.group, self._lazy_step(batch, inputs, cache, inbox), cache)
+        result = read_tick(shared, rows, inbox is not None)
+        self.spent.compute += time.perf_counter() - tic
+        return result
+
+    def _lazy_step(self, batch: MicroBatch, inputs: mx.array, cache: list[Any], inbox: Inbox | None) -> mx.array:
+        """One decode step on ``inputs``, scheduled: its lazy per-tick collective."""
+        logits = self.model(inputs, cache=cache)[:, -1, :]
+        sampled = None
+        if self.topology.samples:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = mx.concatenate(
+                [self.samplers[index](logprobs[row : row + 1]).reshape(1) for row, index in enumerate(batch.requests)]
+            ).astype(mx.int32)
+        shared = self._shared(sampled, len(batch.requests), inbox)
+        # logits too: another member's share of the gathered vocabulary head runs even though it reads nothing
+        mx.async_eval(shared, logits)
+        return shared
+
+    def _shared(self, sampled: mx.array | None, rows: int, inbox: Inbox | None) -> mx.array:
+        """The tick's collective, lazy (``agree.tick_collective``)."""
+        received = inbox.received if inbox is not None else None
+        return tick_collective(self.context.group, sampled if self.rank == 0 else None, rows, received)
+
+    def _take_back(self) -> None:
+        """The schedule runs something else: the step run ahead is undone before its caches are used."""
+        assert self.ahead is not None
+        self.ahead.undo()
+        self.ahead = None
+        self.run_ahead["taken_back"] += 1
 
     def _finish(self, index: int) -> None:
         """Drop a request's caches (keeping them in the prompt cache) and report it."""
+        if self.ahead is not None and index in self.ahead.requests:
+            self._take_back()
+        self.lazy.discard(index)
         cache = self.caches.own.pop(index, None)
         if cache is None and self.prompt_cache is not None and self.caches.group_of(index) is not None:
             cache = self.caches.take_own(index)

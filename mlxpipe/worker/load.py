@@ -24,9 +24,10 @@ from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.pipeline.cut import learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.pipeline.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native
 from mlxpipe.worker.pipeline.layers import check_supported, find_layers
 from mlxpipe.worker.tensor import check_shardable, shard_model
+from mlxpipe.worker.tensor.vocab import follow_exchange
 
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
@@ -106,6 +107,8 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         start, end = pipeline_native(model, group, job.split)
     else:
         start, end = pipeline_generic(model, topology, job.split)
+        if topology.sharded:
+            follow_exchange(model, find_exchange(model))
     if recorder.loaded is not None:
         # A custom model file (trust_remote_code) bypasses the recorder.
         check_weights_loaded(model, recorder, path)

@@ -13,7 +13,9 @@
 * in a pipeline of several stages, the row-parallel layers' reduction is the
   stage's own (``reduce``): MLX's ring cannot split the world group;
 * the vocabulary head and the embedding, split by vocabulary (``vocab``): exact
-  (a gather, and a sum in which one member alone is non-zero).
+  (a gather, and a sum in which one member alone is non-zero); plain or
+  quantized. Once the pipeline is cut, ``follow_exchange`` tells the head when
+  stages other than 0 read its logits.
 """
 
 from __future__ import annotations
@@ -94,4 +96,3 @@ def shard_model(model: nn.Module, topology: Topology) -> str:
             )
     shard_vocab(model, tensor)
     return how
-
