@@ -26,7 +26,7 @@ from mlxpipe.errors import ModelError
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.pipeline.layers import blocks_of, model_type_of
 from mlxpipe.worker.tensor.blocks import shard_block
-from mlxpipe.worker.tensor.reduce import group_reductions, stray_group_users
+from mlxpipe.worker.tensor.reduce import group_reductions, hand_world_to, stray_group_users
 from mlxpipe.worker.tensor.vocab import shard_vocab
 
 # Models whose code the sharder cannot see into, refused by name: what they do that a split would break.
@@ -76,8 +76,9 @@ def shard_model(model: nn.Module, topology: Topology) -> str:
     model_type = model_type_of(model)
     if model_type in REFUSED_MODEL_TYPES:
         raise ModelError(f"{model_type}: {REFUSED_MODEL_TYPES[model_type]}", hint="run it without --tp (a pipeline)")
-    # Pure tensor parallelism: the world is the group, and MLX's own collectives reduce.
-    group = topology.world if tensor.whole_world else tensor
+    # The group reduces by its own exchanges (a stage of a pipeline, or 2 members); else pure tensor
+    # parallelism of more: the world is the group, and MLX's own collectives reduce.
+    group = tensor if tensor.exchanges else topology.world
     how = "generic"
     if has_own_shard(model):
         model.shard(group)
@@ -85,10 +86,12 @@ def shard_model(model: nn.Module, topology: Topology) -> str:
     else:
         for index, block in enumerate(blocks_of(model)):
             shard_block(block, group, f"{model_type_of(model)} layer {index}")
-    if not tensor.whole_world:
+    if tensor.exchanges:
         group_reductions(model, tensor)
         stray = stray_group_users(model, tensor)
-        if stray:
+        if stray and tensor.whole_world:
+            hand_world_to(model, tensor, topology.world)  # their mx.distributed calls get the world group
+        elif stray:
             raise ModelError(
                 f"{model_type_of(model)}'s own shard() reduces in {stray[0]} over an MLX group, "
                 "which a tensor group inside a pipeline does not have on the ring backend",

@@ -71,6 +71,20 @@ def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
     return stray
 
 
+def hand_world_to(model: nn.Module, tensor: TensorGroup, world: Any) -> None:
+    """Pure tensor parallelism: the modules ``stray_group_users`` finds hold the world group instead of
+    ``tensor`` (the same members, sizes and ranks), for their own ``mx.distributed`` calls."""
+    for _, module in model.named_modules():
+        if isinstance(module, (GroupShardedToAllLinear, GroupQuantizedShardedToAllLinear)):
+            continue
+        for key, value in list(vars(module).items()):
+            if value is tensor:
+                setattr(module, key, world)
+        for key in list(module.keys()):
+            if module.get(key) is tensor:
+                module[key] = world
+
+
 def reducer(group: Any) -> Callable[[mx.array], mx.array]:
     """The sum across ``group`` for layers mlxpipe slices itself (MoE blocks, norms over all heads): a stage's
     ``TensorGroup`` sums by itself (neighbour exchanges); an MLX group (pure tensor parallelism) by ``all_sum``."""
