@@ -8,9 +8,10 @@ every dense shared expert beside it. The router and any gate on the shared
 expert stay whole on every member, so every member routes alike. The experts'
 outputs are then partial sums that the block only weights and adds (linear), so
 the block's output is summed across the group once (not once per expert
-layer): in a pipeline of several stages by the stage's own
-``TensorGroup.all_sum`` (MLX's ring cannot split a group, ``reduce``), with
-pure tensor parallelism by MLX's ``all_sum`` over the world.
+layer): by the group's own ``TensorGroup.all_sum`` (neighbour exchanges) in a
+pipeline of several stages (MLX's ring cannot split a group, ``reduce``) and
+in any group of 2; by MLX's ``all_sum`` over the world with pure tensor
+parallelism over more hosts.
 
 A row-parallel layer's bias would be added by every member before the sum:
 only member 0 keeps it.
