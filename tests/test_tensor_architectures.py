@@ -122,6 +122,19 @@ def test_tp_docs_table_is_generated_from_the_status_file() -> None:
     assert section == tp_suite.table(STATUS), "run: PYTHONPATH=tests python tests/fixtures/tp_suite.py"
 
 
+def test_readme_counts_are_the_status_files() -> None:
+    """The README's sentence on which architectures shard says what tests/tensor_parallel.json says."""
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    count = {s: sum(e["status"] == s for e in STATUS.values()) for s in tp_suite.STATUSES}
+    by = {how: sum(e.get("sharding") == how and e["status"] == "identical" for e in STATUS.values())
+          for how in ("own shard()", "generic")}
+    expected = [f"Of the {len(STATUS)} architectures the pipeline runs, {count['identical']} shard at `--tp 2`",
+                f"({by['own shard()']} with mlx-lm's own `shard()`, {by['generic']} with mlxpipe's generic sharder",
+                f"{count['refused']} are refused before launch", f"{count['untested']} are not checked"]
+    for phrase in expected:
+        assert phrase in readme, f"README.md should say: {phrase}"
+
+
 @pytest.mark.parametrize("model_type", [t for t in ("mamba", "exaone") if t in REFUSED])
 def test_generate_refuses_before_any_rank_starts(tp_arch_root: Path, model_type: str) -> None:
     """The controller says the ranks' refusal in one line, before launching anything (exit 1)."""
