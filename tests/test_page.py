@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fixtures.processes import local_rank_processes
-from fixtures.serve_process import KEY, ServeProcess, stop_all
+from fixtures.serve_process import KEY, ServeProcess, ready_server
 from mlxpipe.serve.cluster_view import History
 
 WAIT_SECONDS = 60.0  # for the page to show what the server does; the ranks' relaunch gets longer
@@ -150,13 +150,9 @@ def test_the_page_is_open_and_its_data_behind_the_key(server: ServeProcess) -> N
 @pytest.fixture(scope="module")
 def breakable(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """A server of a tiny model with no key, whose ranks the test kills."""
-    proc = ServeProcess(["--model", str(tiny_models["llama"]), "--hostfile", "hostfiles/local-2.json",
-                         "--max-restarts", "2"], tmp_path_factory.mktemp("page-home"))
-    try:
-        proc.wait_for("ready")
+    with ready_server(["--model", str(tiny_models["llama"]), "--hostfile", "hostfiles/local-2.json",
+                       "--max-restarts", "2"], tmp_path_factory.mktemp("page-home")) as proc:
         yield proc
-    finally:
-        stop_all(proc)
 
 
 @pytest.mark.ranks

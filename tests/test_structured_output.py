@@ -21,7 +21,7 @@ import pytest
 from mlxpipe.request import Request, RequestError
 from mlxpipe.worker.constraints import Constraint, compile_error
 
-from fixtures.serve_process import ServeProcess, stop_all
+from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 
 # Bounded strings and numbers: a noise model would otherwise write until max_tokens inside a string.
@@ -106,13 +106,10 @@ def test_the_mask_allows_only_json_of_the_schema_and_then_only_the_end(tiny_mode
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(["--model", str(tiny_models["llama"]), "--hostfile", "hostfiles/local-2.json",
-                         "--max-concurrency", "4", "--decode-batch", "2"], tmp_path_factory.mktemp("grammar-home"))
-    try:
-        proc.wait_for("ready")
+    with ready_server(["--model", str(tiny_models["llama"]), "--hostfile", "hostfiles/local-2.json",
+                       "--max-concurrency", "4", "--decode-batch", "2"],
+                      tmp_path_factory.mktemp("grammar-home")) as proc:
         yield proc
-    finally:
-        stop_all(proc)
 
 
 @pytest.fixture(scope="module")

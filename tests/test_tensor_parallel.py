@@ -301,15 +301,11 @@ def test_decode_run_ahead_on_one_stage_matches_mlx_lm(tp_results, tiny_models, c
 @pytest.fixture(scope="module")
 def tp_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
     """``mlxpipe serve`` of the tiny qwen2 at ``--tp 2`` on 2 local ranks, for this module."""
-    from fixtures.serve_process import ServeProcess, stop_all
+    from fixtures.serve_process import ready_server
 
-    proc = ServeProcess(["--model", str(tiny_models["qwen2"]), "--hostfile", "hostfiles/local-2.json", "--tp", "2",
-                         "--max-concurrency", "3", "--decode-batch", "3"], tmp_path_factory.mktemp("tp-serve"))
-    try:
-        proc.wait_for("ready")
+    with ready_server(["--model", str(tiny_models["qwen2"]), "--hostfile", "hostfiles/local-2.json", "--tp", "2",
+                       "--max-concurrency", "3", "--decode-batch", "3"], tmp_path_factory.mktemp("tp-serve")) as proc:
         yield proc
-    finally:
-        stop_all(proc)
 
 
 def _chat(tp_server: Any, messages: list[dict[str, str]], max_tokens: int = 12, stream: bool = False) -> str:
