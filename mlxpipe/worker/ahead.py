@@ -73,8 +73,5 @@ def may_run_ahead(schedule: Schedule, batch: MicroBatch, cache: list[Any]) -> bo
         state = schedule.requests[index]
         if state.cancelled or len(state.generated) + 1 >= state.max_tokens:
             return False  # it ends with this token: nothing follows
-    running = {r.index for r in schedule.requests if r.running}
     # A request waiting for a free slot starts next (a slot frees only when a member ends: taken back then).
-    admits = any(s is None for s in schedule.slots) and any(
-        r.slot is None and r.finish_reason is None and not r.cancelled for r in schedule.requests)
-    return running == members and not admits and all(type(c) in _STEPS_BACK for c in cache)
+    return schedule.in_slots == members and not schedule.admits_next and all(type(c) in _STEPS_BACK for c in cache)

@@ -298,10 +298,11 @@ class Engine:
     def _admit(self, index: int) -> None:
         request = self.requests[index]
         self.timing[index] = Timing(admitted=time.perf_counter())
+        processors = logits_processors(request)
         if self.rank == 0:
             self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
-            self.processors[index] = logits_processors(request)
-        if self.pipe_size == 1 and lazy_sampling(request, bool(logits_processors(request))):
+            self.processors[index] = processors
+        if self.pipe_size == 1 and lazy_sampling(request, bool(processors)):
             self.lazy.add(index)
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:

@@ -356,6 +356,16 @@ class Schedule:
     def _running(self) -> list[RequestState]:
         return [self.requests[i] for i in self.slots if i is not None]
 
+    @property
+    def in_slots(self) -> set[int]:
+        """The requests holding a slot (running, or cancelled with a micro-batch still in flight)."""
+        return {i for i in self.slots if i is not None}
+
+    @property
+    def admits_next(self) -> bool:
+        """Whether a request waits for a slot and one is free: the next tick admits it."""
+        return None in self.slots and any(r.finish_reason is None for r in self.requests[self._pending :])
+
     def _next_micro_batch(self, request: RequestState) -> MicroBatch:
         """Feed ``request``'s next tokens as ``generate_step`` does, and say when it may enter again."""
         remaining = len(request.prompt) - request.fed
