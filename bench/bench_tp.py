@@ -55,10 +55,10 @@ def _rank_main(spec: dict[str, Any]) -> None:
     _pin_self(spec["ranks"])
     import mlx.core as mx
 
-    from mlxpipe.request import Request
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.request import Request
+    from mlxpipe.protocol.job import JobSpec
     from mlxpipe.worker.load import barrier, load_rank
-    from mlxpipe.worker.requests import Server, init_group
+    from mlxpipe.worker.loop import Server, init_group
 
     job = JobSpec(**spec["job"])
     group = init_group(job.world_size)
@@ -143,7 +143,7 @@ def _job(model: Path, tmp: Path, split: list[int], tp: int) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from fixtures.ranks import rank_dirs
 
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
 
     dirs = rank_dirs(model, split, tmp / f"dirs-{'-'.join(map(str, split))}-tp{tp}")
     return asdict(JobSpec([str(d) for d in dirs for _ in range(tp)], split, tp=tp))

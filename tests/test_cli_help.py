@@ -25,7 +25,7 @@ from mlxpipe.cli import app
 from mlxpipe.cluster.presets import load_preset
 from mlxpipe.cluster.hostfile import BACKENDS, GB
 from mlxpipe.launch.ranks import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

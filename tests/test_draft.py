@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from mlxpipe.cli import app
 from mlxpipe.errors import ModelError
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
 SPLIT = [2, 4]

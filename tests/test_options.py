@@ -25,8 +25,8 @@ from mlxpipe.launch.batch import read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request, RequestError
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.request import Request, RequestError
+from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
 SPLIT = [2, 4]  # rank 0 runs layers 4-5, rank 1 layers 0-3
@@ -285,7 +285,7 @@ def test_a_rank_loads_only_its_own_layers_adapters(option_model: tuple[Path, Pat
     from mlx_lm import load
 
     from mlxpipe.worker.load import load_local_adapters
-    from mlxpipe.worker.pipeline.cut import pipeline_generic
+    from mlxpipe.worker.stages.cut import pipeline_generic
 
     checkpoint, adapters = option_model
     own = tmp_path / "rank0-adapters"

@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.cli import app
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
@@ -277,7 +277,7 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     from mlx_lm.models.cache import KVCache
 
     from mlxpipe.worker.load import load_rank
-    from mlxpipe.worker.requests import Server
+    from mlxpipe.worker.loop import Server
 
     class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
         def __getattribute__(self, name: str) -> Any:

@@ -19,7 +19,7 @@ from fixtures.ranks import LaunchResult, PYTHON, launch, launch_cases, local_hos
 from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 
 from mlxpipe.errors import ModelError, UsageError
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 pytestmark = pytest.mark.ranks
 
@@ -347,7 +347,7 @@ def test_check_pipelinable_refuses_native_without_pipeline(tiny_models) -> None:
 def test_a_model_without_layers_is_refused() -> None:
     import mlx.nn as nn
 
-    from mlxpipe.worker.pipeline.layers import find_layers
+    from mlxpipe.worker.stages.layers import find_layers
 
     class Flat(nn.Module):
         def __init__(self) -> None:
@@ -408,7 +408,7 @@ def test_tie_puts_the_send_into_the_cache_state(kind: str, tmp_path: Path) -> No
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxpipe.worker.pipeline.caches import tie_into_cache
+    from mlxpipe.worker.stages.caches import tie_into_cache
 
     c = _make_cache(kind)
     _feed(c, 5)
@@ -426,7 +426,7 @@ def test_stand_in_caches_keep_the_real_bookkeeping(kind: str) -> None:
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
-    from mlxpipe.worker.pipeline.caches import advance_cache
+    from mlxpipe.worker.stages.caches import advance_cache
 
     real, stand_in = _make_cache(kind), _make_cache(kind)
     for step in [5, 8, 1, 1, 1, 1, 1, 1, 1, 1, 3]:
@@ -461,7 +461,7 @@ def test_extras_cross_a_cut_packed_with_the_hidden_state() -> None:
     the cut (any dtype, alone or in tuples), the rest does not; one message holds them all."""
     import mlx.core as mx
 
-    from mlxpipe.worker.pipeline.layout import _layout_of, _made_up_extras, _pack, _unpack
+    from mlxpipe.worker.stages.layout import _layout_of, _made_up_extras, _pack, _unpack
 
     batch, tokens = 2, 7
     hidden = mx.random.normal((batch, tokens, 8))

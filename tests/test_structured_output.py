@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.worker.constraints import Constraint, compile_error
 
 from fixtures.serve_process import ServeProcess, ready_server

@@ -37,7 +37,7 @@ from test_overlap import _reference
 from test_pipeline_correctness import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
 from mlxpipe.errors import UsageError
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]

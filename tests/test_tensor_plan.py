@@ -325,7 +325,7 @@ def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, f
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.hub.client import load_metadata
     from mlxpipe.launch.pipeline import RunOptions, job_spec
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
 
     target = resolve_target(str(tiny), None, four_hosts, None, None, None, 2)
     the_plan = make_plan(load_metadata(str(tiny)), target.hostfile.hosts, tp=2)

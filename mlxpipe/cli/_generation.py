@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 # The flags a --config preset may give too (the flag wins, then the preset, then mlx_lm.generate's default).
 _FROM_PRESET = ("max_tokens", "temp", "top_p", "min_p", "seed", "system_prompt")
@@ -51,7 +51,7 @@ class RequestFlags:
         """The generation options every request gets: the flags, then ``preset``'s, then mlx_lm.generate's
         defaults; a value out of range is refused naming its flag."""
         from mlxpipe.cluster.presets import pick
-        from mlxpipe.request import parse_chat_template_config
+        from mlxpipe.protocol.request import parse_chat_template_config
 
         given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _FROM_PRESET}
         given = {k: v for k, v in given.items() if v is not None}

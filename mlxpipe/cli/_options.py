@@ -15,7 +15,7 @@ import typer
 from mlxpipe.cluster.hostfile import check_backend, check_port
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.ranks import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, Request
 
 FROM_PRESET = "or the --config preset's"
 # launch.pipeline.DEFAULT_STEP_TIMEOUT, written out: importing the launch code would slow `mlxpipe --help`.

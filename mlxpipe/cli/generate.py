@@ -18,7 +18,7 @@ from mlxpipe.cli._options import (
 )
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Prompt = Annotated[Optional[str], typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",

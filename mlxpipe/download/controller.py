@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 
 from mlxpipe.cluster import remote
 
@@ -232,7 +232,7 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
     drain = threading.Thread(target=_drain, args=(proc.stderr, report.stderr), daemon=True)
     drain.start()
     for line in proc.stdout:
-        event = protocol.parse_event(line)
+        event = wire.parse_event(line)
         if event is not None:
             on_event(event)
     code = proc.wait()

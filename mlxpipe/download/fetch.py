@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 from mlxpipe.errors import DownloadError, MlxpipeError
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.paths import write_atomic
@@ -364,11 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = FetchJob.decode(args.job)
     except MlxpipeError as e:
-        protocol.emit("error", message=e.message, hint=e.hint)
+        wire.emit("error", message=e.message, hint=e.hint)
         return 1
     if args.check:
         present, missing = check(job)
-        protocol.emit("check", present=present, missing=missing)
+        wire.emit("check", present=present, missing=missing)
         return 0
     pending = [0.0, 0]  # last emit time, bytes not yet reported
 
@@ -376,24 +376,24 @@ def main(argv: list[str] | None = None) -> int:
         pending[1] += n
         now = time.monotonic()
         if now - pending[0] > _PROGRESS_INTERVAL:
-            protocol.emit("progress", bytes=pending[1])
+            wire.emit("progress", bytes=pending[1])
             pending[0], pending[1] = now, 0
 
     def on_file(name: str, status: str, size: int) -> None:
         if pending[1]:
-            protocol.emit("progress", bytes=pending[1])
+            wire.emit("progress", bytes=pending[1])
             pending[1] = 0
-        protocol.emit("file", name=name, status=status, bytes=size)
+        wire.emit("file", name=name, status=status, bytes=size)
 
     try:
         result = fetch(job, on_bytes, on_file)
     except MlxpipeError as e:
-        protocol.emit("error", message=e.message, hint=e.hint)
+        wire.emit("error", message=e.message, hint=e.hint)
         return 1
     except Exception as e:  # noqa: BLE001 - reported to the controller, then re-raised for the traceback
-        protocol.emit("error", message=f"{job.host}: {type(e).__name__}: {e}", hint=None)
+        wire.emit("error", message=f"{job.host}: {type(e).__name__}: {e}", hint=None)
         raise
-    protocol.emit("done", **asdict(result))
+    wire.emit("done", **asdict(result))
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
 from mlxpipe.paths import replacing
-from mlxpipe.request import Request, parse_logit_bias
+from mlxpipe.protocol.request import Request, parse_logit_bias
 
 # Requests per decode micro-batch (``--decode-batch``); see docs/generate.md, "Many prompts at once".
 DEFAULT_DECODE_BATCH = 4

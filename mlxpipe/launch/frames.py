@@ -40,7 +40,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from mlxpipe.protocol import EVENT_PREFIX
+from mlxpipe.protocol.wire import EVENT_PREFIX
 
 FRAME_PAYLOAD = 3500  # characters of JSON per frame: a whole frame stays below PIPE_BUF (4096)
 NONCRITICAL = frozenset({"alive", "log", "progress"})  # losing one of these fails nothing

@@ -17,7 +17,7 @@ from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 from mlxpipe.cluster.target import Target
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class RunOptions:
 def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
     """The worker's JobSpec: each rank's model directory on its own host, and the split (per stage with tp > 1:
     every member of a group runs its stage's layers, from its own host's copy of the stage's files)."""
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
 
     hosts = target.hostfile.hosts
     return JobSpec(

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 
 from mlxpipe.launch import frames
 
@@ -207,7 +207,7 @@ class Ranks:
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
     def send(self, request: dict[str, Any]) -> None:
-        self._write(protocol.encode_request(request))
+        self._write(wire.encode_request(request))
 
     def events(self, timeout: float, busy: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
         """Yield the workers' events; raise ``LaunchError`` (root cause first) on any failure.
@@ -324,7 +324,7 @@ class Ranks:
         if kind == "log":
             self._log_line(rank, str(event.get("text", "")))
         elif kind not in ("alive", "token"):
-            self._log_line(rank, protocol.EVENT_PREFIX + json.dumps(event))
+            self._log_line(rank, wire.EVENT_PREFIX + json.dumps(event))
 
     def _log_line(self, rank: int | None, line: str) -> None:
         with self._log_lock:

@@ -20,7 +20,7 @@ from mlxpipe.launch.pipeline import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER
 from mlxpipe.cluster.hostfile import check_backend, check_port
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
 from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
 
 

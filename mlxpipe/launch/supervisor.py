@@ -25,7 +25,7 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 
 from mlxpipe.launch import frames
 
@@ -126,7 +126,7 @@ class _Supervisor:
         """Forward the worker's events with its rank, and every other line as a ``log`` event."""
         for raw in stream:
             line = raw.decode(errors="replace").rstrip("\r\n")
-            event = protocol.parse_event(line)
+            event = wire.parse_event(line)
             if event is None:
                 for i in range(0, max(len(line), 1), _MAX_LINE):
                     self.emit("log", stream=name, text=line[i : i + _MAX_LINE])

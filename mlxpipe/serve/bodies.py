@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import compile_error

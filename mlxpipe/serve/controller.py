@@ -38,7 +38,7 @@ from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.pipeline import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.launch.run import PipelineConfig, launch
 
 DEFAULT_MAX_QUEUE = 64

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from mlxpipe import console
 from mlxpipe.errors import RequestFailed
-from mlxpipe.request import Request as GenerationRequest
+from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, ServeEngine
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request, RequestError, parse_logit_bias
+from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.controller import Job
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import HINTS, check_schema, field, json_types

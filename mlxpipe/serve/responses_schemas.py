@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.controller import Job

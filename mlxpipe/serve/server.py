@@ -21,7 +21,7 @@ import uvicorn
 
 from mlxpipe import console
 from mlxpipe.errors import LaunchError, UsageError
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, RequestLog, ServeEngine, ServeOptions
 from mlxpipe.launch.run import PipelineConfig, prepare
 

@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,16 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
         # Imported here so that an import failure is reported as an event too.
-        from mlxpipe.worker.job import JobSpec
+        from mlxpipe.protocol.job import JobSpec
 
         if JobSpec.decode(args.job).train is not None:
             from mlxpipe.worker.train import run
         else:
-            from mlxpipe.worker.requests import run
+            from mlxpipe.worker.loop import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller
-        protocol.emit(
+        wire.emit(
             "error",
             rank=rank,
             host=socket.gethostname(),

@@ -12,7 +12,7 @@ from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 from mlx_lm.utils import _get_classes
 
 from mlxpipe.errors import UsageError
-from mlxpipe.worker.pipeline.layers import find_layers
+from mlxpipe.worker.stages.layers import find_layers
 
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "muon": optim.Muon, "sgd": optim.SGD,
               "adafactor": optim.Adafactor}

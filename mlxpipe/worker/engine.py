@@ -48,15 +48,15 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.pipeline.cut import find_exchange
-from mlxpipe.worker.pipeline.stage import Exchange
+from mlxpipe.worker.stages.cut import find_exchange
+from mlxpipe.worker.stages.stage import Exchange
 from mlxpipe.worker.constraints import Constraint
 from mlxpipe.worker.sampling import (LogitsProcessor, Sampler, TokenLogprobs, extra_eos_ids, keyed_sampler,
                                      logits_processors, token_logprobs)

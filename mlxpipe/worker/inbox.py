@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import IO, Any
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 
 
 class Inbox:
@@ -50,7 +50,7 @@ class Inbox:
 
     def _read(self, stream: IO[str]) -> None:
         while True:
-            message = protocol.read_request(stream)
+            message = wire.read_request(stream)
             with self._changed:
                 self._messages.append(message)
                 self._changed.notify_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.schedule import Schedule
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

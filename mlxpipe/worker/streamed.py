@@ -19,7 +19,7 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import agreed_min, all_agree, seed_sampling
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.inbox import Inbox

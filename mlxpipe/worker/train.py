@@ -38,21 +38,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 from mlxpipe.errors import UsageError
 from mlxpipe.worker.adapters import add_lora, build_optimizer, checkpoint_layers
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
-from mlxpipe.worker.pipeline.cut import find_exchange
+from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.progress import PROGRESS_SECONDS
-from mlxpipe.worker.requests import init_group, loaded_fields
+from mlxpipe.worker.loop import init_group, loaded_fields
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
 Emit = Callable[..., None]
 
 
-def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit) -> None:
+def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
     """Join the group, load this rank's layers with their LoRA adapters, then train on requests."""
     job = JobSpec.decode(job_text)
     group = init_group(job.world_size)
@@ -299,7 +299,7 @@ class Stage:
 class Trainer:
     """The request loop of one training rank."""
 
-    def __init__(self, stage: Stage, emit: Emit = protocol.emit) -> None:
+    def __init__(self, stage: Stage, emit: Emit = wire.emit) -> None:
         self.stage, self._emit = stage, emit
         self.rank, self.host = stage.rank, socket.gethostname()
         self._actions, self._reported = 0, time.monotonic()

@@ -25,22 +25,22 @@ from typing import IO, Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 from mlxpipe.errors import LaunchError, MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import shared_seed
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.engine import Engine
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.progress import Emit, Progress
 from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
 from mlxpipe.worker.streamed import Streamed
 
-def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit) -> None:
+def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
     """Join the group, load this rank's layers, then serve requests from ``stream``."""
     job = JobSpec.decode(job_text)
     group = init_group(job.world_size)
@@ -81,7 +81,7 @@ class Server:
     """Answers ``generate`` and ``exit`` requests on one rank."""
 
     def __init__(
-        self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = protocol.emit
+        self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = wire.emit
     ) -> None:
         self.loaded = loaded
         self.group = group

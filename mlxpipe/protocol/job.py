@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS
 
 MODES = ("generic", "native")
 
