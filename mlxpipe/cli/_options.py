@@ -200,6 +200,6 @@ FromController = Annotated[bool, typer.Option(
 )]
 DecodeBatch = Annotated[int, typer.Option(
     "--decode-batch",
-    help="Requests whose decode steps share one micro-batch (batched KV caches), so ranks x this many requests "
-    "are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
+    help="Requests whose decode steps share one micro-batch (batched KV caches), so pipeline stages x this many "
+    "requests are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
 )]

@@ -31,7 +31,8 @@ PromptsFile = Annotated[Optional[Path], typer.Option(
     show_default="none: one --prompt",
 )]
 Concurrency = Annotated[Optional[int], typer.Option(
-    "--concurrency", help="With --prompts-file: requests in flight at once.", show_default="ranks x --decode-batch",
+    "--concurrency", help="With --prompts-file: requests in flight at once.",
+    show_default="pipeline stages x --decode-batch",
 )]
 Output = Annotated[Optional[Path], typer.Option(
     "--output", "-o",

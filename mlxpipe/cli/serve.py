@@ -15,6 +15,7 @@ from mlxpipe.cli._options import (
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
 from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.protocol.checks import at_least
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 from mlxpipe.serve.controller import (
     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
@@ -32,7 +33,7 @@ ApiKey = Annotated[Optional[str], typer.Option(
 )]
 MaxConcurrency = Annotated[Optional[int], typer.Option(
     "--max-concurrency", help="Requests computed at once: --decode-batch of them at each stage.",
-    show_default="ranks x --decode-batch",
+    show_default="pipeline stages x --decode-batch",
 )]
 MaxQueue = Annotated[int, typer.Option(
     "--max-queue", help="Requests waiting for a slot, or for the ranks to load or relaunch; beyond them, 429."
@@ -133,10 +134,13 @@ def serve(
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    check_decode_batch(decode_batch)
+    if max_concurrency is not None:
+        at_least(max_concurrency, 1, "--max-concurrency")
     options = server.ServeOptions(
-        max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size * decode_batch,
+        max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
-        decode_batch=check_decode_batch(decode_batch), queue_timeout=queue_timeout,
+        decode_batch=decode_batch, queue_timeout=queue_timeout,
     )
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,

@@ -10,6 +10,7 @@ import time
 import traceback
 
 from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller
-        wire.emit(
-            "error",
+        wire.emit(Error(
             rank=rank,
             host=socket.gethostname(),
             type=type(e).__name__,
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             hint=getattr(e, "hint", None),
             traceback=traceback.format_exc(),
             time=time.time(),
-        )
+        ))
         return 1
 
 
