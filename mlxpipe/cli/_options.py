@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from mlxpipe.cluster.hostfile import check_backend, check_port
+from mlxpipe.defaults import MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, Request
@@ -181,7 +182,7 @@ PrefillStepSize = Annotated[Optional[int], typer.Option(
     "--prefill-step-size",
     help="Prompt tokens per prefill chunk. On a pipeline a prompt's chunks flow through the stages one behind "
     "the other, so every host prefills at once: smaller chunks pipeline better, larger ones use each host better.",
-    show_default="128 on a pipeline of 2 or more ranks, else mlx-lm's 2048",
+    show_default=f"{PIPELINE_PREFILL_STEP} on a pipeline of 2 or more ranks, else mlx-lm's {MLX_LM_PREFILL_STEP}",
 )]
 RingPort = Annotated[Optional[int], typer.Option(
     "--port", help="First ring port.", show_default=f"{DEFAULT_PORT}; a free one when every rank is local",
