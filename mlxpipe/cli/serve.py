@@ -15,7 +15,6 @@ from mlxpipe.cli._options import (
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
 from mlxpipe.launch.ranks import DEFAULT_PORT
-from mlxpipe.protocol.checks import at_least
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 from mlxpipe.serve.controller import (
     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
@@ -117,6 +116,7 @@ def serve(
     """
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.protocol.checks import at_least
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())

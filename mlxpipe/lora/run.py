@@ -94,7 +94,8 @@ class TrainOptions:
         if self.batch_size % self.micro_batches:
             raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
                              hint="each micro-batch gets the same number of sequences")
-        one_of(self.fine_tune_type, FINE_TUNE_TYPES, "--fine-tune-type")
+        if self.fine_tune_type not in FINE_TUNE_TYPES:
+            raise UsageError(f"--fine-tune-type {self.fine_tune_type!r}: mlxpipe trains lora or dora adapters")
         one_of(self.optimizer.lower(), OPTIMIZERS, "--optimizer")
         if not self.train and not self.test:
             raise UsageError("give --train (and/or --test)", "mlxpipe lora --model M --train --data DIR")
