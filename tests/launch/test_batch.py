@@ -12,6 +12,7 @@ import pytest
 from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.errors import UsageError
 from mlxpipe.request import Request
+from tests.e2e.test_options import OPTIONS
 
 
 def test_where_the_time_goes_names_each_rank_and_hop() -> None:
@@ -134,3 +135,32 @@ def test_an_empty_or_missing_file_is_refused(tmp_path: Path) -> None:
         read_prompts(empty, DEFAULTS)
     with pytest.raises(UsageError, match="cannot read the prompts file"):
         read_prompts(tmp_path / "missing.txt", DEFAULTS)
+
+
+def test_prompts_file_lines_take_every_option_by_its_name(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": key, **request} for key, request in OPTIONS.items()]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    requests = read_prompts(path, Request(max_tokens=3))
+    assert [r.id for r in requests] == list(OPTIONS)
+    assert requests[1].xtc_probability == 1.0 and requests[3].logit_bias == {101: 3.0, 116: 2.0}
+    assert requests[6].extra_eos_token == ("<|endoftext|>",) and requests[8].kv_bits == 4
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"top_k": -1}, ":1: 'top_k' must be >= 0"),
+        ({"top_k": 1.5}, ":1: 'top_k' must be int, got 1.5"),
+        ({"logit_bias": {"x": 1}}, ":1: 'logit_bias' must be an object of token ids"),
+        ({"extra_eos_token": [1]}, ":1: 'extra_eos_token' must be a string or a list of strings"),
+        ({"kv_bits": 9}, ":1: 'kv_bits' must be one of 2, 3, 4, 5, 6, 8, got 9"),
+        ({"chat_template_config": "x"}, ":1: 'chat_template_config' must be dict"),
+    ],
+)
+def test_a_bad_option_on_a_line_names_the_line(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a", **options}) + "\n")
+    with pytest.raises(UsageError) as info:
+        read_prompts(path, Request())
+    assert f"{path}{message}" in str(info.value)
