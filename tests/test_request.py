@@ -109,3 +109,23 @@ def test_checked_numbers_reach_mlx_lm_as_the_types_it_takes() -> None:
         logits = processor(mx.array([1, 2, 3]), logits)
     mx.eval(logits)
     assert logits[0, 3].item() == 2.0 - 2.0 - 1.0  # its bias, less the presence and the frequency (seen once) penalties
+
+
+# ---------------------------------------------------------------- structured output's fields
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "prefill_response": "{"}, "response_format"),
+])
+def test_request_checks_the_new_fields(values: dict[str, Any], field: str) -> None:
+    with pytest.raises(RequestError) as e:
+        Request(prompt="p", **values).check()
+    assert e.value.field == field
+
+
+def test_text_format_is_free_text() -> None:
+    assert Request(prompt="p", response_format={"type": "text"}).check().response_format is None
