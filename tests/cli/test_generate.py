@@ -13,6 +13,7 @@ import json
 from typing import Any, Callable
 from tests.e2e.test_generate import mlxpipe
 from tests.e2e.test_ssh_cluster import cli
+from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
 
 
 @pytest.mark.parametrize(
@@ -111,3 +112,40 @@ def test_usage_errors_exit_2_before_launch(demo_model: Path, args: list[str], me
     result = mlxpipe("generate", "--model", str(demo_model), *args)
     assert result.returncode == 2
     assert result.stderr.splitlines()[0] == message
+
+
+# ---------------------------------------------------------------- refused before anything starts
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts-file", "p.txt", "--concurrency", "2"],
+         "error: --concurrency: with --draft-model the prompts run one at a time"),
+        (["--max-kv-size", "64"], "error: --max-kv-size does not work with --draft-model"),
+        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be at least 1, got 0"),
+    ],
+)
+def test_a_draft_flag_combination_is_refused_in_one_line(models, args: list[str], message: str) -> None:
+    prompt = [] if "--prompts-file" in args else ["--prompt", "hi"]
+    result = CliRunner().invoke(app, ["generate", *prompt, "--model", str(models["target"]),
+                                      "--draft-model", str(models["draft"]), *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[0].startswith(message), result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_draft_model_that_is_neither_directory_nor_hub_id_is_refused(models, command: str) -> None:
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, *prompt, "--model", str(models["target"]),
+                                      "--draft-model", "./no/such/draft"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[0] == (
+        "error: --draft-model ./no/such/draft: no such directory, and not a hub repo id"), result.output
+
+
+def test_a_draft_model_missing_from_the_hub_is_refused_before_launch(models, hub_env) -> None:
+    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--model", str(models["target"]),
+                                      "--draft-model", "tiny/no-such-draft"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[0].startswith("error: tiny/no-such-draft"), result.output
