@@ -122,7 +122,11 @@ BAD = [
 ]
 
 
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+# Bounded, so the grammar ends the reply within max_output_tokens whatever is drawn: at most
+# '{"city": "' + 12 letters (no escapes) + '", "population": ' + 8 digits + '}' = 48 tokens of one
+# character, and the end. Unbounded, some draws ran out of tokens inside the string (status incomplete).
+CITY = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z .-]{1,12}$", "maxLength": 12},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999}},
         "required": ["city", "population"], "additionalProperties": False}
 
 
@@ -131,8 +135,8 @@ def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, dem
     import jsonschema
 
     reply = client.responses.create(
-        model=str(demo_model), input="Name a city and its population.", max_output_tokens=40, temperature=0.8,
-        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+        model=str(demo_model), input="Name a city and its population.", max_output_tokens=64, temperature=0.8,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}, extra_body={"seed": 5},
     )
     assert reply.status == "completed", reply.output_text  # the grammar ends the reply, not max_output_tokens
     jsonschema.validate(json.loads(reply.output_text), CITY)
