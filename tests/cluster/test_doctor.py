@@ -19,6 +19,9 @@ from mlxpipe.cluster.doctor import CheckResult, preflight, require_ok, ring_port
 from mlxpipe.errors import LaunchError
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.launch.ranks import free_port_base
+from mlxpipe.cluster.doctor import tp_link_checks
+from mlxpipe.cluster.hostfile import parse_hostfile
+from tests.plan.test_tensor import invoke
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
@@ -194,3 +197,36 @@ def test_require_ok_names_the_first_failure() -> None:
     assert e.value.message == "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
     assert e.value.hint == "start sshd"
     require_ok(results[:1])
+
+
+# --- Doctor: a group over TCP -------------------------------------------------------------------------
+
+
+def hostfile(machines: list[str], backend: str = "ring") -> Any:
+    data = {"backend": backend, "hosts": [{"ssh": m, "ips": [f"10.0.0.{i}"]} for i, m in enumerate(machines)]}
+    return parse_hostfile(data, Path("h.json"))
+
+
+@pytest.mark.parametrize(("machines", "backend", "statuses"), [
+    (["a", "b", "c", "d"], "ring", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "mpi", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "jaccl", ["ok", "ok"]),
+    (["a", "a", "b", "b"], "ring", ["ok", "ok"]),  # each group on one machine; the pipeline crosses the link
+    (["127.0.0.1"] * 4, "ring", ["ok", "ok"]),
+])
+def test_doctor_warns_on_groups_over_tcp(machines: list[str], backend: str, statuses: list[str]) -> None:
+    checks = tp_link_checks(hostfile(machines, backend), 2, backend)
+    assert [(c.check, c.ranks, c.status) for c in checks] == [
+        ("tp links", (0, 1), statuses[0]), ("tp links", (2, 3), statuses[1])]
+    for c in checks:
+        assert (c.fix is not None and "JACCL" in c.fix and "mlx.distributed_config" in c.fix) == (c.status == "warn")
+    assert tp_link_checks(hostfile(machines, backend), 1, backend) == []
+
+
+def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke("doctor", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
+    assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
+    assert "one machine" in links[0]["detail"]
