@@ -6,10 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request
-
 
 # ---------------------------------------------------------------- prompts, as mlx_lm.generate makes them
 

@@ -12,7 +12,6 @@ import httpx
 import ollama
 import openai
 import pytest
-
 from fixtures.seeding import MLX_SEED, SEED, with_seed
 
 

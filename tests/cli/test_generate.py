@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 from fixtures.tiny_models import TinyModels
 from typer.testing import CliRunner
 
 from mlxpipe.cli import app
-import json
-from typing import Any, Callable
+from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
 from tests.e2e.test_generate import mlxpipe
 from tests.e2e.test_ssh_cluster import cli
-from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
 
 
 @pytest.mark.parametrize(

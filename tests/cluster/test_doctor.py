@@ -11,16 +11,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from fixtures.cluster import skip_or_fail_in_ci
 from typer.testing import CliRunner
 
-from fixtures.cluster import skip_or_fail_in_ci
 from mlxpipe.cli import app
-from mlxpipe.cluster.doctor import CheckResult, preflight, require_ok, ring_ports
+from mlxpipe.cluster.doctor import (
+    CheckResult,
+    preflight,
+    require_ok,
+    ring_ports,
+    tp_link_checks,
+)
+from mlxpipe.cluster.hostfile import load_hostfile, parse_hostfile
 from mlxpipe.errors import LaunchError
-from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.launch.ranks import free_port_base
-from mlxpipe.cluster.doctor import tp_link_checks
-from mlxpipe.cluster.hostfile import parse_hostfile
 from tests.plan.test_tensor import invoke
 
 REPO = Path(__file__).resolve().parents[2]

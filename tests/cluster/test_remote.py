@@ -10,7 +10,6 @@ from mlxpipe.cluster import remote
 from mlxpipe.errors import DownloadError
 from tests.download.test_controller import load_hostfile_host
 
-
 # --- Sending over ssh: the commands (the multi-host test runs them for real) -------------------
 
 

@@ -7,10 +7,15 @@ import sys
 from typing import Any
 
 import pytest
-
 from fixtures.cluster import Cluster
-from tests.cluster.test_doctor import OTHER_MLX, doctor, failures, other_mlx_python, statuses  # noqa: F401,F811 (other_mlx_python: a fixture)
 
+from tests.cluster.test_doctor import (  # noqa: F401,F811 (other_mlx_python: a fixture)
+    OTHER_MLX,
+    doctor,
+    failures,
+    other_mlx_python,
+    statuses,
+)
 
 # --- The ssh test cluster -----------------------------------------------------------------
 

@@ -22,16 +22,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from typer.testing import CliRunner
-
 from fixtures import faulty_worker
 from fixtures.cluster import Cluster
 from fixtures.processes import _alive, _is_worker, local_rank_processes
+from typer.testing import CliRunner
+
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
 from mlxpipe.launch.pipeline import Pipeline, Request, request_for
 from tests.launch.test_failures import LOCAL
-
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
@@ -287,8 +286,9 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
 
 def start_pipeline(site: Site, model: Path, worker: tuple[str, ...], timeout: float = 60.0) -> Pipeline:
     """A loaded pipeline whose ranks run ``worker``, started as every command starts one."""
-    from mlxpipe.launch.run import PipelineConfig, start_pipeline as start
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.run import start_pipeline as start
 
     target = resolve_target(str(model), None, site.hostfile, None, None, None)
     return start(PipelineConfig(target, timeout=timeout, quiet=True, worker=worker))

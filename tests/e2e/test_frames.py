@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
+
 from tests.launch.test_frames import check_flood, flood
 
 

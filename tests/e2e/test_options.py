@@ -22,7 +22,6 @@ from fixtures.tiny_models import make_tiny_checkpoint
 
 from mlxpipe.worker.job import JobSpec
 
-
 PREFILL_STEP = 8
 SPLIT = [2, 4]  # rank 0 runs layers 4-5, rank 1 layers 0-3
 ADAPTER_LAYERS = 4  # adapters on layers 2-5: both ranks hold some, rank 1 also two without

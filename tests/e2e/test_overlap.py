@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.ranks import LaunchResult, PYTHON, launch_cases, rank_dirs
+from fixtures.ranks import PYTHON, LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 
 from mlxpipe.worker.job import JobSpec
-
 
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
 QUESTION = "Tell me about pipelines across several machines, please."

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.errors import UsageError
+from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.request import Request
 from tests.e2e.test_options import OPTIONS
 

@@ -14,10 +14,11 @@ def test_a_rank_whose_adapters_are_lost_on_the_way_fails_the_save_instead_of_wri
     # mlx.launch merges the ranks' output in 8 KiB reads, so a long line can be cut by another
     # rank's output and lost. This cannot be made to happen on purpose with real ranks: the
     # channel here delivers rank 0's "adapter" event and loses rank 1's.
+    import mlx.core as mx
+
     from mlxpipe.errors import LaunchError
     from mlxpipe.lora.run import ADAPTER_FILE, Reporter, Training, TrainOptions
     from mlxpipe.worker.train import encode_weights
-    import mlx.core as mx
 
     class Ranks:
         size = 2

@@ -11,7 +11,6 @@ from mlxpipe.plan.costs import kv_bytes
 from mlxpipe.plan.shard import make_plan
 from tests.plan.test_shard import SLIDING, T, hosts, meta, uniform
 
-
 # --- KV cache ------------------------------------------------------------------------------
 
 

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 import pytest
 
-from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.cluster.hostfile import Host
+from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import (
     balanced_split,
     choose_split,
@@ -18,9 +19,7 @@ from mlxpipe.plan.splits import (
     legal_split,
     proportional_split,
 )
-from mlxpipe.plan.shard import make_plan
 from tests.plan.test_shard import GEMMA3N, MB, T, _compositions, hosts, meta, uniform
-
 
 # --- The even split is mlx-lm's own ----------------------------------------------------
 

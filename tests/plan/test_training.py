@@ -17,8 +17,8 @@ def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, mod
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
 
-    from mlxpipe.plan.training import lora_parameters_of
     from mlxpipe.model.metadata import load_local
+    from mlxpipe.plan.training import lora_parameters_of
 
     lora = {"rank": 4, "scale": 20.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
     loaded, _ = load(str(workdir / model))
@@ -33,9 +33,9 @@ def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, mod
 def test_the_memory_estimate_holds_the_micro_batches_in_flight_and_the_backward_working_set(workdir: Path) -> None:
     from mlxpipe.cluster.hostfile import load_hostfile
     from mlxpipe.lora.run import TrainOptions
-    from mlxpipe.plan.training import training_memory
     from mlxpipe.model.metadata import load_local
     from mlxpipe.plan.shard import make_plan
+    from mlxpipe.plan.training import training_memory
 
     meta = load_local(workdir / "llama")
     the_plan = make_plan(meta, load_hostfile(Path("hostfiles/local-2.json")).hosts)  # rank 1: layers 0-1

@@ -7,11 +7,11 @@ from typing import Iterator
 
 import anthropic
 import pytest
+from fixtures.chat_reference import ScriptedEngine
+from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedEngine
-from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings

@@ -7,15 +7,14 @@ from typing import Iterator
 
 import ollama
 import pytest
+from fixtures.chat_reference import ScriptedEngine
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedEngine
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
 from tests.e2e.test_serve_ollama import WEATHER_FUNCTION
-
 
 TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -8,10 +8,9 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
+from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 
 from mlxpipe.worker.constraints import Constraint, compile_error
-
-from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 from tests.e2e.test_structured_output import PERSON, _schema_format
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from mlxpipe.errors import ModelError
 from tests.e2e.test_options import SPLIT, option_model  # noqa: F401,F811 (option_model: a fixture)
 
 
@@ -42,3 +45,19 @@ def test_a_rank_loads_only_its_own_layers_adapters(option_model: tuple[Path, Pat
     for k in local:
         assert mx.array_equal(mine[k], theirs[k]), k
     assert not any(".layers.1." in k and "lora" in k for k in mine)  # a stand-in: nothing to adapt
+
+
+@pytest.mark.ranks
+def test_check_pipelinable_accepts_a_model(tiny_models) -> None:
+    from mlxpipe.worker.load import check_pipelinable
+
+    check_pipelinable(tiny_models["gemma3_text"])
+    check_pipelinable(tiny_models["qwen2"], mode="native")
+
+
+@pytest.mark.ranks
+def test_check_pipelinable_refuses_native_without_pipeline(tiny_models) -> None:
+    from mlxpipe.worker.load import check_pipelinable
+
+    with pytest.raises(ModelError, match="no native"):
+        check_pipelinable(tiny_models["llama"], mode="native")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 def test_interleaved_requests_each_sample_what_they_sample_alone() -> None:
     """mlx-lm's own sampler, each request on its own key: as alone after ``mx.random.seed(seed)``."""
     import mlx.core as mx
