@@ -78,8 +78,8 @@ def test_a_request_to_a_local_server_carries_the_seed_through_httpx(echo: str) -
 
 def test_requests_through_the_openai_anthropic_and_ollama_packages_carry_the_seed(echo: str) -> None:
     gpt = openai.OpenAI(base_url=f"{echo}/v1", api_key="unused", max_retries=0)
-    raw = gpt.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                        temperature=0.9)
+    raw = gpt.chat.completions.with_raw_response.create(model="m", temperature=0.9,
+                                                        messages=[{"role": "user", "content": "hi"}])
     assert json.loads(raw.http_response.content)["seed"] == SEED
     claude = anthropic.Anthropic(base_url=echo, api_key="unused", max_retries=0)
     raw = claude.messages.with_raw_response.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])

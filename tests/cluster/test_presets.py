@@ -53,7 +53,8 @@ def test_a_bad_preset_names_its_file_and_key(tmp_path: Path, text: str, message:
 def test_a_missing_preset_points_to_the_examples(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_preset(tmp_path / "nope.yaml")
-    assert (info.value.message, info.value.hint) == (f"{tmp_path / 'nope.yaml'}: no such config", "see configs/ for examples")
+    assert info.value.message == f"{tmp_path / 'nope.yaml'}: no such config"
+    assert info.value.hint == "see configs/ for examples"
 
 
 def test_a_flag_wins_over_the_preset_which_wins_over_the_default() -> None:

@@ -59,7 +59,8 @@ def test_a_name_that_does_not_resolve_is_named_as_dns() -> None:
     error = caused(httpx2.ConnectError("connect failed", request=request(url)), socket.gaierror(-2, "Name or service"))
     mapped = as_hub_error(error, "org/model")
     assert isinstance(mapped, HubUnreachable)
-    assert mapped.message == "org/model: cannot reach the hub at https://hub.invalid: the name hub.invalid does not resolve (DNS)"
+    assert mapped.message == ("org/model: cannot reach the hub at https://hub.invalid: "
+                              "the name hub.invalid does not resolve (DNS)")
 
 
 def test_a_tls_failure_is_not_worth_another_attempt() -> None:
