@@ -11,8 +11,9 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlxpipe.serve.text import Delta, Reply, StopFilter, tool_calls
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+                                            "parameters": CITY}}
 
 
 @pytest.fixture(scope="module")
