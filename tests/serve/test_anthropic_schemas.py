@@ -1,4 +1,4 @@
-"""serve/anthropic_schemas.py: Anthropic Messages bodies as the chat template's messages, each error naming its field."""
+"""serve/anthropic_schemas.py: Messages bodies as the chat template's messages, each error naming its field."""
 
 from __future__ import annotations
 
