@@ -82,7 +82,8 @@ def test_requests_through_the_openai_anthropic_and_ollama_packages_carry_the_see
                                                         messages=[{"role": "user", "content": "hi"}])
     assert json.loads(raw.http_response.content)["seed"] == SEED
     claude = anthropic.Anthropic(base_url=echo, api_key="unused", max_retries=0)
-    raw = claude.messages.with_raw_response.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    raw = claude.messages.with_raw_response.create(model="m", max_tokens=5,
+                                                   messages=[{"role": "user", "content": "hi"}])
     assert json.loads(raw.http_response.content)["seed"] == SEED
     llama = ollama.Client(host=echo)
     sent = llama._client.post("/api/chat", json={"model": "m", "messages": [], "stream": False}).json()

@@ -1,4 +1,7 @@
-"""cluster/remote.py: the ssh, rsync and scp command lines that send files to a host (the multi-host test runs them for real)."""
+"""cluster/remote.py: the ssh, rsync and scp command lines that send files to a host.
+
+The multi-host test (``tests/e2e/test_ssh_cluster.py``) runs them for real.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""serve/responses_api.py in-process: the real app and doors over a scripted engine (function calls the model writes, malformed bodies)."""
+"""serve/responses_api.py in-process: the real app and doors over a scripted engine.
+
+Function calls the model writes, and malformed bodies through the Responses and Anthropic doors.
+"""
 
 from __future__ import annotations
 
