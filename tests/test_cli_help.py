@@ -23,7 +23,8 @@ from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import reference as cli_reference
 from mlxpipe.cli import app
 from mlxpipe.cluster.presets import load_preset
-from mlxpipe.cluster.hostfile import BACKENDS, GB
+from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.host import GB
 from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import (
