@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxpipe.launch.batch import where_time_goes
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.pipeline import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
+from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.request import Request
