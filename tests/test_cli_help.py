@@ -10,6 +10,8 @@ import json
 import re
 import shlex
 import socket
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,8 +26,8 @@ from mlxpipe.cli import reference as cli_reference
 from mlxpipe.cli import app
 from mlxpipe.cluster.presets import load_preset
 from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.host import GB
-from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -421,3 +423,38 @@ def test_reference_has_every_command_plain_and_at_its_width(pages: dict[str, str
 
 def test_readme_links_the_reference() -> None:
     assert "[docs/cli.md](docs/cli.md)" in README.read_text()
+
+
+# --- What the help costs ------------------------------------------------------------------------
+
+# The modules `mlxpipe --help` may load besides cli/: the shared leaves. Planning, launching and
+# serving come in only when a command runs (their defaults are in mlxpipe.defaults).
+LEAVES = ("errors", "console", "paths", "request", "prompts", "protocol", "defaults", "host")
+HEAVY = ("mlx", "mlx_lm", "transformers")
+
+
+def modules_loaded_by(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
+    """``mlxpipe ARGS`` run in a fresh interpreter: its exit status and every module it loaded."""
+    out = tmp_path / "modules.json"
+    script = "\n".join([
+        "import json, sys",
+        f"sys.argv = {['mlxpipe', *args]!r}",
+        "from mlxpipe.cli import main",
+        "try:",
+        "    main()",
+        "finally:",
+        f"    open({str(out)!r}, 'w').write(json.dumps(sorted(sys.modules)))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    return done.returncode, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["generate", "--help"]])
+def test_help_loads_only_the_command_line_and_the_leaves(tmp_path: Path, args: list[str]) -> None:
+    code, modules = modules_loaded_by(args, tmp_path)
+    assert code == 0
+    ours = [m for m in modules if m.split(".")[0] == "mlxpipe"]
+    allowed = {"mlxpipe", "mlxpipe.cli", *(f"mlxpipe.{leaf}" for leaf in LEAVES)}
+    assert [m for m in ours if m not in allowed and not m.startswith("mlxpipe.cli.")] == []
+    assert "mlxpipe.cli.serve" in ours  # every command's module is there: the check sees what the app loads
+    assert [m for m in modules if m.split(".")[0] in HEAVY] == []

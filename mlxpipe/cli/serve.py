@@ -8,17 +8,16 @@ import typer
 
 from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
 from mlxpipe.cli._options import (
-    DEFAULT_TIMEOUT, FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
+    FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
     Hostfile, KvBits, KvGroupSize, MaxKvSize, Model, NumDraftTokens, PrefillStepSize, QuantizedKvStart, Revision,
     Split, Strategy, Timeout, Tp, TrustRemoteCode, UseDefaultChatTemplate, parse_split, tcp_port,
 )
-from mlxpipe.errors import UsageError
-from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
-from mlxpipe.launch.ranks import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.serve.controller import (
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
+from mlxpipe.defaults import (
+    DEFAULT_CONTEXT, DEFAULT_DECODE_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT, DEFAULT_STEP_TIMEOUT,
 )
+from mlxpipe.errors import UsageError
+from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Host = Annotated[str, typer.Option(
     "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."
@@ -55,7 +54,7 @@ DefaultMaxTokens = Annotated[Optional[int], typer.Option(
 )]
 ServeContext = Annotated[Optional[int], typer.Option(
     "--context", help="Context length (tokens): the fit check's KV reserve, and the longest prompt and "
-    "reply a request may make.", show_default="the model's max_position_embeddings; 4096 for the fit check",
+    "reply a request may make.", show_default=f"the model's max_position_embeddings; {DEFAULT_CONTEXT} for the fit check",
 )]
 ServeDraftModel = Annotated[Optional[str], typer.Option(
     "--draft-model",
@@ -101,7 +100,7 @@ def serve(
     backend: Backend = None,
     prefill_step_size: PrefillStepSize = None,
     ring_port: RingPort = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
+    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
 ) -> None:
@@ -116,6 +115,7 @@ def serve(
     """
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.batch import check_decode_batch
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())

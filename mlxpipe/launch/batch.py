@@ -24,9 +24,6 @@ from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.paths import replacing
 from mlxpipe.request import Request, parse_logit_bias
 
-# Requests per decode micro-batch (``--decode-batch``); see docs/generate.md, "Many prompts at once".
-DEFAULT_DECODE_BATCH = 4
-
 
 def check_decode_batch(decode_batch: int) -> int:
     """``--decode-batch`` as given when it is at least 1; else ``UsageError``."""

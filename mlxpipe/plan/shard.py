@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
@@ -28,8 +29,6 @@ from mlxpipe.plan import tensor
 from mlxpipe.plan.splits import (
     check_groups, choose_split, cut_group, layer_ranges, legal_split, proportional_split,
 )
-
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
