@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from fixtures.fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import reference as cli_reference
-from mlxpipe.cli import app
+from mlxpipe.cli import VERSIONED, app
 from mlxpipe.cluster.presets import load_preset
 from mlxpipe.cluster.hostfile import BACKENDS
 from mlxpipe.defaults import DEFAULT_PORT
@@ -120,6 +120,25 @@ def test_backend_help_names_every_backend(wide_pages: dict[str, str], command: s
     line = option_line(wide_pages[f"mlxpipe {command}"], "--backend")
     named = re.findall(r"\b([a-z][a-z-]*) \(", line.split("backend:", 1)[1]) + ["mpi"]
     assert sorted(set(named) & set(BACKENDS)) == sorted(BACKENDS)
+
+
+def flags(command: list[str]) -> list[Any]:
+    """The boolean flags of ``mlxpipe COMMAND`` (``--help`` included)."""
+    root = get_command(app)
+    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
+    cmd = root.get_command(ctx, command[0]) if command else root  # type: ignore[attr-defined]
+    return [p for p in cmd.get_params(ctx) if p.param_type_name == "option" and p.is_flag]
+
+
+def test_flags_show_no_type(wide_pages: dict[str, str]) -> None:
+    # A flag takes no value, so nothing stands between it and its help; typer 0.29.0's Rich help
+    # printed "<bool>" there (pyproject.toml keeps it out).
+    for title, page in wide_pages.items():
+        found = flags(title.split()[1:])
+        assert any(flag.opts == ["--help"] for flag in found), title
+        for flag in found:
+            line = option_line(page, flag.opts[0])
+            assert line.split(flag.help.split()[0], 1)[0].split() == [*flag.opts, *flag.secondary_opts], (title, line)
 
 
 # --- Every example parses, and names files that exist -------------------------------------------
@@ -425,12 +444,19 @@ def test_readme_links_the_reference() -> None:
     assert "[docs/cli.md](docs/cli.md)" in README.read_text()
 
 
-# --- What the help costs ------------------------------------------------------------------------
+# --- --version, and what the help costs ----------------------------------------------------------
 
 # The modules `mlxpipe --help` may load besides cli/: the shared leaves. Planning, launching and
 # serving come in only when a command runs (their defaults are in mlxpipe.defaults).
 LEAVES = ("errors", "console", "paths", "request", "prompts", "protocol", "defaults", "host")
 HEAVY = ("mlx", "mlx_lm", "transformers")
+
+
+def test_version_names_mlxpipe_mlx_and_mlx_lm() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [f"{name} {version(name)}" for name in ("mlxpipe", "mlx", "mlx-lm")]
+    assert VERSIONED == ("mlxpipe", "mlx", "mlx-lm")
 
 
 def modules_loaded_by(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
@@ -449,7 +475,7 @@ def modules_loaded_by(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
     return done.returncode, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["generate", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["serve", "--help"], ["generate", "--help"]])
 def test_help_loads_only_the_command_line_and_the_leaves(tmp_path: Path, args: list[str]) -> None:
     code, modules = modules_loaded_by(args, tmp_path)
     assert code == 0

@@ -31,10 +31,10 @@ def doctor(
     context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = DEFAULT_CONTEXT,
     json_out: Json = False,
 ) -> None:
-    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, the
-    groups' links (a group over TCP gets a warning: tensor parallelism wants RDMA).
+    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, links.
 
-    Each failed check comes with its fix. Exit status 1 if any check fails.
+    With --tp, a group whose links are TCP gets a warning: tensor parallelism wants RDMA. Each failed
+    check comes with its fix. Exit status 1 if any check fails.
 
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
     """

@@ -86,7 +86,7 @@ def generate(
     decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH,
     json_out: Json = False,
 ) -> None:
-    """Run the model as a pipeline across the hosts and stream the answer.
+    """Run the model across the hosts (a pipeline, --tp groups, or both) and stream the answer.
 
     With no --model and no --hostfile: the demo model on two local ranks (hostfiles/local-2.json).
     With --prompts-file: many requests, overlapped so that every rank computes at once.
@@ -229,7 +229,7 @@ def chat(
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
 ) -> None:
-    """Multi-turn chat with a pipelined model; each turn reuses the prompt cache.
+    """Multi-turn chat with the model across the hosts; each turn reuses the prompt cache.
 
     Type a message and press Enter; an empty line or Ctrl-D ends the chat.
     """

@@ -1,4 +1,4 @@
-"""``mlxpipe serve``: the pipelined model kept up behind an OpenAI-compatible API."""
+"""``mlxpipe serve``: the model kept up across the hosts behind OpenAI's, Anthropic's and Ollama's APIs."""
 
 from __future__ import annotations
 
@@ -104,12 +104,14 @@ def serve(
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
 ) -> None:
-    """Serve the pipelined model behind an OpenAI-compatible API until Ctrl-C.
+    """Serve the model behind OpenAI's, Anthropic's and Ollama's APIs, with a browser page, until Ctrl-C.
 
-    Plans, checks every host, downloads and loads once; then answers /v1/chat/completions,
-    /v1/completions (streaming or not) and /v1/models, with /health for status. Requests that
-    arrive while the ranks load wait for them. A failed rank ends the requests in flight with
-    an error, and the pipeline is relaunched; a request that fails alone ends alone.
+    Plans, checks every host, downloads and loads once; then answers OpenAI's
+    /v1/chat/completions, /v1/completions, /v1/responses and /v1/models, Anthropic's /v1/messages
+    and Ollama's /api/chat and /api/generate (streaming or not). The page at / shows the cluster
+    and lets you try the model in a browser; /health says the status. Requests that arrive while
+    the ranks load wait for them. A failed rank ends the requests in flight with an error, and the
+    pipeline is relaunched; a request that fails alone ends alone.
 
     Example: mlxpipe serve --port 8080
     """
