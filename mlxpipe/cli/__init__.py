@@ -6,7 +6,7 @@ module per command, the options they share in ``_options``, the one error bounda
 1 failure (a failed rank included), 2 usage error). Heavy imports wait inside the command bodies
 and option callbacks: importing this package (``mlxpipe --help``, ``mlxpipe --version``) loads only
 cli/ and the shared leaves (``defaults``, ``request``, ``errors``, ``console``), which
-tests/test_cli_help.py checks.
+tests/cli/test_reference.py checks.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from mlxpipe.errors import HostfileError
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
 from mlxpipe.host import Host
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STUDIO = "/Users/me/mlxpipe/.venv/bin/python"
 
 OBJECT_FORM: dict[str, Any] = {
