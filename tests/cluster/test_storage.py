@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxpipe.cluster.hostfile import Host, parse_hostfile
+from mlxpipe.cluster.hostfile import parse_hostfile
 from mlxpipe.cluster.storage import REMOTE_HF_HOME, hf_home, local_dir, model_path
+from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
 
 HUB_MODEL = ModelMetadata("org/model", {}, (), {}, commit="c0ffee")

@@ -15,21 +15,6 @@ from mlxpipe.request import Request
 from tests.e2e.test_options import OPTIONS
 
 
-def test_where_the_time_goes_names_each_rank_and_hop() -> None:
-    from mlxpipe.launch.batch import where_time_goes
-
-    def spent(compute: float, recv: float) -> dict[str, float]:
-        wall = 10.0
-        return {"compute": compute, "send": 0.5, "recv": recv, "sync": wall - compute - recv - 0.5, "idle": 0.0,
-                "wall": wall, "busy": compute / wall}
-
-    report = where_time_goes({1: spent(3.0, 0.0), 0: spent(9.0, 0.2), 2: spent(2.0, 0.0)})
-    assert [(r["rank"], r["busy"]) for r in report["ranks"]] == [(0, 0.9), (1, 0.3), (2, 0.2)]
-    assert report["hops"] == [{"from": 1, "to": 0, "wait_s": 0.2}, {"from": 2, "to": 1, "wait_s": 0.0}]
-    assert report["busiest_rank"] == 0
-    assert where_time_goes({}) == {}
-
-
 def test_results_are_handed_on_in_input_order() -> None:
     seen: list[Any] = []
     ordered = InOrder(lambda r: seen.append(r.id))

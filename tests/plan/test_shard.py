@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import pytest
 
-from mlxpipe.cluster.hostfile import GB, Host
+from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
 from mlxpipe.plan.shard import make_plan

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 import pytest
 
-from mlxpipe.cluster.hostfile import Host
 from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.host import Host
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import (
     balanced_split,
