@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult, RequestResult
     from mlxpipe.launch.run import PipelineConfig
 
-DEFAULT_LOAD_TIMEOUT = 600.0
-DEFAULT_STEP_TIMEOUT = 120.0
 WORKER = ("-m", "mlxpipe.worker")
 
 OnText = Callable[[str], None]

@@ -53,6 +53,7 @@ from typing import IO, Any, Callable, Iterator, Sequence
 
 from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import Hostfile
+from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.errors import LaunchError, WireError
 from mlxpipe.launch import frames
 from mlxpipe.launch.failures import FailureTracker, NodeExit
@@ -68,7 +69,6 @@ from mlxpipe.launch.supervisor import (
     MAX_LEASE_SECONDS,
 )
 
-DEFAULT_PORT = 32323
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
 RUN_LOG = "launch.log"

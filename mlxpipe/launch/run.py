@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator
 from mlxpipe import console
 from mlxpipe.cluster import storage
 from mlxpipe.cluster.hostfile import check_backend, check_port
-from mlxpipe.cluster.presets import DEFAULT_BACKEND, pick
+from mlxpipe.cluster.presets import pick
 from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
-from mlxpipe.defaults import MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
+from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_STEP_TIMEOUT, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.launch.pipeline import DEFAULT_STEP_TIMEOUT, WORKER, Pipeline, RankStats
+from mlxpipe.launch.pipeline import WORKER, Pipeline, RankStats
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol.checks import at_least, check_mode, positive

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from typing import IO, Any, Sequence
 
 from mlxpipe.errors import WireError
@@ -132,8 +131,8 @@ class _Supervisor:
     def _pump(self, stream: IO[bytes], name: str) -> None:
         """Forward the worker's events with its rank, and every other line as a ``log`` event.
 
-        The events go on as they came (the controller reads them): only a ``bye`` is noted, and an
-        ``error``'s traceback goes to the rank's log as lines of its own."""
+        The events go on as they came, with the rank (the controller reads them, ``protocol.events``):
+        only a ``bye`` is noted, and an ``error``'s traceback goes to the rank's log as lines of its own."""
         for raw in stream:
             line = raw.decode(errors="replace").rstrip("\r\n")
             data = wire.parse_event(line)
@@ -147,21 +146,10 @@ class _Supervisor:
                 continue
             if kind == Bye.TAG:
                 self.finished = True
-            if kind == Error.TAG:
-                self._error(data, name)
-            else:
-                self._write({**data, "rank": self.rank})
-
-    def _error(self, data: Wire, name: str) -> None:
-        """The worker's ``error``: its traceback as log lines, then the error without it."""
-        try:
-            error = Error.from_wire(data)
-        except WireError:  # not one this side knows: the controller says so
+            if kind == Error.TAG and "traceback" in data:  # the rank's log keeps it; the controller needs none
+                for text in str(data.pop("traceback") or "").splitlines():
+                    self.emit(Log(rank=self.rank, stream=name, text=text[:_MAX_LINE]))
             self._write({**data, "rank": self.rank})
-            return
-        for text in (error.traceback or "").splitlines():
-            self.emit(Log(rank=self.rank, stream=name, text=text[:_MAX_LINE]))
-        self.emit(replace(error, rank=self.rank, traceback=None))
 
 
 def _terminate(child: subprocess.Popen[bytes]) -> None:

@@ -20,9 +20,10 @@ from typing import Any, Iterator
 import uvicorn
 
 from mlxpipe import console
+from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.protocol.request import Request
-from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, RequestLog, ServeEngine, ServeOptions
+from mlxpipe.serve.controller import RequestLog, ServeEngine, ServeOptions
 from mlxpipe.launch.run import PipelineConfig, prepare
 
 __all__ = ["ServeOptions", "serve"]

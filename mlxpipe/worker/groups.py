@@ -46,6 +46,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxpipe.errors import UsageError
+
 
 class TensorGroup:
     """The members of one stage, as the sharded layers reduce and gather across them.
@@ -163,9 +165,8 @@ class Topology:
 
     def __init__(self, world: Any, tp: int = 1) -> None:
         size = world.size()
-        # The job's shape (JobSpec: a path per rank, tp ranks per stage) and the group's size (loop.init_group)
-        # were refused before, on every rank alike, when they did not fit.
-        assert tp >= 1 and size % tp == 0, (tp, size)
+        if tp < 1 or size % tp:
+            raise UsageError(f"--tp {tp} does not divide the job's {size} ranks into groups")
         self.world, self.tp = world, tp
         self.rank, self.size = world.rank(), size
         self.stage, self.tp_index = self.rank // tp, self.rank % tp

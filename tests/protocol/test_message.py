@@ -1,25 +1,19 @@
-"""The typed contract between the controller and the ranks (``mlxpipe.protocol``): every message and event
+"""protocol/message.py: every message and event (``protocol.messages``, ``protocol.events``, ``protocol.download``)
 survives the wire, and a field one side does not know, or lacks, is refused naming the message and the field."""
 
 from __future__ import annotations
 
-import io
 import json
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 import pytest
 
 from mlxpipe.errors import UsageError, WireError
 from mlxpipe.launch.failures import TRACKED, NodeExit
-from mlxpipe.protocol import download, events, messages, wire
-from mlxpipe.protocol.job import JobSpec, TrainSpec
-from mlxpipe.protocol.message import Event, Message, Registry, Wired
+from mlxpipe.protocol import download, events, messages
+from mlxpipe.protocol.message import Registry, Wired
 from mlxpipe.protocol.request import Request
-
-TRAIN = TrainSpec(seed=0, num_layers=2, lora_parameters={"rank": 8, "scale": 20.0, "dropout": 0.0},
-                  fine_tune_type="lora", optimizer="adam", optimizer_config={}, learning_rate=1e-5, lr_schedule=None,
-                  grad_checkpoint=False)
 
 # One of each message and event, its optional fields set where they have any.
 SAMPLES: list[Wired] = [
@@ -73,11 +67,11 @@ REGISTRIES: list[Registry[Any]] = [messages.MESSAGES, events.EVENTS, events.TRAI
                                    TRACKED]
 
 
-def _registry(sample: Wired) -> Registry[Any]:
+def registry_of(sample: Wired) -> Registry[Any]:
     return next(r for r in REGISTRIES if r.classes.get(sample.TAG) is type(sample))
 
 
-def _id(sample: Wired) -> str:
+def name_of(sample: Wired) -> str:
     return type(sample).__name__
 
 
@@ -87,36 +81,19 @@ def test_every_message_and_event_has_a_sample() -> None:
     assert classes == {type(s) for s in SAMPLES}
 
 
-@pytest.mark.parametrize("sample", SAMPLES, ids=_id)
+@pytest.mark.parametrize("sample", SAMPLES, ids=name_of)
 def test_every_message_and_event_survives_the_wire(sample: Wired) -> None:
     data = json.loads(json.dumps(sample.to_wire()))  # as the other side reads it
     assert data[sample.KEY] == sample.TAG
-    assert _registry(sample).from_wire(data) == sample
+    assert registry_of(sample).from_wire(data) == sample
     assert type(sample).from_wire(data) == sample
 
 
-@pytest.mark.parametrize("sample", [s for s in SAMPLES if isinstance(s, messages.Message)], ids=_id)
-def test_messages_survive_the_lines_a_rank_reads(sample: Message) -> None:
-    stream = io.StringIO(wire.encode(sample).decode())
-    data = wire.read_request(stream)
-    assert data is not None and messages.MESSAGES.from_wire(data) == sample
-    assert wire.read_request(stream) is None  # the end of input
-
-
-@pytest.mark.parametrize("sample", [s for s in SAMPLES if isinstance(s, Event)], ids=_id)
-def test_events_survive_a_rank_s_output(sample: Event) -> None:
-    out = io.StringIO()
-    print("plain output", file=out)
-    wire.emit(sample, out)
-    [data] = list(wire.iter_events(iter(out.getvalue().splitlines())))
-    assert _registry(sample).from_wire(data) == sample
-
-
-@pytest.mark.parametrize("sample", SAMPLES, ids=_id)
+@pytest.mark.parametrize("sample", SAMPLES, ids=name_of)
 def test_a_field_this_side_does_not_know_is_refused_by_name(sample: Wired) -> None:
     data = {**sample.to_wire(), "temperature": 1}
     with pytest.raises(WireError) as info:
-        _registry(sample).from_wire(data)
+        registry_of(sample).from_wire(data)
     assert "temperature" in info.value.message
     # Requests say "the request", as they always have; the others name their kind.
     assert ("the request" if isinstance(sample, (messages.Generate, messages.Submit)) else repr(sample.TAG)) \
@@ -129,13 +106,13 @@ def _required(sample: Wired) -> list[str]:
             and f.name != "request"]  # a request's fields all have defaults
 
 
-@pytest.mark.parametrize("sample", [s for s in SAMPLES if _required(s)], ids=_id)
+@pytest.mark.parametrize("sample", [s for s in SAMPLES if _required(s)], ids=name_of)
 def test_a_field_this_side_lacks_is_refused_by_name(sample: Wired) -> None:
     for name in _required(sample):
         data = sample.to_wire()
         del data[name]
         with pytest.raises(WireError, match=rf"the {sample.TAG!r} {sample.NOUN} lacks the field {name}$"):
-            _registry(sample).from_wire(data)
+            registry_of(sample).from_wire(data)
 
 
 def test_a_field_left_out_takes_the_dataclass_default_only_where_it_has_one() -> None:
@@ -169,48 +146,3 @@ def test_a_kind_this_side_does_not_know_is_refused() -> None:
 def test_a_message_no_rank_could_run_is_refused(message: dict[str, Any], error: str) -> None:
     with pytest.raises(UsageError, match=error):
         messages.MESSAGES.from_wire(message)
-
-
-def test_a_job_survives_the_command_line() -> None:
-    job = JobSpec(["/a", "/a", "/b", "/b"], [2, 4], prefill_step_size=128, train=None, tp=2)
-    assert JobSpec.decode(job.encode()) == job
-    trained = JobSpec(["/a", "/b"], [2, 4], train=TRAIN)
-    assert JobSpec.decode(trained.encode()) == trained
-
-
-def _encoded(data: dict[str, Any]) -> str:
-    import base64
-
-    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode()
-
-
-def test_a_job_with_a_field_this_worker_does_not_know_or_lacks_is_refused() -> None:
-    good = asdict(JobSpec(["/a", "/b"], [2, 4], train=TRAIN))
-    with pytest.raises(WireError, match="the job has fields this worker does not know: pipeline_depth"):
-        JobSpec.decode(_encoded({**good, "pipeline_depth": 2}))
-    with pytest.raises(WireError, match="the job lacks the field split"):
-        JobSpec.decode(_encoded({k: v for k, v in good.items() if k != "split"}))
-    train = {k: v for k, v in good["train"].items() if k != "seed"}
-    with pytest.raises(WireError, match="the job's train lacks the field seed"):
-        JobSpec.decode(_encoded({**good, "train": train}))
-
-
-@pytest.mark.parametrize("changes, error", [
-    ({"mode": "magic"}, "mode 'magic': use one of generic, native"),
-    ({"prefill_step_size": 0}, "prefill_step_size must be positive, got 0"),
-    ({"num_draft_tokens": 0}, "num_draft_tokens must be at least 1, got 0"),
-    ({"draft_paths": ["/d"]}, "job has 1 draft model paths for 2 ranks"),
-    ({"split": [0, 6]}, "every rank needs at least one layer"),
-])
-def test_a_job_is_checked_by_the_same_rules_as_the_flags(changes: dict[str, Any], error: str) -> None:
-    with pytest.raises(UsageError, match=error):
-        JobSpec(**{"model_paths": ["/a", "/b"], "split": [3, 3], **changes})
-
-
-@pytest.mark.parametrize("changes, error", [
-    ({"fine_tune_type": "full"}, "fine_tune_type 'full': use one of lora, dora"),
-    ({"optimizer": "lion"}, "optimizer 'lion': use one of adam, adamw, muon, sgd, adafactor"),
-])
-def test_a_training_spec_takes_what_a_rank_can_train(changes: dict[str, Any], error: str) -> None:
-    with pytest.raises(UsageError, match=error):
-        TrainSpec(**{**asdict(TRAIN), **changes})
