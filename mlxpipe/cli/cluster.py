@@ -232,6 +232,11 @@ def install(
 # --- what the commands print -----------------------------------------------------------------------
 
 
+def _line(text: str) -> None:
+    """One line of plain text on stdout, never wrapped (a path or a command stays whole for grep)."""
+    console.out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
 def _machine_summary(m: Any) -> str:
     from mlxpipe.console import human_bytes
 
@@ -278,20 +283,18 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
                       m.macos or "-", human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
         console.out.print(t)
     for note in outcome.notes:
-        console.out.print(note, markup=False, highlight=False)
+        _line(note)
     for step in outcome.steps:
-        console.out.print(f"step: {step}", markup=False, highlight=False, soft_wrap=True)
+        _line(f"step: {step}")
     if written is None:
         return
-    console.out.print(f"wrote {written} ({len(outcome.data['hosts'])} hosts)", markup=False,  # type: ignore[index]
-                      highlight=False)
-    console.out.print("links: measured" if links is not None else "links: not measured (this mlxpipe cannot measure "
-                      "them yet)", markup=False, highlight=False)
+    _line(f"wrote {written} ({len(outcome.data['hosts'])} hosts)")
+    _line("links: measured" if links is not None else "links: not measured (this mlxpipe cannot measure them yet)")
     if outcome.to_install:
-        console.out.print(f"next: mlxpipe cluster install --hostfile {written}  (mlxpipe, mlx and mlx-lm for "
-                          f"{', '.join(outcome.to_install)})", markup=False, highlight=False)
+        _line(f"next: mlxpipe cluster install --hostfile {written}  (mlxpipe, mlx and mlx-lm for "
+              f"{', '.join(outcome.to_install)})")
     else:
-        console.out.print(f"next: mlxpipe doctor --hostfile {written}", markup=False, highlight=False)
+        _line(f"next: mlxpipe doctor --hostfile {written}")
 
 
 def _init_json(outcome: Outcome, written: Path | None, links: Any) -> dict[str, Any]:
@@ -317,7 +320,6 @@ def _print_installed(results: Sequence[Installed], hostfile: Path, changed: Sequ
         line = f"{r.host}: {r.status}: {r.detail}{source}"
         if r.status == FAILED and r.fix:
             line += f"; fix: {r.fix}"
-        console.out.print(line, markup=False, highlight=False, soft_wrap=True)
+        _line(line)
     if changed:
-        console.out.print(f"{hostfile}: python now names the venv for {', '.join(changed)}", markup=False,
-                          highlight=False)
+        _line(f"{hostfile}: python now names the venv for {', '.join(changed)}")

@@ -11,11 +11,13 @@ run there; ``wire`` keeps them per host, for the user to run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +27,7 @@ from mlxpipe.errors import SetupError
 
 CONFIG_TIMEOUT = 300.0  # it sshes to every host several times, one after another
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PROMPT = b"Enter to continue"
 
 
 @dataclass(frozen=True)
@@ -96,22 +99,61 @@ def wire(hosts: Sequence[str], auto_setup: bool, timeout: float = CONFIG_TIMEOUT
         argv = [config_command(), "--hosts", ",".join(hosts), "--over", "thunderbolt", "--output-hostfile", str(out)]
         if auto_setup:
             argv.append("--auto-setup")
-        try:
-            proc = subprocess.run(argv, input="\n" * (len(hosts) + 1), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise SetupError(f"mlx.distributed_config did not finish within {timeout:.0f} s",
-                             f"run it by hand to see where it stops: {' '.join(argv[:6])}") from None
-        if proc.returncode != 0 or not out.exists():
-            raise SetupError(f"mlx.distributed_config failed: {_errors(proc.stderr) or f'exit status {proc.returncode}'}",
-                             "run it with --dot to see the cables it found")
+        returncode, stdout, stderr = _run_answering(argv, timeout)
+        if returncode != 0 or not out.exists():
+            said = _errors(stderr) or _last(stdout)
+            raise SetupError(f"mlx.distributed_config failed (exit status {returncode}): {said}",
+                             f"run it by hand to see why: {' '.join(['mlx.distributed_config', *argv[1:5]])} --verbose")
         data = json.loads(out.read_text())
     return Wiring(
         backend=data.get("backend") or "ring",
         hosts=tuple({"ssh": h["ssh"], "ips": list(h.get("ips") or []), "rdma": list(h.get("rdma") or [])}
                     for h in data["hosts"]),
         envs=tuple(data.get("envs") or ()),
-        setup=dict(parse_setup(proc.stdout)),
+        setup=dict(parse_setup(stdout)),
     )
+
+
+def _run_answering(argv: Sequence[str], timeout: float) -> tuple[int, str, str]:
+    """Run ``argv``, pressing Enter each time it asks ("Enter to continue").
+
+    The Enter is written only once asked: the ssh commands it runs before share its stdin, and would
+    swallow any written ahead.
+    """
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+
+    def read_out() -> None:
+        answered = 0
+        while chunk := os.read(proc.stdout.fileno(), 4096):  # type: ignore[union-attr]
+            out.extend(chunk)
+            while out.count(_PROMPT) > answered:
+                answered += 1
+                try:
+                    proc.stdin.write(b"\n")  # type: ignore[union-attr]
+                    proc.stdin.flush()  # type: ignore[union-attr]
+                except OSError:
+                    return
+
+    def read_err() -> None:
+        err.extend(proc.stderr.read())  # type: ignore[union-attr]
+
+    readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise SetupError(f"mlx.distributed_config did not finish within {timeout:.0f} s",
+                         f"run it by hand to see where it stops: {' '.join(argv[:5])}") from None
+    finally:
+        for t in readers:
+            t.join(5)
+        proc.stdin.close()
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def parse_setup(stdout: str) -> list[tuple[str, str]]:
@@ -130,7 +172,13 @@ def parse_setup(stdout: str) -> list[tuple[str, str]]:
 
 
 def _errors(stderr: str) -> str:
-    """Its [ERROR] lines, in one line."""
-    lines = [_ANSI.sub("", line).replace("[ERROR]", "").strip() for line in stderr.splitlines()]
-    errors = [line for line in lines if line]
-    return "; ".join(errors[:4])
+    """Its [ERROR] lines (else a traceback's last line), in one line."""
+    lines = [_ANSI.sub("", line).strip() for line in stderr.splitlines()]
+    errors = [line.replace("[ERROR]", "").strip() for line in lines if line.startswith("[ERROR]")]
+    errors = [line for line in errors if line]
+    return "; ".join(errors[:4]) or _last(stderr)
+
+
+def _last(text: str) -> str:
+    lines = [_ANSI.sub("", line).strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"

@@ -247,7 +247,9 @@ def test_init_writes_nothing_until_every_host_is_ready(macs: Cluster, tmp_path: 
     manual = cli("cluster", "init", *macs.hosts[:2], "-o", str(hostfile))
     assert manual.exit_code == 1
     for h, ip, peer in ((macs.hosts[0], "192.168.0.1", "192.168.0.2"), (macs.hosts[1], "192.168.0.2", "192.168.0.1")):
-        line = next(line for line in manual.stdout.splitlines() if line.startswith(f"step: on {h}: configure"))
+        found = [line for line in manual.stdout.splitlines() if line.startswith(f"step: on {h}: configure")]
+        assert len(found) == 1, manual.output
+        line = found[0]
         # mlx.distributed_config's own commands for that host, to run there.
         assert line.endswith(f"sudo ifconfig bridge0 down ; sudo ifconfig en2 inet {ip} netmask 255.255.255.252 ; "
                              f"sudo route change {peer} -interface en2")
