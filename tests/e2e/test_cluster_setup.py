@@ -254,3 +254,19 @@ def test_init_writes_nothing_until_every_host_is_ready(macs: Cluster, tmp_path: 
         assert line.endswith(f"sudo ifconfig bridge0 down ; sudo ifconfig en2 inet {ip} netmask 255.255.255.252 ; "
                              f"sudo route change {peer} -interface en2")
     assert hostfile.read_text() == "{}\n"
+
+
+@pytest.mark.cluster
+def test_install_without_a_registry_uses_the_controllers_wheels(macs: Cluster, tmp_path: Path) -> None:
+    make_mac(macs, 2, FakeMac("studio"))
+    hostfile = macs.hostfile([2], name="one.json", python=None)  # no python key: install adds it
+    install = cli("cluster", "install", "--hostfile", str(hostfile))
+    assert install.exit_code == 0, install.output
+    h = macs.hosts[2]
+    assert f"{h}: installing from the host's package registry" in install.stderr
+    assert f"{h}: no registry (" in install.stderr  # the hosts reach nothing but the bridge
+    assert any(line.startswith(f"{h}: installed: ") and line.endswith("(from the controller's wheels)")
+               for line in install.stdout.splitlines()), install.output
+    assert venv_versions(macs, 2) == controller_versions()
+    assert json.loads(hostfile.read_text())[0]["python"] == f"{macs.host(2).home}/{VENV_PYTHON}"
+    assert f"{hostfile}: python now names the venv for {h}" in install.stdout
