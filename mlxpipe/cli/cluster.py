@@ -88,8 +88,8 @@ def _discover(interface: str | None, timeout: float, quiet: bool) -> list[Found]
 @boundary
 def init(
     hosts: Annotated[Optional[list[str]], typer.Argument(
-        help="The hosts' ssh destinations (a name, user@name or an address), in rank order.",
-        show_default="none: the Macs --discover finds",
+        help="The hosts' ssh destinations (a name, user@name or an address), in rank order; with --discover, "
+        "the Macs it finds come after them.", show_default=False,
     )] = None,
     discover: Annotated[bool, typer.Option(
         "--discover", help="Also take every Mac Bonjour finds (see `mlxpipe cluster discover`).",
