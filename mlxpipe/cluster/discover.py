@@ -10,6 +10,7 @@ cannot reach keeps what its addresses alone say.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,10 +103,22 @@ def browse(interface: str | None, timeout: float, on_seen: Callable[[str], None]
             if not info.request(zc, RESOLVE_TIMEOUT_MS):
                 continue
             server = (info.server or name).rstrip(".")
-            found.append(Advertised(_instance(name), server, tuple(info.parsed_scoped_addresses()), info.port or 22))
+            found.append(Advertised(_instance(name), server, _ordered(info.parsed_scoped_addresses()), info.port or 22))
         return found
     finally:
         zc.close()
+
+
+def _ordered(addresses: Sequence[str]) -> tuple[str, ...]:
+    """IPv4 before IPv6, each in numeric order: answers arrive in any order."""
+    def key(address: str) -> tuple[int, int]:
+        try:
+            ip = ipaddress.ip_address(address.split("%")[0])
+        except ValueError:
+            return (9, 0)
+        return (ip.version, int(ip))
+
+    return tuple(sorted(dict.fromkeys(addresses), key=key))
 
 
 def _instance(name: str) -> str:
