@@ -200,7 +200,8 @@ def install(
     Example: mlxpipe cluster install --hostfile cluster.json
     """
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.cluster.install import FAILED, Target, install as install_hosts, point_hostfile
+    from mlxpipe.cluster.install import FAILED, Target, point_hostfile
+    from mlxpipe.cluster.install import install as install_hosts
     from mlxpipe.errors import UsageError
 
     if wheelhouse is not None and not wheelhouse.is_dir():
@@ -286,7 +287,7 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         _line(note)
     for step in outcome.steps:
         _line(f"step: {step}")
-    if written is None:
+    if written is None or outcome.data is None:
         return
     _line(f"wrote {written} ({len(outcome.data['hosts'])} hosts)")
     _line("links: measured" if links is not None else "links: not measured (this mlxpipe cannot measure them yet)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Interface kinds, fastest first: what the IP choice ranks (cluster/addresses.py).
 THUNDERBOLT, BRIDGE, ETHERNET, OTHER, WIFI = "thunderbolt", "thunderbolt bridge", "ethernet", "other", "wi-fi"
@@ -141,43 +141,41 @@ _STATUS = re.compile(r"^\s+status: (\w+)")
 _MEMBER = re.compile(r"^\s+member: (\S+)")
 
 
+@dataclass
+class _Reading:
+    """An interface while ``parse_ifconfig`` reads its lines."""
+
+    device: str
+    up: bool
+    addresses: list[ipaddress.IPv4Interface] = field(default_factory=list)
+    active: bool = True
+    members: list[str] = field(default_factory=list)
+
+
 def parse_ifconfig(text: str, ports: dict[str, str] | None = None) -> tuple[Interface, ...]:
     """``ifconfig`` (macOS's format) -> the interfaces with their kind (from ``ports``) and IPv4 addresses.
 
     The loopback and interfaces without a port name or an address (utun, awdl, llw, anpi...) are left out.
     """
     ports = ports or {}
-    found: list[Interface] = []
-    current: dict[str, object] | None = None
-
-    def close() -> None:
-        if current is None:
-            return
-        device = str(current["device"])
-        port = ports.get(device)
-        addresses = tuple(current["addresses"])  # type: ignore[call-overload]
-        if device.startswith("lo") or (port is None and not addresses):
-            return
-        found.append(Interface(device, port_kind(port, device), port, addresses, bool(current["active"]),
-                               bool(current["up"]), tuple(current["members"])))  # type: ignore[call-overload]
-
+    read: list[_Reading] = []
     for line in text.splitlines():
-        start = _IFACE_START.match(line)
-        if start:
-            close()
-            current = {"device": start.group(1), "up": "UP" in start.group(2).split(","), "addresses": [],
-                       "active": True, "members": []}
+        if start := _IFACE_START.match(line):
+            read.append(_Reading(start.group(1), "UP" in start.group(2).split(",")))
+        elif not read:
             continue
-        if current is None:
-            continue
-        if inet := _INET.match(line):
-            current["addresses"].append(ipaddress.IPv4Interface(f"{inet.group(1)}/{_prefix(inet.group(2))}"))  # type: ignore[attr-defined]
+        elif inet := _INET.match(line):
+            read[-1].addresses.append(ipaddress.IPv4Interface(f"{inet.group(1)}/{_prefix(inet.group(2))}"))
         elif status := _STATUS.match(line):
-            current["active"] = status.group(1) == "active"
+            read[-1].active = status.group(1) == "active"
         elif member := _MEMBER.match(line):
-            current["members"].append(member.group(1))  # type: ignore[attr-defined]
-    close()
-    return tuple(found)
+            read[-1].members.append(member.group(1))
+    return tuple(
+        Interface(r.device, port_kind(ports.get(r.device), r.device), ports.get(r.device), tuple(r.addresses),
+                  r.active, r.up, tuple(r.members))
+        for r in read
+        if not r.device.startswith("lo") and (r.device in ports or r.addresses)
+    )
 
 
 def _prefix(netmask: str) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mlxpipe.cluster import macos, remote
+from mlxpipe.cluster.macos import Interface, ThunderboltBus
 from mlxpipe.errors import SetupError
 from mlxpipe.host import Host
 
@@ -94,8 +95,8 @@ class Machine:
     memory_bytes: int | None = None
     macos: str | None = None
     disk_free: int | None = None
-    interfaces: tuple[macos.Interface, ...] = ()
-    thunderbolt: tuple[macos.ThunderboltBus, ...] = ()
+    interfaces: tuple[Interface, ...] = ()
+    thunderbolt: tuple[ThunderboltBus, ...] = ()
     thunderbolt_devices: dict[str, str] = field(default_factory=dict)  # receptacle -> en2
     rdma: tuple[str, ...] | None = None  # None: no ibv_devices (macOS before 26.2)
     sudo: bool = False  # passwordless sudo (mlx.distributed_config's --auto-setup needs it)

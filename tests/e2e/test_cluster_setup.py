@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from typer.testing import CliRunner
-
 from fixtures.cluster import Cluster
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub
 from fixtures.macs import FakeMac, advertise, clear_macs, make_mac, wifi_address
+from typer.testing import CliRunner
+
 from mlxpipe.cli import app
 
 REPO_ID = "e2e/cluster-setup"
