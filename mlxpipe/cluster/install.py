@@ -92,7 +92,7 @@ class Wheels:
 
     def __init__(self, target: Target, wheelhouse: Path | None, work: Path) -> None:
         self.target, self.wheelhouse, self.work = target, wheelhouse, work
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # download() packs mlxpipe's wheel while holding it
         self._made: dict[str, Path] = {}
 
     def mlxpipe(self) -> Path:
