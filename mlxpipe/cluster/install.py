@@ -173,7 +173,7 @@ def _install_host(host: Host, target: Target, made: Wheels, wheelhouse: Path | N
     venv_path = machine.venv_python
     venv = machine.python(venv_path)
     if venv is not None and _matches(venv, target):
-        return Installed(host.ssh, UNCHANGED, f"{VENV} already has {target.describe()}", venv_path)
+        return Installed(host.ssh, UNCHANGED, f"~/{VENV} already has {target.describe()}", venv_path)
     if venv is None:
         base = _base_python(machine, target)
         say(f"creating ~/{VENV} with Python {base.version}")
