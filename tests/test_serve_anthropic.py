@@ -2,7 +2,7 @@
 
 Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
 alone on the same chat-template input. The demo model's template has no tool calls, so the tool calls the
-model writes are checked through the same door over a scripted engine (``fixtures.chat_reference``).
+model writes are checked through the same door over a scripted queue (``fixtures.chat_reference``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedEngine, greedy, is_eos, prompt
+from fixtures.chat_reference import ScriptedQueue, greedy, is_eos, prompt
 from fixtures.serve_process import KEY, ServeProcess
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
@@ -165,7 +165,7 @@ def test_a_wrong_key_is_anthropics_authentication_error(server: ServeProcess, de
     assert response.status_code == 200 and response.json()["input_tokens"] > 0
 
 
-# --- tool calls the model writes (a scripted engine: the demo model's template has none) -------------------------
+# --- tool calls the model writes (a scripted queue: the demo model's template has none) -------------------------
 
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -173,10 +173,10 @@ TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city"
 
 @pytest.fixture(scope="module")
 def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
-    """The real app and door over a scripted engine, its tokenizer given mlx-lm's JSON tool parser."""
+    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
-    app = build_app(ScriptedEngine(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
+    app = build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
     with TestClient(app) as http:
         yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
 

@@ -1,7 +1,7 @@
 """The Ollama door of ``mlxpipe serve``, with the official ``ollama`` package as client.
 
 Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
-alone on the same input. Tool calls the model writes are checked over a scripted engine, as for the other doors.
+alone on the same input. Tool calls the model writes are checked over a scripted queue, as for the other doors.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedEngine, greedy, is_eos, plain, prompt
+from fixtures.chat_reference import ScriptedQueue, greedy, is_eos, plain, prompt
 from fixtures.serve_process import KEY, ServeProcess
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
@@ -85,7 +85,7 @@ TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 def scripted(demo_model: Path) -> Iterator[ollama.Client]:
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=None, context=4096)
-    with TestClient(build_app(ScriptedEngine(tokenizer, TOOL_REPLY), tokenizer, settings,  # type: ignore[arg-type]
+    with TestClient(build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings,  # type: ignore[arg-type]
                               RequestLog())) as http:
         client = ollama.Client(host="http://testserver")
         client._client = http  # the real door in-process

@@ -2,7 +2,7 @@
 
 Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
 alone on the same chat-template input. The demo model's template has no tool calls, so the function calls the
-model writes are checked through the same door over a scripted engine (``fixtures.chat_reference``).
+model writes are checked through the same door over a scripted queue (``fixtures.chat_reference``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedEngine, greedy, is_eos, prompt
+from fixtures.chat_reference import ScriptedQueue, greedy, is_eos, prompt
 from fixtures.serve_process import KEY, ServeProcess
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 from mlxpipe.serve.responses_store import ResponseStore
 
 MAX_TOKENS = 8
@@ -155,26 +155,26 @@ def test_bad_input_is_a_4xx_naming_the_field(server: ServeProcess, body: dict[st
     assert error["param"] == param and param in error["message"]
 
 
-# --- function calls the model writes (a scripted engine: the demo model's template has none) ---------------------
+# --- function calls the model writes (a scripted queue: the demo model's template has none) ---------------------
 
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def scripted(demo_model: Path) -> Iterator[tuple[openai.OpenAI, ScriptedEngine]]:
-    """The real app and door over a scripted engine, its tokenizer given mlx-lm's JSON tool parser."""
+def scripted(demo_model: Path) -> Iterator[tuple[openai.OpenAI, ScriptedQueue]]:
+    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
-    engine = ScriptedEngine(tokenizer, TOOL_REPLY)
-    with TestClient(build_app(engine, tokenizer, settings, RequestLog())) as http:  # type: ignore[arg-type]
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0), engine
+    queue = ScriptedQueue(tokenizer, TOOL_REPLY)
+    with TestClient(build_app(queue, tokenizer, settings, RequestLog())) as http:  # type: ignore[arg-type]
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0), queue
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["one-body", "streaming"])
-def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[openai.OpenAI, ScriptedEngine],
+def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[openai.OpenAI, ScriptedQueue],
                                                               demo_model: Path, stream: bool) -> None:
-    client, engine = scripted
+    client, queue = scripted
     if stream:
         with client.responses.stream(model="scripted", input="Weather in Paris?", tools=[WEATHER_TOOL]) as s:
             kinds = [e.type for e in s]
@@ -194,7 +194,7 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
             {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "22 C"}],
         [WEATHER_FUNCTION])
-    assert engine.jobs[-1].tokens == expected
+    assert queue.requests[-1].tokens == expected
 
 
 def test_the_store_is_bounded_in_number_bytes_and_time() -> None:
@@ -241,7 +241,7 @@ def _fuzz(count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     return bodies
 
 
-def test_no_body_breaks_either_door(scripted: tuple[openai.OpenAI, ScriptedEngine]) -> None:
+def test_no_body_breaks_either_door(scripted: tuple[openai.OpenAI, ScriptedQueue]) -> None:
     """Hundreds of malformed bodies through the real doors: each a 4xx in its API's shape or a 200, never a 5xx."""
     http: TestClient = scripted[0]._client  # the TestClient the SDK was given
     statuses = []

@@ -16,7 +16,7 @@ from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
 from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.serve.controller import (
+from mlxpipe.serve.queue import (
     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
 )
 

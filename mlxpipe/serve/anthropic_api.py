@@ -19,19 +19,19 @@ from starlette.routing import Route
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import anthropic_shapes as shapes
 from mlxpipe.serve.anthropic_schemas import Parsed, parse
-from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
 from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import tool_calls
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class AnthropicApi:
-    """The Anthropic Messages endpoints over one engine."""
+    """The Anthropic Messages endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
         """This door's routes."""
@@ -43,19 +43,19 @@ class AnthropicApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, counting=True)
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, counting=True)
         except ApiError as e:
             return shapes.error_response(e)
         except ClientDisconnect:
             return gone(request)
-        return JSONResponse({"input_tokens": len(parsed.job.tokens)})
+        return JSONResponse({"input_tokens": len(parsed.request.tokens)})
 
     async def messages(self, request: Request) -> Response:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return shapes.error_response(e)
         except (ClientDisconnect, ClientGone):

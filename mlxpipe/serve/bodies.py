@@ -16,7 +16,6 @@ from typing import Any, Callable
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError
-from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 
@@ -144,9 +143,9 @@ def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra:
     return tokens
 
 
-def job_for(request: Request, tokens: list[int], settings: ServerSettings, param: str,
-            new_id: Callable[[], str]) -> Job:
-    """The job for the ranks: the prompt within the context, the reply bounded by what is left of it."""
+def for_ranks(request: Request, tokens: list[int], settings: ServerSettings, param: str,
+              new_id: Callable[[], str]) -> Request:
+    """The request as the ranks run it: the prompt within the context, the reply bounded by what is left of it."""
     if len(tokens) + 1 > settings.context:
         raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                             f"{settings.context} tokens", param=param, code="context_length_exceeded")

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from mlxpipe import console
 from mlxpipe.errors import RequestFailed
 from mlxpipe.request import Request as GenerationRequest
-from mlxpipe.serve.controller import DEFAULT_MAX_BODY_BYTES, ServeEngine
+from mlxpipe.serve.queue import DEFAULT_MAX_BODY_BYTES, RequestQueue
 
 T = TypeVar("T")
 
@@ -74,10 +74,10 @@ def authorize(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key", kind="authentication_error")
 
 
-def admit(engine: ServeEngine) -> None:
+def admit(queue: RequestQueue) -> None:
     """Room for one more request (it waits here while the ranks load or relaunch), else 429."""
-    if engine.in_flight >= engine.capacity:
-        raise ApiError(429, f"{engine.in_flight} requests in flight, the most this server takes "
+    if queue.in_flight >= queue.capacity:
+        raise ApiError(429, f"{queue.in_flight} requests in flight, the most this server takes "
                             f"(--max-concurrency + --max-queue); try again shortly",
                        code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
 

@@ -1,6 +1,6 @@
 """One request's generation as an API door reads it: its deltas from the first token to the last, and its log line.
 
-Whatever the door's dialect, a reply is the same walk: tokens from the controller's ``Stream`` become text
+Whatever the door's dialect, a reply is the same walk: tokens from the queue's ``Stream`` become text
 (``serve.text.Reply``: stop strings, reasoning, tool calls), a stop string or a client that goes away cancels
 the request on the ranks, a reply whose text fails ends that request alone, and the request log gets one line.
 The door only shapes what it reads here.
@@ -16,25 +16,27 @@ from starlette.requests import Request
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.serve.controller import Job, Outcome, RequestLog, Sampled, ServeEngine, Stream
+from mlxpipe.request import Request as GenerationRequest
 from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, until
+from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply
 
 
-async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: Request, job: Job,
+async def start(queue: RequestQueue, tokenizer: Any, log: RequestLog, http: Request, request: GenerationRequest,
                 stops: list[str]) -> Generation:
-    """``job`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
-    503, a request a rank refused) or ``ClientGone``. Nothing is sent to the client before this returns, so a
-    request that waited for the ranks and gave up is a plain error in its door's shape."""
-    admit(engine)
+    """``request`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
+    503, a request a rank refused) or ``ClientGone`` (``http``'s client went away). Nothing is sent to the client
+    before this returns, so a request that waited for the ranks and gave up is a plain error in its door's
+    shape."""
+    admit(queue)
     try:
-        stream = engine.submit(job, asyncio.get_running_loop())
+        stream = queue.submit(request, asyncio.get_running_loop())
     except UsageError as e:
         raise ApiError(400, e.message) from None
     except MlxpipeError as e:  # the pipeline gave up
         raise failure(e) from None
-    generation = Generation(engine, tokenizer, log, job, stream, stops)
-    first = await until(stream.peek(), request)
+    generation = Generation(queue, tokenizer, log, request, stream, stops)
+    first = await until(stream.peek(), http)
     if first is None:
         generation.cancel()
         generation.log("cancelled")
@@ -49,9 +51,9 @@ async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: R
 class Generation:
     """One request, from its first token to its last."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, log: RequestLog, job: Job, stream: Stream,
-                 stops: list[str]) -> None:
-        self.engine, self.log_file, self.job, self.stream = engine, log, job, stream
+    def __init__(self, queue: RequestQueue, tokenizer: Any, log: RequestLog, request: GenerationRequest,
+                 stream: Stream, stops: list[str]) -> None:
+        self.queue, self.log_file, self.request, self.stream = queue, log, request, stream
         self.reply = Reply(tokenizer, stops)
         self.outcome: Outcome | None = None
         self._logged = False
@@ -70,7 +72,7 @@ class Generation:
 
     def cancel(self) -> None:
         """Stop the request on the ranks."""
-        self.engine.cancel(self.job.id)
+        self.queue.cancel(self.request.id)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
@@ -149,7 +151,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.job.tokens)
+        return len(self.request.tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -184,10 +186,10 @@ class Generation:
         status = status or ("error" if error else
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
-            "id": self.job.id, "status": status, "prompt_tokens": len(self.job.tokens),
+            "id": self.request.id, "status": status, "prompt_tokens": len(self.request.tokens),
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
-            "busy": [round(t["busy"], 3) for _, t in sorted(self.engine.time.items())],
+            "busy": [round(t["busy"], 3) for _, t in sorted(self.queue.time.items())],
         }

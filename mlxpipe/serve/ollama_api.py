@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
-from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
 from mlxpipe.serve.generation import Generation, start
 from mlxpipe.serve.ollama_schemas import Parsed, check_model, parse
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
 OLLAMA_VERSION = "0.6.0"  # the API version these shapes follow, for the clients that ask
@@ -38,10 +38,10 @@ def _now() -> str:
 
 
 class OllamaApi:
-    """Ollama's endpoints over one engine."""
+    """Ollama's endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
         """This door's routes."""
@@ -93,8 +93,8 @@ class OllamaApi:
                 # An empty prompt loads the model in Ollama; here it is loaded already.
                 return JSONResponse({"model": check_model(body, self.settings), "created_at": _now(), "response": "",
                                      "done": True, "done_reason": "load"})
-            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return error_response(e)
         except (ClientDisconnect, ClientGone):

@@ -21,18 +21,18 @@ from starlette.routing import Route
 
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.serve import openai_shapes as shapes
-from mlxpipe.serve.controller import Outcome, RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ServerSettings, admit, authorize, failure, gone, read_json, until
 from mlxpipe.serve.generation import Generation
 from mlxpipe.serve.openai_schemas import Parsed, parse
+from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue
 from mlxpipe.serve.text import tool_calls
 
 
 class OpenAIApi:
-    """The OpenAI endpoints over one engine."""
+    """The OpenAI endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         # A token's own text, for logprobs (the same few thousand tokens come back again and again).
         self.decode = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
 
@@ -62,10 +62,10 @@ class OpenAIApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
             self._check_draft(parsed)
-            admit(self.engine)
-            stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
+            admit(self.queue)
+            stream = self.queue.submit(parsed.request, asyncio.get_running_loop())
         except ApiError as e:
             return shapes.error_response(e)
         except UsageError as e:
@@ -74,7 +74,7 @@ class OpenAIApi:
             return shapes.error_response(failure(e))
         except ClientDisconnect:
             return gone(request)
-        generation = Generation(self.engine, self.tokenizer, self.log, parsed.job, stream, parsed.stops)
+        generation = Generation(self.queue, self.tokenizer, self.log, parsed.request, stream, parsed.stops)
         run = _Run(self, parsed, generation, chat)
         # Nothing is sent before the first token or the error: a request that waited for the ranks
         # and gave up is a plain 503, a request refused by a rank a plain error.
@@ -94,9 +94,9 @@ class OpenAIApi:
 
     def _check_draft(self, parsed: Parsed) -> None:
         """Speculative decoding samples inside mlx-lm, where neither a grammar mask nor logprobs reach."""
-        if getattr(self.engine.config, "draft_model", None) is None:
+        if getattr(self.queue.config, "draft_model", None) is None:
             return
-        field = "response_format" if parsed.job.response_format is not None else "logprobs" if parsed.job.logprobs \
+        field = "response_format" if parsed.request.response_format is not None else "logprobs" if parsed.request.logprobs \
             else None
         if field is not None:
             raise ApiError(400, f"'{field}' is not supported by this server: it runs a draft model (--draft-model); "
@@ -108,13 +108,13 @@ class _Run:
 
     def __init__(self, api: OpenAIApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
         self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
-        self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.job.id, int(time.time()),
+        self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.request.id, int(time.time()),
                                     api.settings.model_id, chat)
         self._text_offset = 0  # the legacy completions' text_offset of the next token
 
     def _logprobs(self) -> dict[str, Any] | None:
         """The logprobs of the tokens since the last call, in this API's shape (None: not asked for)."""
-        if not self.parsed.job.logprobs:
+        if not self.parsed.request.logprobs:
             return None
         entries = self.generation.take_logprobs()
         decode = self.api.decode

@@ -14,7 +14,6 @@ from typing import Any, Callable
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.request import Request, RequestError, parse_logit_bias
-from mlxpipe.serve.controller import Job
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import HINTS, check_schema, field, json_types
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -34,7 +33,7 @@ _OPENAI_NAMES = {"temp": "temperature", "chat_template_config": "chat_template_k
 class Parsed:
     """A validated request body."""
 
-    job: Job
+    request: Request  # as the ranks run it: the prompt as token ids
     stream: bool
     include_usage: bool
     stops: list[str]
@@ -43,7 +42,7 @@ class Parsed:
 
 def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
           new_id: Callable[[], str]) -> Parsed:
-    """``body`` checked and turned into a job for the ranks (its prompt as token ids); raises ``ApiError``."""
+    """``body`` checked and turned into a request for the ranks (its prompt as token ids); raises ``ApiError``."""
     model = body.get("model")
     if model is not None and model != settings.model_id:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {settings.model_id!r}",
@@ -65,8 +64,8 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                             f"{settings.context} tokens", param=param, code="context_length_exceeded")
     max_tokens = min(request.max_tokens, settings.context - len(tokens))
-    job = replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens)
-    return Parsed(job, stream, include_usage, stops, tools)
+    ranked = replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens)
+    return Parsed(ranked, stream, include_usage, stops, tools)
 
 
 # Body field -> (Request field, JSON types).

@@ -21,10 +21,10 @@ from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import responses_shapes as shapes
-from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
 from mlxpipe.serve.generation import Generation, start
 from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_schemas import Parsed, parse
 from mlxpipe.serve.responses_store import ResponseStore
 from mlxpipe.serve.text import tool_calls
@@ -33,11 +33,11 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ResponsesApi:
-    """The Responses endpoints over one engine, with their store."""
+    """The Responses endpoints over the request queue, with their store."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog,
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog,
                  store: ResponseStore | None = None) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         self.store = store or ResponseStore()
 
     def routes(self) -> list[Route]:
@@ -65,8 +65,8 @@ class ResponsesApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, self.store)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, [])
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, self.store)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, [])
         except ApiError as e:
             return error_response(e)
         except (ClientDisconnect, ClientGone):
