@@ -1,5 +1,5 @@
-"""What the newer doors' body checks share: typed fields, sampling options over the server's, chat messages for
-the template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens and the context.
+"""What every door's body checks share: typed fields, sampling options over the server's, chat messages for the
+template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens and the context.
 
 Each door names the fields its own way (``messages[2].content[0]``, ``input[1].output``); every error here is an
 ``ApiError`` naming that field, raised before anything reaches a rank.
@@ -11,11 +11,11 @@ import json
 import types
 import typing
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request, RequestError
+from mlxpipe.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 
@@ -61,20 +61,26 @@ def json_types(annotation: Any) -> Any:
 HINTS = typing.get_type_hints(Request)
 
 
-def options(body: dict[str, Any], settings: ServerSettings, names: dict[str, str]) -> Request:
-    """The body's options (``names``: body field -> ``Request`` field) over the server's defaults, checked; errors
-    name the body's field."""
-    values = {}
+def options(body: dict[str, Any], settings: ServerSettings, names: Mapping[str, str]) -> Request:
+    """The body's options (``names``: body field -> ``Request`` field, checked in that order; a later name of
+    the same field wins) over the server's defaults, checked; errors name the body's field. A ``logit_bias``
+    takes token ids as strings (JSON's keys), a ``response_format`` is compiled (``check_schema``)."""
+    values: dict[str, Any] = {}
+    spelled = {key: name for name, key in names.items()}
     for name, key in names.items():
         value = field(body, name, json_types(HINTS[key]))
         if value is not None:
-            values[key] = value
-    spelled = {key: name for name, key in names.items()}
+            values[key], spelled[key] = value, name
     try:
-        return replace(settings.defaults, **values).check(lambda key: f"'{spelled.get(key, key)}'",
-                                                          settings.vocab_size)
+        if "logit_bias" in values:
+            values["logit_bias"] = parse_logit_bias(values["logit_bias"], f"'{spelled['logit_bias']}'")
+        request = replace(settings.defaults, **values).check(lambda key: f"'{spelled.get(key, key)}'",
+                                                             settings.vocab_size)
     except RequestError as e:
         raise ApiError(400, e.message, param=spelled.get(e.field, e.field)) from None
+    if "response_format" in values and request.response_format is not None:
+        check_schema(request.response_format, spelled["response_format"])
+    return request
 
 
 def stops(body: dict[str, Any], name: str) -> list[str]:

@@ -46,7 +46,7 @@ class ServerSettings:
 
 
 class ClientGone(Exception):
-    """The client went away before its reply began (answered with ``gone``)."""
+    """The client went away before its reply was ready (answered with ``gone``)."""
 
 
 class ApiError(Exception):
@@ -113,8 +113,8 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
-async def until(item: Awaitable[T], request: Request) -> T | None:
-    """``item``, or None when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
+async def until(item: Awaitable[T], request: Request) -> T:
+    """``item``, or ``ClientGone`` when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
     task = asyncio.ensure_future(item)
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
@@ -122,7 +122,7 @@ async def until(item: Awaitable[T], request: Request) -> T | None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            return None
+            raise ClientGone()
     return task.result()
 
 
