@@ -1,5 +1,6 @@
 """What every door's body checks share: typed fields, sampling options over the server's, chat messages for the
-template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens and the context.
+template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens, the context, and
+what a server with a draft model refuses.
 
 Each door names the fields its own way (``messages[2].content[0]``, ``input[1].output``); every error here is an
 ``ApiError`` naming that field, raised before anything reaches a rank.
@@ -149,16 +150,33 @@ def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra:
     return tokens
 
 
-def for_ranks(request: Request, tokens: list[int], settings: ServerSettings, param: str,
-              new_id: Callable[[], str]) -> Request:
-    """The request as the ranks run it: the prompt within the context, the reply bounded by what is left of it."""
+# What speculative decoding cannot do: it samples inside mlx-lm, where neither a grammar mask nor logprobs reach.
+DRAFT_REFUSES = ("response_format", "logprobs")
+
+
+def for_ranks(request: Request, tokens: list[int], settings: ServerSettings, param: str, new_id: Callable[[], str],
+              spelled: Mapping[str, str] | None = None) -> Request:
+    """The request as the ranks run it: the prompt within the context (``param``: the body's field for it), the
+    reply bounded by what is left of it, nothing a draft model cannot do (``spelled``: the body's name of a
+    ``Request`` field where it differs)."""
     if len(tokens) + 1 > settings.context:
         raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                             f"{settings.context} tokens", param=param, code="context_length_exceeded")
+    if settings.draft_model:
+        refuse_with_draft(request, spelled or {})
     max_tokens = min(request.max_tokens, settings.context - len(tokens))
     # The ranks read token ids alone: the messages stay here.
     return replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens, messages=None, prompt=None,
                    prefill_response=None)
+
+
+def refuse_with_draft(request: Request, spelled: Mapping[str, str]) -> None:
+    """A 400 naming the body's field when ``request`` asks what a draft model cannot do (``DRAFT_REFUSES``)."""
+    for key in DRAFT_REFUSES:
+        if getattr(request, key):
+            name = spelled.get(key, key)
+            raise ApiError(400, f"'{name}' is not supported by this server: it runs a draft model (--draft-model); "
+                                "serve without one for it", param=name)
 
 
 def check_schema(response_format: dict[str, Any], param: str) -> None:

@@ -43,6 +43,7 @@ class ServerSettings:
     defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
 
 
 class ClientGone(Exception):

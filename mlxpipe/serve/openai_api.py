@@ -62,23 +62,12 @@ class OpenAIApi:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
-            self._check_draft(parsed)
             generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return shapes.error_response(e)
         except (ClientDisconnect, ClientGone):
             return gone(request)
         return await respond(generation, _Run(self, parsed, generation, chat), request, parsed.stream)
-
-    def _check_draft(self, parsed: Parsed) -> None:
-        """Speculative decoding samples inside mlx-lm, where neither a grammar mask nor logprobs reach."""
-        if getattr(self.queue.config, "draft_model", None) is None:
-            return
-        field = "response_format" if parsed.request.response_format is not None else "logprobs" \
-            if parsed.request.logprobs else None
-        if field is not None:
-            raise ApiError(400, f"'{field}' is not supported by this server: it runs a draft model (--draft-model); "
-                                "serve without one for it", param=field)
 
 
 class _Run:

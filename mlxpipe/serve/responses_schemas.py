@@ -53,7 +53,8 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
     tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
-    ranked = bodies.for_ranks(request, tokens, settings, "input", new_id)
+    # text.format is the body's name of the structured output a server with a draft model refuses.
+    ranked = bodies.for_ranks(request, tokens, settings, "input", new_id, {"response_format": "text.format"})
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": request.temp, "top_p": request.top_p, "tool_choice": choice or "auto",
             "tools": field(body, "tools", list, []), "parallel_tool_calls": field(body, "parallel_tool_calls", bool,

@@ -62,6 +62,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     settings = ServerSettings(
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
+        draft_model=config.draft_model is not None,
     )
     app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
