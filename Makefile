@@ -42,7 +42,7 @@ bench: install demo-model
 	$(PY) bench/bench_lora.py
 	$(PY) bench/bench_tp.py
 
-# docs/cli.md: every command's --help, generated from the app (tests/test_cli_help.py checks it).
+# docs/cli.md: every command's --help, generated from the app (tests/cli/test_reference.py checks it).
 docs: install
 	$(PY) -m mlxpipe.cli.reference > docs/cli.md
 

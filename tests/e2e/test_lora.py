@@ -21,7 +21,7 @@ import pytest
 
 from fixtures.tiny_models import make_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 240
 WORDS = "the cat sat on a mat while dogs ran far away from home in the rain and sun".split()

@@ -20,7 +20,7 @@ from mlxpipe.errors import LaunchError
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.launch.ranks import free_port_base
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 LOCAL = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
 OTHER_MLX = "0.29.0"

@@ -77,7 +77,7 @@ def test_status_covers_installed_mlx_lm() -> None:
     """Every installed architecture has a status; every one not identical says why."""
     missing = sorted(INSTALLED - set(STATUS))
     assert not missing, (
-        f"mlx-lm has new architectures {missing}: run them through tests/test_architectures.py "
+        f"mlx-lm has new architectures {missing}: run them through tests/e2e/test_architectures.py "
         "and record each in tests/architectures.json"
     )
     for model_type, entry in STATUS.items():

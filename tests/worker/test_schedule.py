@@ -617,7 +617,7 @@ def test_more_requests_in_flight_take_fewer_ticks(batch_runs, num_ranks: int) ->
 # ---------------------------------------------------------------- the command end to end
 
 MLXPIPE = str(Path(PYTHON).parent / "mlxpipe")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _mlxpipe(*args: str) -> Any:

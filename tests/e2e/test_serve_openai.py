@@ -517,7 +517,7 @@ def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(demo_mode
 
 @pytest.fixture(scope="module")
 def faulty(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    script = Path(__file__).parent / "fixtures" / "faulty_serve.py"
+    script = Path(__file__).parents[1] / "fixtures" / "faulty_serve.py"
     proc = ServeProcess(["--model", str(demo_model), "--queue-timeout", "1"], tmp_path_factory.mktemp("faulty-home"),
                         command=[sys.executable, str(script)])
     try:

@@ -20,7 +20,7 @@ from mlxpipe.model.metadata import kv_bytes_per_token
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
 from mlxpipe.plan.shard import make_plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
 CONTEXT = 16

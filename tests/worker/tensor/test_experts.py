@@ -3,7 +3,7 @@ up to the whole block's, float32 and quantized, with biases, in one process.
 
 Each member is the same block sliced for its place in a group of 2; the group's
 sum is done here by adding the two members' outputs (the ranks' own all-reduce
-is run by ``tests/test_tensor_architectures.py`` and ``tests/test_tensor_parallel.py``).
+is run by ``tests/e2e/test_tensor_architectures.py`` and ``tests/e2e/test_tensor_parallel.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from mlxpipe.cluster.hostfile import BACKENDS, GB
 from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 REFERENCE = REPO / "docs" / "cli.md"
 # The pages whose examples are checked: the README and every page of docs/ but the generated reference.

@@ -21,7 +21,7 @@ from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import load_local
 from mlxpipe.plan.shard import make_plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
 LOGIN = "log in with `hf auth login` or set HF_TOKEN"

@@ -32,9 +32,9 @@ from fixtures import arch_suite
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
-from test_draft import first_layers_draft
-from test_overlap import _reference
-from test_pipeline_correctness import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
+from tests.e2e.test_draft import first_layers_draft
+from tests.worker.test_schedule import _reference
+from tests.e2e.test_pipeline import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
 from mlxpipe.errors import UsageError
 from mlxpipe.worker.job import JobSpec

@@ -234,7 +234,7 @@ def test_the_flags_reach_the_ranks(models, hub_env, source: str) -> None:
     args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
             "--draft-model", draft, "--num-draft-tokens", "2", "--prompt", LONG,
             "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["tokens"] == _expected(models, _raw(), k=2)
@@ -258,7 +258,7 @@ def test_a_prompts_file_runs_one_prompt_after_another_with_the_draft(models, tmp
     args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
             "--draft-model", str(models["draft"]), "--prompts-file", str(prompts),
             "--prefill-step-size", str(PREFILL_STEP), "--json"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)["results"]
     chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8}  # the third line, templated
@@ -277,7 +277,7 @@ def test_chat_takes_a_draft_model(models) -> None:
     args = [str(Path(sys.executable).parent / "mlxpipe"), "chat", "--model", str(models["target"]),
             "--draft-model", str(models["draft"]), "--max-tokens", "8", "--prefill-step-size", str(PREFILL_STEP)]
     result = subprocess.run(args, input=f"{QUESTION}\nAnd then?\n\n", capture_output=True, text=True,
-                            timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+                            timeout=_TIMEOUT, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
     replies = [mlx_lm_reference(models["target"], {"messages": t["messages"], "max_tokens": 8},
                                 prefill_step_size=PREFILL_STEP, draft=models["draft"])[1] for t in turns]

@@ -124,7 +124,7 @@ def test_tp_docs_table_is_generated_from_the_status_file() -> None:
 
 def test_readme_counts_are_the_status_files() -> None:
     """The README's sentence on which architectures shard says what tests/tensor_parallel.json says."""
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     count = {s: sum(e["status"] == s for e in STATUS.values()) for s in tp_suite.STATUSES}
     by = {how: sum(e.get("sharding") == how and e["status"] == "identical" for e in STATUS.values())
           for how in ("own shard()", "generic")}
@@ -142,7 +142,7 @@ def test_generate_refuses_before_any_rank_starts(tp_arch_root: Path, model_type:
 
     from mlxpipe.cli import app
 
-    hostfile = Path(__file__).resolve().parents[1] / "hostfiles" / "local-2.json"
+    hostfile = Path(__file__).resolve().parents[2] / "hostfiles" / "local-2.json"
     result = CliRunner().invoke(app, ["generate", "--model", str(arch_suite.build(model_type, tp_arch_root)),
                                       "--hostfile", str(hostfile), "--tp", "2", "--prompt", "hi"])
     assert (result.exit_code, result.stdout) == (1, "")

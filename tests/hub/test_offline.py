@@ -31,7 +31,7 @@ from mlxpipe.cluster import target as target_mod
 from mlxpipe.cli import app
 from mlxpipe.hub.client import load_metadata
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
 NET_HINT = "hint: check the network and HF_ENDPOINT ({ep}); a model already downloaded works offline with HF_HUB_OFFLINE=1"

@@ -32,7 +32,7 @@ from mlxpipe.errors import LaunchError
 from mlxpipe.launch.failures import EXIT_GRACE_SECONDS, FailureTracker
 from mlxpipe.launch.pipeline import Pipeline, Request, request_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 # A raw prompt of a few tokens: the first token comes quickly (a templated prompt takes
 # seconds to prefill on 2 busy cores) and the story goes on for longer than any test waits.

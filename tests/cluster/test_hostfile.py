@@ -12,7 +12,7 @@ import yaml
 from mlxpipe.errors import HostfileError
 from mlxpipe.cluster.hostfile import Host, Hostfile, load_hostfile
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STUDIO = "/Users/me/mlxpipe/.venv/bin/python"
 
 OBJECT_FORM: dict[str, Any] = {

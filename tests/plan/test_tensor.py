@@ -22,9 +22,9 @@ from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import even_split, proportional_split
-from test_plan import T, hosts, meta, wired
+from tests.plan.test_shard import T, hosts, meta, wired
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KB = 1024
 N = 8  # layers
 # One llama block: what a group splits (2-D projections) and what each member keeps whole (norms, biases).

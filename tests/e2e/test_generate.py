@@ -15,7 +15,7 @@ import pytest
 
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 180
 
