@@ -48,7 +48,7 @@ from typing import Any
 
 from common import QWEN2_LAYERS, build_qwen2, cores, pinned_pipeline, placement, run_pinned
 
-from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH
+from mlxpipe.defaults import DEFAULT_DECODE_BATCH
 
 GOAL = 1.7
 CONCURRENCY = (1, 2, 4)

@@ -3,8 +3,10 @@
 Each command checks its flags, builds plain values, calls the core and renders the result; one
 module per command, the options they share in ``_options``, the one error boundary in ``_errors``
 (errors raised on purpose, ``MlxpipeError``, become one line plus a hint; exit codes: 0 success,
-1 failure (a failed rank included), 2 usage error). Heavy imports wait inside the command bodies,
-so that ``mlxpipe --help`` stays fast.
+1 failure (a failed rank included), 2 usage error). Heavy imports wait inside the command bodies
+and option callbacks: importing this package (``mlxpipe --help``, ``mlxpipe --version``) loads only
+cli/ and the shared leaves (``defaults``, ``request``, ``errors``, ``console``), which
+tests/cli/test_reference.py checks.
 """
 
 from __future__ import annotations
@@ -13,16 +15,23 @@ from typing import Annotated
 
 import typer
 
+from mlxpipe import console
 from mlxpipe.cli import demo, doctor, download, generate, lora, plan, serve
 from mlxpipe.cli._errors import boundary, set_debug, stop_on_signals
+
+# What `mlxpipe --version` reports: mlxpipe and the two packages that decide what a rank computes.
+VERSIONED = ("mlxpipe", "mlx", "mlx-lm")
 
 app = typer.Typer(
     name="mlxpipe",
     help=(
-        "Run LLMs too large for one Mac as a pipeline across several.\n\n"
-        "Start with `mlxpipe plan`, then `mlxpipe download`, then `mlxpipe generate` or `mlxpipe chat`, "
-        "or keep the model up behind an OpenAI-compatible API with `mlxpipe serve`; "
-        "`mlxpipe doctor` checks every host first.\n\n"
+        "Run LLMs too large for one Mac across several Macs: as a pipeline (each host runs some of the "
+        "layers), tensor-parallel (--tp: each host holds a slice of every layer), or both.\n\n"
+        "`mlxpipe plan` shows which layers each host runs and whether it fits, `mlxpipe download` fetches "
+        "each host's own weight files, and `mlxpipe doctor` checks every host before a run. "
+        "`mlxpipe generate` and `mlxpipe chat` stream answers (--prompts-file: many prompts at once); "
+        "`mlxpipe serve` keeps the model up behind OpenAI's, Anthropic's and Ollama's APIs, with a page "
+        "showing the cluster in a browser; `mlxpipe lora` fine-tunes LoRA adapters across the hosts.\n\n"
         "Rank 0 runs the LAST layers. Exit codes: 0 success, 1 failure (any failed rank included), "
         "2 usage error, 130/143 interrupted."
     ),
@@ -33,9 +42,36 @@ app = typer.Typer(
 )
 
 
+def versions() -> dict[str, str | None]:
+    """The installed version of each of ``VERSIONED``, None where it is missing (read from package
+    metadata: importing mlx would cost seconds and could fail)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in VERSIONED:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _show_versions(show: bool) -> None:
+    """``--version``: one line per package, then exit 0 before any command runs."""
+    if not show:
+        return
+    for name, installed in versions().items():
+        console.out.print(f"{name} {installed or 'not installed'}", markup=False, highlight=False)
+    raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", help="Show mlxpipe's, mlx's and mlx-lm's versions and exit.", callback=_show_versions,
+        is_eager=True,
+    )] = False,
 ) -> None:
     set_debug(debug)
 

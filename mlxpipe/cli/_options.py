@@ -12,22 +12,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlxpipe.cluster.hostfile import check_backend, check_port
+from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_HOSTFILE, DEFAULT_PORT
 from mlxpipe.errors import UsageError
-from mlxpipe.launch.ranks import DEFAULT_PORT
 from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
 
 FROM_PRESET = "or the --config preset's"
-# launch.pipeline.DEFAULT_STEP_TIMEOUT, written out: importing the launch code would slow `mlxpipe --help`.
-DEFAULT_TIMEOUT = 120.0
 
 
 # Ports and backends are checked while parsing, so that every command refuses a bad one before it
 # reads a hostfile or a model, and the error names the flag as given (--port or --ring-port).
+# The checks are imported when a command parses its flags, not by `mlxpipe --help`.
 
 
 def tcp_port(value: Optional[int]) -> Optional[int]:
     """Typer callback: ``check_port``'s refusal as a bad value of the flag."""
+    from mlxpipe.cluster.hostfile import check_port
+
     try:
         return check_port(value)
     except UsageError as e:
@@ -36,6 +36,8 @@ def tcp_port(value: Optional[int]) -> Optional[int]:
 
 def backend_name(value: Optional[str]) -> Optional[str]:
     """Typer callback: ``check_backend``'s refusal as a bad value of the flag."""
+    from mlxpipe.cluster.hostfile import check_backend
+
     try:
         return check_backend(value)
     except UsageError as e:
@@ -63,7 +65,7 @@ Revision = Annotated[Optional[str], typer.Option(
 )]
 Hostfile = Annotated[Optional[Path], typer.Option(
     "--hostfile", help="mlx.launch hostfile (JSON or YAML).",
-    show_default="hostfiles/local-2.json: two local ranks",
+    show_default=f"{DEFAULT_HOSTFILE}: two local ranks",
 )]
 Strategy = Annotated[Optional[str], typer.Option(
     "--strategy",
@@ -150,7 +152,7 @@ PrefillResponse = Annotated[Optional[str], typer.Option(
 # --- launching the pipeline ---------------------------------------------------------------
 
 Context = Annotated[Optional[int], typer.Option(
-    "--context", help="Context length (tokens): what the fit check reserves KV cache for.", show_default="4096",
+    "--context", help="Context length (tokens): what the fit check reserves KV cache for.", show_default=str(DEFAULT_CONTEXT),
 )]
 AdapterPath = Annotated[Optional[Path], typer.Option(
     "--adapter-path",
@@ -172,7 +174,7 @@ Backend = Annotated[Optional[str], typer.Option(
     "--backend",
     help="mlx.launch backend: ring (TCP), jaccl (Thunderbolt RDMA), jaccl-ring (ring over Thunderbolt RDMA), "
     "mpi, nccl (CUDA).",
-    show_default="the --config preset's, else the hostfile's, else ring", callback=backend_name,
+    show_default=f"the --config preset's, else the hostfile's, else {DEFAULT_BACKEND}", callback=backend_name,
 )]
 PipelineMode = Annotated[str, typer.Option(
     "--pipeline", help="generic (any mlx-lm model with a layers list) or native (the model's own pipeline())."

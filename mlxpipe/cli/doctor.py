@@ -9,7 +9,7 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.cli._options import Backend, Config, Hostfile, Json, Revision, Split, Strategy, Tp, parse_split, tcp_port
-from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_PORT
 
 
 def doctor(
@@ -28,13 +28,13 @@ def doctor(
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
     )] = None,
     backend: Backend = None,
-    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = 4096,
+    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = DEFAULT_CONTEXT,
     json_out: Json = False,
 ) -> None:
-    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, the
-    groups' links (a group over TCP gets a warning: tensor parallelism wants RDMA).
+    """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, links.
 
-    Each failed check comes with its fix. Exit status 1 if any check fails.
+    With --tp, a group whose links are TCP gets a warning: tensor parallelism wants RDMA. Each failed
+    check comes with its fix. Exit status 1 if any check fails.
 
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
     """

@@ -10,14 +10,14 @@ import typer
 from mlxpipe import console
 from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
 from mlxpipe.cli._options import (
-    DEFAULT_TIMEOUT, AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
+    AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
     ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, MaxKvSize, MaxTokens,
     MinP, MinTokensToKeep, Model, NumDraftTokens, PipelineMode, PrefillResponse, PrefillStepSize, QuantizedKvStart,
     Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, Tp, TopP, TrustRemoteCode,
     UseDefaultChatTemplate, XtcProbability, XtcThreshold, parse_split,
 )
+from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
 from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Prompt = Annotated[Optional[str], typer.Option(
@@ -77,7 +77,7 @@ def generate(
     pipeline_mode: PipelineMode = "generic",
     prefill_step_size: PrefillStepSize = None,
     port: RingPort = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
+    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
     prompts_file: PromptsFile = None,
@@ -86,7 +86,7 @@ def generate(
     decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH,
     json_out: Json = False,
 ) -> None:
-    """Run the model as a pipeline across the hosts and stream the answer.
+    """Run the model across the hosts (a pipeline, --tp groups, or both) and stream the answer.
 
     With no --model and no --hostfile: the demo model on two local ranks (hostfiles/local-2.json).
     With --prompts-file: many requests, overlapped so that every rank computes at once.
@@ -138,7 +138,7 @@ def _generate_batch(config: Any, defaults: Request, prompts_file: Path,
                     concurrency: int | None, output: Path | None, json_out: bool, decode_batch: int) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
     from mlxpipe.cli.render import batch_table
-    from mlxpipe.launch.batch import ResultsFile, read_prompts
+    from mlxpipe.launch.batch import ResultsFile, check_decode_batch, read_prompts
     from mlxpipe.launch.run import running_pipeline
 
     if config.mode != "generic":
@@ -225,11 +225,11 @@ def chat(
     pipeline_mode: PipelineMode = "generic",
     prefill_step_size: PrefillStepSize = None,
     port: RingPort = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
+    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
 ) -> None:
-    """Multi-turn chat with a pipelined model; each turn reuses the prompt cache.
+    """Multi-turn chat with the model across the hosts; each turn reuses the prompt cache.
 
     Type a message and press Enter; an empty line or Ctrl-D ends the chat.
     """

@@ -7,11 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlxpipe.defaults import DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import UsageError
 
 from mlxpipe.cli._generation import pipeline_config
 from mlxpipe.cli._options import (
-    DEFAULT_TIMEOUT, Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout, Tp,
+    Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout, Tp,
     TrustRemoteCode, parse_split,
 )
 
@@ -71,7 +72,7 @@ def lora(
     tp: Tp = None,
     backend: Backend = None,
     port: RingPort = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
+    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per line: every step, validation, checkpoint, then a summary.")] = False,

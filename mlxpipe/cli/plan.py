@@ -8,6 +8,7 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
+from mlxpipe.defaults import DEFAULT_CONTEXT
 
 
 def plan(
@@ -18,7 +19,7 @@ def plan(
     split: Split = None,
     tp: Tp = None,
     config: Config = None,
-    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the fit check reserves KV cache for.")] = 4096,
+    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the fit check reserves KV cache for.")] = DEFAULT_CONTEXT,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-read metadata from the hub even if cached.")] = False,
     json_out: Json = False,
 ) -> None:

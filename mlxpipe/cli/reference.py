@@ -3,7 +3,7 @@
     python -m mlxpipe.cli.reference > docs/cli.md      (or: make docs)
 
 Each command's ``--help`` exactly as a user sees it, at a fixed width and without
-colour. ``tests/test_cli_help.py`` fails when the checked-in file differs from
+colour. ``tests/cli/test_reference.py`` fails when the checked-in file differs from
 what the app prints now, so the reference cannot drift from the code.
 """
 
@@ -89,7 +89,7 @@ def reference(width: int = WIDTH) -> str:
         "# Command-line reference",
         "",
         f"<!-- Generated from the app by `{REGENERATE}`; do not edit by hand.",
-        "     tests/test_cli_help.py fails when this file differs from what the app prints. -->",
+        "     tests/cli/test_reference.py fails when this file differs from what the app prints. -->",
         "",
         f"Every `{PROG}` command's `--help`, as printed at a width of {width} columns. Where a default",
         "is written in parentheses, it is described rather than a literal value: the option's real default",

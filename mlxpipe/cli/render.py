@@ -145,7 +145,7 @@ def batch_table(result: Any) -> RenderableType:
 
 
 def time_table(report: dict[str, Any]) -> RenderableType | None:
-    """Where each rank's time went (``batch.where_time_goes``): busy computing, or waiting on what."""
+    """Where each rank's time went (``launch.timing.where_time_goes``): busy computing, or waiting on what."""
     if not report:
         return None
     t = Table()

@@ -1,4 +1,4 @@
-"""``mlxpipe serve``: the pipelined model kept up behind an OpenAI-compatible API."""
+"""``mlxpipe serve``: the model kept up across the hosts behind OpenAI's, Anthropic's and Ollama's APIs."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import typer
 
 from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
 from mlxpipe.cli._options import (
-    DEFAULT_TIMEOUT, FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
+    FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
     Hostfile, KvBits, KvGroupSize, MaxKvSize, Model, NumDraftTokens, PrefillStepSize, QuantizedKvStart, Revision,
     Split, Strategy, Timeout, Tp, TrustRemoteCode, UseDefaultChatTemplate, parse_split, tcp_port,
 )
-from mlxpipe.errors import UsageError
-from mlxpipe.launch.batch import DEFAULT_DECODE_BATCH, check_decode_batch
-from mlxpipe.launch.ranks import DEFAULT_PORT
-from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.serve.queue import (
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
+from mlxpipe.defaults import (
+    DEFAULT_CONTEXT, DEFAULT_DECODE_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT, DEFAULT_STEP_TIMEOUT,
 )
+from mlxpipe.errors import UsageError
+from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Host = Annotated[str, typer.Option(
     "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."
@@ -55,7 +54,7 @@ DefaultMaxTokens = Annotated[Optional[int], typer.Option(
 )]
 ServeContext = Annotated[Optional[int], typer.Option(
     "--context", help="Context length (tokens): the fit check's KV reserve, and the longest prompt and "
-    "reply a request may make.", show_default="the model's max_position_embeddings; 4096 for the fit check",
+    "reply a request may make.", show_default=f"the model's max_position_embeddings; {DEFAULT_CONTEXT} for the fit check",
 )]
 ServeDraftModel = Annotated[Optional[str], typer.Option(
     "--draft-model",
@@ -101,21 +100,24 @@ def serve(
     backend: Backend = None,
     prefill_step_size: PrefillStepSize = None,
     ring_port: RingPort = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
+    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
 ) -> None:
-    """Serve the pipelined model behind an OpenAI-compatible API until Ctrl-C.
+    """Serve the model behind OpenAI's, Anthropic's and Ollama's APIs, with a browser page, until Ctrl-C.
 
-    Plans, checks every host, downloads and loads once; then answers /v1/chat/completions,
-    /v1/completions (streaming or not) and /v1/models, with /health for status. Requests that
-    arrive while the ranks load wait for them. A failed rank ends the requests in flight with
-    an error, and the pipeline is relaunched; a request that fails alone ends alone.
+    Plans, checks every host, downloads and loads once; then answers OpenAI's
+    /v1/chat/completions, /v1/completions, /v1/responses and /v1/models, Anthropic's /v1/messages
+    and Ollama's /api/chat and /api/generate (streaming or not). The page at / shows the cluster
+    and lets you try the model in a browser; /health says the status. Requests that arrive while
+    the ranks load wait for them. A failed rank ends the requests in flight with an error, and the
+    pipeline is relaunched; a request that fails alone ends alone.
 
     Example: mlxpipe serve --port 8080
     """
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.batch import check_decode_batch
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())

@@ -38,8 +38,9 @@ from mlxpipe.cluster import storage
 from mlxpipe.cluster.probe import MARK
 from mlxpipe.console import human_bytes
 from mlxpipe.errors import LaunchError
-from mlxpipe.cluster.hostfile import GB, Host, Hostfile
-from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.cluster.hostfile import Hostfile
+from mlxpipe.defaults import DEFAULT_PORT
+from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan, make_plan
 

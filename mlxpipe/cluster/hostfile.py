@@ -1,4 +1,4 @@
-"""Hostfiles: which machines run the ranks, and what mlxpipe knows about them.
+"""Hostfiles: which machines run the ranks, and what mlxpipe knows about them (``mlxpipe.host.Host``).
 
 mlxpipe reads ``mlx.launch``'s own JSON hostfile unchanged (a list of hosts,
 or an object with ``backend``, ``envs`` and ``hosts``), so the output of
@@ -26,10 +26,9 @@ from typing import Any
 import yaml
 
 from mlxpipe.errors import HostfileError, UsageError
+from mlxpipe.host import Host
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
-LOCAL_HOST = "127.0.0.1"
-GB = 1024**3
 
 # An ssh destination: user@host, a name or an address. Never a leading "-",
 # which ssh would read as an option, and no shell metacharacters (matched whole:
@@ -57,31 +56,6 @@ def check_backend(backend: str | None, flag: str | None = None) -> str | None:
 def _named(flag: str | None, problem: str) -> str:
     # Typer's callbacks name the flag themselves ("Invalid value for '--port': ..."); the rest say it first.
     return f"{flag} {problem}" if flag else problem
-
-
-@dataclass(frozen=True)
-class Host:
-    """One rank's machine."""
-
-    rank: int
-    ssh: str
-    ips: tuple[str, ...] = ()
-    rdma: tuple[Any, ...] = ()
-    memory_gb: float | None = None
-    wired_limit_gb: float | None = None
-    hf_home: str | None = None
-    model_dir: str | None = None
-    python: str | None = None
-
-    @property
-    def is_local(self) -> bool:
-        """mlx.launch starts this rank without ssh."""
-        return self.ssh == LOCAL_HOST
-
-    @property
-    def label(self) -> str:
-        """A short name for tables and errors: ``rank 1 (studio-2)``."""
-        return f"rank {self.rank} ({self.ssh})"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Presets in ``configs/*.yaml``: a model, a split and generation defaults.
 
-Precedence: a command-line flag, then the preset, then the defaults here.
+Precedence: a command-line flag, then the preset, then the defaults (``mlxpipe.defaults``, ``Request``'s).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import yaml
 
 from mlxpipe.errors import ConfigError
 from mlxpipe.request import RequestError, check_fields
-
-DEFAULT_BACKEND = "ring"
 
 
 @dataclass(frozen=True)

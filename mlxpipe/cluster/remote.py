@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from mlxpipe.errors import DownloadError
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR")
 REMOTE_PYTHON = "python3"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 from mlxpipe.hub.cache import repo_folder
 from mlxpipe.model.metadata import ModelMetadata
 

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Sequence
 
 from mlxpipe.cluster.presets import Preset, load_preset, pick
+from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_HOSTFILE
 from mlxpipe.errors import ModelError
-from mlxpipe.cluster.hostfile import LOCAL_HOST, Hostfile, load_hostfile, parse_hostfile
+from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
+from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
-from mlxpipe.plan.shard import DEFAULT_CONTEXT, Plan, make_plan
+from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
-
-DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")
 
 
 @dataclass(frozen=True)

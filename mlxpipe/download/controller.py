@@ -30,7 +30,7 @@ from mlxpipe.cluster import storage
 from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
 from mlxpipe.download.fetch import FetchJob, FetchResult
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
-from mlxpipe.cluster.hostfile import LOCAL_HOST, Host
+from mlxpipe.host import LOCAL_HOST, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 

@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxpipe.errors import UsageError
+from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.paths import replacing
 from mlxpipe.request import Request, parse_logit_bias
-
-# Requests per decode micro-batch (``--decode-batch``); see docs/generate.md, "Many prompts at once".
-DEFAULT_DECODE_BATCH = 4
 
 
 def check_decode_batch(decode_batch: int) -> int:
@@ -126,28 +124,6 @@ class BatchResult:
             "ranks": [asdict(r) for r in self.ranks],
             "time": where_time_goes(self.time),
         }
-
-
-def where_time_goes(times: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """Each rank's busy fraction and each hop's wait, from the ranks' ``TimeSpent`` reports.
-
-    A rank is busy while it computes its stage; otherwise it waits: for its
-    input from the rank before it (the hop's wait: that stage was slower, or the
-    link), to hand its output on (``send``), or in the per-tick collective for
-    rank 0's tokens (``sync``). The slowest stage is the one busiest: when its
-    busy fraction is far above the others', the split is the bottleneck; when
-    every stage is lightly busy and the hops wait, the network is.
-    """
-    if not times:
-        return {}
-    ranks = [
-        {"rank": r, "busy": t["busy"], **{f"{k}_s": t[k] for k in ("compute", "send", "recv", "sync", "idle")}}
-        for r, t in sorted(times.items())
-    ]
-    # Stages run from the highest rank to rank 0: the hop into rank r comes from rank r + 1.
-    hops = [{"from": r + 1, "to": r, "wait_s": times[r]["recv"]} for r in sorted(times) if r + 1 in times]
-    slowest = max(ranks, key=lambda t: t["busy"])
-    return {"ranks": ranks, "hops": hops, "busiest_rank": slowest["rank"]}
 
 
 def read_prompts(path: Path, defaults: Request) -> list[Request]:

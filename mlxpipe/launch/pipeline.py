@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from mlxpipe.cluster import storage
+from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
@@ -23,8 +24,6 @@ from mlxpipe.cluster.target import Target
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult, RequestResult
 
-DEFAULT_LOAD_TIMEOUT = 600.0
-DEFAULT_STEP_TIMEOUT = 120.0
 PIPELINE_MODES = ("generic", "native")
 WORKER = ("-m", "mlxpipe.worker")
 

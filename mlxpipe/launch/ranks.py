@@ -59,6 +59,7 @@ from mlxpipe.cluster import remote
 from mlxpipe.errors import LaunchError
 from mlxpipe.launch.failures import FailureTracker
 from mlxpipe.cluster.hostfile import Hostfile
+from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.paths import mlxpipe_home
 from mlxpipe.launch.supervisor import (
     HEARTBEAT_LINE,
@@ -67,7 +68,6 @@ from mlxpipe.launch.supervisor import (
     MAX_LEASE_SECONDS,
 )
 
-DEFAULT_PORT = 32323
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
 RUN_LOG = "launch.log"

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mlxpipe import console
-from mlxpipe.cluster.presets import DEFAULT_BACKEND, pick
+from mlxpipe.cluster.presets import pick
+from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.launch.pipeline import DEFAULT_STEP_TIMEOUT, PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
+from mlxpipe.launch.pipeline import PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
 from mlxpipe.cluster.hostfile import check_backend, check_port
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mlxpipe.cluster.hostfile import GB, Host
+from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
 
 # Activations, the runtime and the tokenizer: held back from every host's budget.

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import (
@@ -28,8 +29,6 @@ from mlxpipe.plan import tensor
 from mlxpipe.plan.splits import (
     check_groups, choose_split, cut_group, layer_ranges, legal_split, proportional_split,
 )
-
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True)

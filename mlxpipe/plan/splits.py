@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.plan.costs import budget_bytes
 

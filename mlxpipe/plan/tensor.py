@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from mlxpipe.cluster.hostfile import Host
+from mlxpipe.host import Host
 from mlxpipe.errors import UsageError
 from mlxpipe.plan.costs import Costs, budget_bytes
 

@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlxpipe import console
+from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
 from mlxpipe.request import Request as GenerationRequest
-from mlxpipe.serve.queue import DEFAULT_MAX_BODY_BYTES, RequestQueue
+from mlxpipe.serve.queue import RequestQueue
 
 T = TypeVar("T")
 

@@ -34,19 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxpipe.launch.batch import where_time_goes
+from mlxpipe.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
-from mlxpipe.launch.pipeline import DEFAULT_LOAD_TIMEOUT, Pipeline, RankStats
+from mlxpipe.launch.pipeline import Pipeline, RankStats
+from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.request import Request
 from mlxpipe.launch.run import PipelineConfig, launch
 
-DEFAULT_MAX_QUEUE = 64
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_PROMPT_CACHE_SIZE = 10
-DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
 

@@ -20,10 +20,11 @@ from typing import Any, Iterator
 import uvicorn
 
 from mlxpipe import console
+from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.launch.run import PipelineConfig, prepare
 from mlxpipe.request import Request
-from mlxpipe.serve.queue import DEFAULT_MAX_BODY_BYTES, RequestLog, RequestQueue, ServeOptions
+from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
 
 __all__ = ["ServeOptions", "serve"]
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
-from mlxpipe.cluster.hostfile import GB, load_hostfile
+from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.host import GB
 from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import kv_bytes_per_token
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes

@@ -10,6 +10,8 @@ import json
 import re
 import shlex
 import socket
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,10 +23,11 @@ from typer.testing import CliRunner
 from fixtures.fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import reference as cli_reference
-from mlxpipe.cli import app
+from mlxpipe.cli import VERSIONED, app
 from mlxpipe.cluster.presets import load_preset
-from mlxpipe.cluster.hostfile import BACKENDS, GB
-from mlxpipe.launch.ranks import DEFAULT_PORT
+from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.defaults import DEFAULT_PORT
+from mlxpipe.host import GB
 from mlxpipe.request import DEFAULT_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +120,25 @@ def test_backend_help_names_every_backend(wide_pages: dict[str, str], command: s
     line = option_line(wide_pages[f"mlxpipe {command}"], "--backend")
     named = re.findall(r"\b([a-z][a-z-]*) \(", line.split("backend:", 1)[1]) + ["mpi"]
     assert sorted(set(named) & set(BACKENDS)) == sorted(BACKENDS)
+
+
+def flags(command: list[str]) -> list[Any]:
+    """The boolean flags of ``mlxpipe COMMAND`` (``--help`` included)."""
+    root = get_command(app)
+    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
+    cmd = root.get_command(ctx, command[0]) if command else root  # type: ignore[attr-defined]
+    return [p for p in cmd.get_params(ctx) if p.param_type_name == "option" and p.is_flag]
+
+
+def test_flags_show_no_type(wide_pages: dict[str, str]) -> None:
+    # A flag takes no value, so nothing stands between it and its help; typer 0.29.0's Rich help
+    # printed "<bool>" there (pyproject.toml keeps it out).
+    for title, page in wide_pages.items():
+        found = flags(title.split()[1:])
+        assert any(flag.opts == ["--help"] for flag in found), title
+        for flag in found:
+            line = option_line(page, flag.opts[0])
+            assert line.split(flag.help.split()[0], 1)[0].split() == [*flag.opts, *flag.secondary_opts], (title, line)
 
 
 # --- Every example parses, and names files that exist -------------------------------------------
@@ -420,3 +442,46 @@ def test_reference_has_every_command_plain_and_at_its_width(pages: dict[str, str
 
 def test_readme_links_the_reference() -> None:
     assert "[docs/cli.md](docs/cli.md)" in README.read_text()
+
+
+# --- --version, and what the help costs ----------------------------------------------------------
+
+# The modules `mlxpipe --help` may load besides cli/: the shared leaves. Planning, launching and
+# serving come in only when a command runs (their defaults are in mlxpipe.defaults).
+LEAVES = ("errors", "console", "paths", "request", "prompts", "protocol", "defaults", "host")
+HEAVY = ("mlx", "mlx_lm", "transformers")
+
+
+def test_version_names_mlxpipe_mlx_and_mlx_lm() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [f"{name} {version(name)}" for name in ("mlxpipe", "mlx", "mlx-lm")]
+    assert VERSIONED == ("mlxpipe", "mlx", "mlx-lm")
+
+
+def modules_loaded_by(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
+    """``mlxpipe ARGS`` run in a fresh interpreter: its exit status and every module it loaded."""
+    out = tmp_path / "modules.json"
+    script = "\n".join([
+        "import json, sys",
+        f"sys.argv = {['mlxpipe', *args]!r}",
+        "from mlxpipe.cli import main",
+        "try:",
+        "    main()",
+        "finally:",
+        f"    open({str(out)!r}, 'w').write(json.dumps(sorted(sys.modules)))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    return done.returncode, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["serve", "--help"], ["generate", "--help"]])
+def test_help_loads_only_the_command_line_and_the_leaves(tmp_path: Path, args: list[str]) -> None:
+    code, modules = modules_loaded_by(args, tmp_path)
+    assert code == 0
+    ours = [m for m in modules if m.split(".")[0] == "mlxpipe"]
+    # A leaf may be a package of leaves (the wire's protocol/): its modules count as the leaf.
+    allowed = ("cli", *LEAVES)
+    assert [m for m in ours if m != "mlxpipe" and m.split(".")[1] not in allowed] == []
+    assert "mlxpipe.cli.serve" in ours  # every command's module is there: the check sees what the app loads
+    assert [m for m in modules if m.split(".")[0] in HEAVY] == []

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from mlxpipe.errors import HostfileError
-from mlxpipe.cluster.hostfile import Host, Hostfile, load_hostfile
+from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
+from mlxpipe.host import Host
 
 REPO = Path(__file__).resolve().parents[2]
 STUDIO = "/Users/me/mlxpipe/.venv/bin/python"

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import pytest
 
 from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.cluster.hostfile import GB, Host
+from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token
 from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes

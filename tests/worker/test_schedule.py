@@ -300,7 +300,7 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
 
 
 def test_where_the_time_goes_names_each_rank_and_hop() -> None:
-    from mlxpipe.launch.batch import where_time_goes
+    from mlxpipe.launch.timing import where_time_goes
 
     def spent(compute: float, recv: float) -> dict[str, float]:
         wall = 10.0

@@ -1,0 +1,32 @@
+"""The defaults the command line shows and the core uses, each written once.
+
+A leaf: it imports nothing of mlxpipe and nothing heavy, so ``mlxpipe --help`` shows every
+default without loading the launch, plan or serve code that uses them; those modules import
+them from here. A request's defaults (max tokens, sampling, KV cache) live with ``Request`` in ``request.py``,
+itself a leaf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# --- what a command targets ---------------------------------------------------------------
+
+DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")  # two ranks on this machine, with the demo model
+DEFAULT_BACKEND = "ring"  # mlx.launch's ring over TCP: works on any network
+DEFAULT_CONTEXT = 4096  # tokens the fit check reserves KV cache for
+
+# --- a launch ------------------------------------------------------------------------------
+
+DEFAULT_PORT = 32323  # mlx.launch's first ring port on real clusters (a free one when every rank is local)
+DEFAULT_LOAD_TIMEOUT = 600.0  # seconds the ranks may take to load their shares
+DEFAULT_STEP_TIMEOUT = 120.0  # the watchdog (--timeout): seconds without progress before a run is ended
+DEFAULT_DECODE_BATCH = 4  # requests per decode micro-batch (--decode-batch); docs/generate.md, "Many prompts at once"
+
+# --- mlxpipe serve -------------------------------------------------------------------------
+
+DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot (or for the ranks); beyond them, 429
+DEFAULT_MAX_RESTARTS = 3  # relaunches after a rank fails before the server gives up
+DEFAULT_PROMPT_CACHE_SIZE = 10  # finished requests whose KV caches are kept for prefix reuse
+DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest request body; a larger one gets a 413
