@@ -1,7 +1,9 @@
-"""Shared pytest set-up: every test runs with its own HOME and Hugging Face cache.
+"""Shared pytest set-up: every test runs with its own HOME and Hugging Face cache, seeded.
 
 Fixtures that build expensive things (models, the fake hub, the test cluster)
-live in ``tests/fixtures/`` and are session-scoped; they are imported here.
+live in ``tests/fixtures/`` and are session-scoped; they are imported here. Sampling is seeded by
+default (``fixtures/seeding.py``): MLX's random state before each test, and a seed in every sampled
+request to a local server that names none.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fixtures.fake_hub import fake_hub, hub_env  # noqa: E402,F401
 from fixtures.demo_model import demo_model, demo_reference  # noqa: E402,F401
 from fixtures.cluster import cluster, cluster_session  # noqa: E402,F401
 from fixtures.serve_process import server  # noqa: E402,F401
+from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded_requests  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ in order, so a cut frame's rest is the next piece of that rank, and the length
 and checksum say which pending frame a piece completes. Whatever cannot be put
 back is reported as lost, with its rank, and never delivered garbled.
 
-Every cut that mlx.launch's reads make is put back (``tests/test_frames.py``
+Every cut that mlx.launch's reads make is put back (``tests/launch/test_frames.py``
 cuts and merges streams as it does, 2 to 4 ranks). A frame that arrives in
 several small pieces interleaved with other ranks' pieces (a terminal handing
 a half-written line to ssh) may be lost; that is reported, and the run fails

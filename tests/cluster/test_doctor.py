@@ -11,14 +11,21 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from fixtures.cluster import skip_or_fail_in_ci
 from typer.testing import CliRunner
 
-from fixtures.cluster import Cluster, skip_or_fail_in_ci
 from mlxpipe.cli import app
-from mlxpipe.cluster.doctor import CheckResult, preflight, require_ok, ring_ports
+from mlxpipe.cluster.doctor import (
+    CheckResult,
+    preflight,
+    require_ok,
+    ring_ports,
+    tp_link_checks,
+)
+from mlxpipe.cluster.hostfile import load_hostfile, parse_hostfile
 from mlxpipe.errors import LaunchError
-from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.launch.ranks import free_port_base
+from tests.plan.test_tensor import invoke
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
@@ -196,61 +203,34 @@ def test_require_ok_names_the_first_failure() -> None:
     require_ok(results[:1])
 
 
-# --- The ssh test cluster -----------------------------------------------------------------
+# --- Doctor: a group over TCP -------------------------------------------------------------------------
 
 
-@pytest.mark.cluster
-def test_cluster_passes(cluster: Cluster, tiny_models: Any) -> None:
-    code, checks, _ = doctor("--hostfile", str(cluster.hostfile(3)), "--model", str(tiny_models["llama"]))
-    assert code == 0, failures(checks)
-    assert {(c["host"], c["check"]) for c in checks} == {
-        (h, check) for h in cluster.hosts for check in ("ssh", "python", "versions", "ports", "memory", "disk")
-    }
-    assert set(statuses(checks).values()) == {"ok"}
+def hostfile(machines: list[str], backend: str = "ring") -> Any:
+    data = {"backend": backend, "hosts": [{"ssh": m, "ips": [f"10.0.0.{i}"]} for i, m in enumerate(machines)]}
+    return parse_hostfile(data, Path("h.json"))
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize("how", ["kill_sshd", "block"])
-def test_unreachable_host_fails_naming_it(cluster: Cluster, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mlxpipe.cluster.doctor.CONNECT_TIMEOUT", 2)  # a blocked host answers nothing: keep the wait short
-    hostfile = cluster.hostfile(2)
-    getattr(cluster, how)(1)
-    code, checks, stderr = doctor("--hostfile", str(hostfile))
-    assert code == 1
-    [bad] = failures(checks)
-    assert (bad["host"], bad["check"]) == (cluster.hosts[1], "ssh")
-    assert bad["detail"].startswith("cannot connect: ")
-    assert cluster.hosts[1] in bad["fix"]
-    assert statuses(checks)[(cluster.hosts[0], "versions")] == "ok"
-    assert f"error: 1 check failed on {cluster.hosts[1]}" in stderr
+@pytest.mark.parametrize(("machines", "backend", "statuses"), [
+    (["a", "b", "c", "d"], "ring", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "mpi", ["warn", "warn"]),
+    (["a", "b", "c", "d"], "jaccl", ["ok", "ok"]),
+    (["a", "a", "b", "b"], "ring", ["ok", "ok"]),  # each group on one machine; the pipeline crosses the link
+    (["127.0.0.1"] * 4, "ring", ["ok", "ok"]),
+])
+def test_doctor_warns_on_groups_over_tcp(machines: list[str], backend: str, statuses: list[str]) -> None:
+    checks = tp_link_checks(hostfile(machines, backend), 2, backend)
+    assert [(c.check, c.ranks, c.status) for c in checks] == [
+        ("tp links", (0, 1), statuses[0]), ("tp links", (2, 3), statuses[1])]
+    for c in checks:
+        assert (c.fix is not None and "JACCL" in c.fix and "mlx.distributed_config" in c.fix) == (c.status == "warn")
+    assert tp_link_checks(hostfile(machines, backend), 1, backend) == []
 
 
-@pytest.mark.cluster
-def test_cluster_host_with_other_mlx_fails_naming_it(cluster: Cluster, other_mlx_python: str) -> None:
-    import mlx.core as mx
-
-    code, checks, _ = doctor("--hostfile", str(cluster.hostfile(3, python={1: other_mlx_python})))
-    assert code == 1
-    [bad] = failures(checks)
-    assert (bad["host"], bad["check"]) == (cluster.hosts[1], "versions")
-    assert f"mlx {OTHER_MLX} here, {mx.__version__} on {cluster.hosts[0]}, {cluster.hosts[2]}" in bad["detail"]
-
-
-@pytest.mark.cluster
-def test_cluster_busy_ring_port_fails(cluster: Cluster) -> None:
-    address = cluster.hosts[0]
-    # SO_REUSEADDR: an earlier test's ring may have left the port in TIME_WAIT.
-    hold = ("import socket, sys, time; s = socket.socket(); "
-            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 32323)); s.listen(); "
-            "print('bound', flush=True); time.sleep(60)")
-    holder = cluster.popen_on(0, [sys.executable, "-c", hold, address], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "bound\n"
-        code, checks, _ = doctor("--hostfile", str(cluster.hostfile(2)))
-    finally:
-        holder.kill()
-        holder.wait()
-    assert code == 1
-    [bad] = failures(checks)
-    assert (bad["host"], bad["check"]) == (address, "ports")
-    assert f"{address}:32323 Address already in use" in bad["detail"]
+def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke("doctor", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
+    assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
+    assert "one machine" in links[0]["detail"]

@@ -25,7 +25,6 @@ from typer.testing import CliRunner
 from mlxpipe.download import fetch as fetch_mod
 from mlxpipe.cluster import remote
 from mlxpipe.cli import app
-from mlxpipe.errors import DownloadError
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import ModelMetadata
@@ -481,55 +480,6 @@ def test_rank_and_from_controller_conflict(tmp_path: Path) -> None:
     result = invoke("--model", "org/any", "--hostfile", str(write_hostfile(tmp_path, 2)), "--rank", "0", "--from-controller")
     assert result.exit_code == 2
     assert "--from-controller sends every host its files; --rank fetches one rank's here" in result.stderr
-
-
-# --- Sending over ssh: the commands (the multi-host test runs them for real) -------------------
-
-
-def shipment() -> remote.Shipment:
-    return remote.Shipment(
-        "/ctl/hf/hub", "~/.cache/huggingface/hub",
-        ("models--o--m/blobs/abc", "models--o--m/refs/main"),
-        (("models--o--m/snapshots/c1/model.safetensors", "../../blobs/abc"),),
-    )
-
-
-def test_rsync_sends_exactly_the_paths_in_batch_mode() -> None:
-    host = load_hostfile_host("me@studio-2")
-    assert remote.rsync_argv(host, shipment()) == [
-        "rsync", "-a", "--relative", "--copy-unsafe-links",
-        "-e", "ssh -o BatchMode=yes -o ConnectTimeout=10 -o LogLevel=ERROR -l me --", "--",
-        "/ctl/hf/hub/./models--o--m/blobs/abc", "/ctl/hf/hub/./models--o--m/refs/main",
-        "/ctl/hf/hub/./models--o--m/snapshots/c1/model.safetensors",
-        "studio-2:.cache/huggingface/hub/",
-    ]
-
-
-def test_scp_fallback_commands_are_quoted_and_atomic() -> None:
-    host = load_hostfile_host("studio-2")
-    s = shipment()
-    assert remote.ssh_argv(host, remote._mkdir_command(s))[:8] == [
-        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR", "--",
-    ]
-    assert remote._mkdir_command(s) == (
-        "mkdir -p -- .cache/huggingface/hub .cache/huggingface/hub/models--o--m/blobs "
-        ".cache/huggingface/hub/models--o--m/refs .cache/huggingface/hub/models--o--m/snapshots/c1"
-    )
-    assert remote.scp_argv(host, s, "models--o--m/blobs/abc")[-3:] == [
-        "--", "/ctl/hf/hub/models--o--m/blobs/abc", "studio-2:.cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial",
-    ]
-    assert remote._finish_command(s).split(" && ") == [
-        "mv -f -- .cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial .cache/huggingface/hub/models--o--m/blobs/abc",
-        "mv -f -- .cache/huggingface/hub/models--o--m/refs/main.mlxpipe-partial .cache/huggingface/hub/models--o--m/refs/main",
-        "ln -sfn -- ../../blobs/abc .cache/huggingface/hub/models--o--m/snapshots/c1/model.safetensors",
-    ]
-
-
-def test_a_remote_path_a_shell_would_split_is_refused(tmp_path: Path) -> None:
-    host = load_hostfile_host("studio-2")
-    bad = remote.Shipment("/ctl", "/Volumes/My Disk/hf/hub; rm -rf ~", ("a.json",))
-    with pytest.raises(DownloadError, match="cannot send to '/Volumes/My Disk/hf/hub; rm -rf ~' over ssh safely"):
-        remote.send(host, bad, "studio-2 (rank 1)")
 
 
 def test_rsync_recreates_the_cache_layout_exactly(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:

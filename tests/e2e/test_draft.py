@@ -20,10 +20,7 @@ from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import make_tiny_checkpoint
-from typer.testing import CliRunner
 
-from mlxpipe.cli import app
-from mlxpipe.errors import ModelError
 from mlxpipe.worker.job import JobSpec
 
 PREFILL_STEP = 8
@@ -158,63 +155,6 @@ def test_the_draft_drafts_some_tokens_right_and_some_wrong(models) -> None:
     responses = list(stream_generate(model, tokenizer, LONG, max_tokens=12, draft_model=draft, num_draft_tokens=3))
     accepted = sum(r.from_draft for r in responses)
     assert 0 < accepted < len(responses) - 1
-
-
-# ---------------------------------------------------------------- refused before anything starts
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--prompts-file", "p.txt", "--concurrency", "2"],
-         "error: --concurrency: with --draft-model the prompts run one at a time"),
-        (["--max-kv-size", "64"], "error: --max-kv-size does not work with --draft-model"),
-        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be at least 1, got 0"),
-    ],
-)
-def test_a_draft_flag_combination_is_refused_in_one_line(models, args: list[str], message: str) -> None:
-    prompt = [] if "--prompts-file" in args else ["--prompt", "hi"]
-    result = CliRunner().invoke(app, ["generate", *prompt, "--model", str(models["target"]),
-                                      "--draft-model", str(models["draft"]), *args])
-    assert result.exit_code == 2, result.output
-    assert result.output.strip().splitlines()[0].startswith(message), result.output
-
-
-@pytest.mark.parametrize("command", ["generate", "chat"])
-def test_a_draft_model_that_is_neither_directory_nor_hub_id_is_refused(models, command: str) -> None:
-    prompt = ["--prompt", "hi"] if command == "generate" else []
-    result = CliRunner().invoke(app, [command, *prompt, "--model", str(models["target"]),
-                                      "--draft-model", "./no/such/draft"])
-    assert result.exit_code == 2, result.output
-    assert result.output.strip().splitlines()[0] == (
-        "error: --draft-model ./no/such/draft: no such directory, and not a hub repo id"), result.output
-
-
-def test_a_draft_model_missing_from_the_hub_is_refused_before_launch(models, hub_env) -> None:
-    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--model", str(models["target"]),
-                                      "--draft-model", "tiny/no-such-draft"])
-    assert result.exit_code == 1, result.output
-    assert result.output.strip().splitlines()[0].startswith("error: tiny/no-such-draft"), result.output
-
-
-def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:
-    from mlxpipe.model.metadata import ModelMetadata
-    from mlxpipe.launch.run import check_draft
-
-    meta = ModelMetadata(str(models["target"]), {}, (), {}, local=True)
-    check_draft(str(models["draft"]), meta)  # the same tokenizer: fine
-    with pytest.raises(ModelError, match=r"--draft-model .*other-vocab: its tokenizer has 257 tokens, the model's 256"):
-        check_draft(str(models["other_vocab"]), meta)
-
-
-def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models, tiny_models) -> None:
-    from mlxpipe.model.metadata import ModelMetadata
-    from mlxpipe.launch.run import check_draft
-
-    meta = ModelMetadata(str(tiny_models["lfm2"]), {}, (), {}, local=True)
-    with pytest.raises(ModelError, match="^--draft-model: speculative decoding trims rejected drafts from the KV "
-                                         "caches, and this model's ArraysCache cannot be trimmed$"):
-        check_draft(str(models["draft"]), meta)
 
 
 @pytest.mark.ranks
@@ -376,11 +316,3 @@ def test_serve_with_a_draft_model_refuses_what_it_cannot_do(draft_server: ServeP
                    "without one for it", "type": "invalid_request_error", "param": param, "code": None}
     assert draft_server.health()["status"] == "ready"
 
-
-def test_serve_refuses_concurrency_with_a_draft_model(models) -> None:
-    result = CliRunner().invoke(app, ["serve", "--model", str(models["target"]), "--draft-model",
-                                      str(models["draft"]), "--max-concurrency", "4"])
-    assert result.exit_code == 2, result.output
-    assert result.output.strip().splitlines()[0] == (
-        "error: --max-concurrency: with --draft-model requests run one at a time (speculative decoding is not "
-        "batched, as in mlx_lm.server)"), result.output

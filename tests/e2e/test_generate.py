@@ -68,20 +68,3 @@ def test_chat_two_turns(demo_model: Path) -> None:
     assert answers[0] == "The capital of France is Paris."
     assert "Berlin" in answers[1]
     assert result.stderr.count("tok/s") == 2
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--prompt", "x", "--max-tokens", "0"], "error: --max-tokens must be at least 1, got 0"),
-        (["--prompt", "x", "--temp", "-1"], "error: --temp must be >= 0, got -1"),
-        (["--prompt", "x", "--top-p", "1.5"], "error: --top-p must be in (0, 1], got 1.5"),
-        (["--prompt", "x", "--min-p", "1"], "error: --min-p must be in [0, 1), got 1"),
-        (["--prompt", "x", "--pipeline", "magic"], "error: --pipeline 'magic': use one of generic, native"),
-        (["--max-tokens", "3"], "error: --prompt is required ('-' reads standard input)"),
-    ],
-)
-def test_usage_errors_exit_2_before_launch(demo_model: Path, args: list[str], message: str) -> None:
-    result = mlxpipe("generate", "--model", str(demo_model), *args)
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[0] == message

@@ -191,21 +191,6 @@ def test_moe_chat_data_masked_prompt_1f1b_equals_mlx_lm(workdir: Path) -> None:
     check_run(lines, ref, out)
 
 
-def test_bad_flags_are_refused_before_any_rank_starts(workdir: Path) -> None:
-    cases = [
-        (["--micro-batches", "3"], "--batch-size 4 is not a multiple of --micro-batches 3"),
-        (["--schedule", "pipedream"], "--schedule 'pipedream': use one of gpipe, 1f1b"),
-        (["--resume-adapter-file", str(workdir / "nope.safetensors")], "no such file"),
-    ]
-    for extra, message in cases:
-        result = subprocess.run(
-            [MLXPIPE, "lora", "--train", "--model", str(workdir / "llama"), "--data", str(workdir / "text"), *extra],
-            capture_output=True, text=True, timeout=60, cwd=REPO,
-        )
-        assert result.returncode == 2, result.stderr
-        assert message in result.stderr
-
-
 def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_checkpoints(workdir: Path) -> None:
     import time
 
@@ -235,87 +220,3 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
     while local_rank_processes(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert local_rank_processes(os.getpid()) == {}
-
-
-@pytest.mark.parametrize(("model", "num_layers", "keys"), [("llama", 3, None), ("llama-4bit", 2, None),
-                                                           ("moe", -1, None), ("llama", 4, ["self_attn.q_proj"])])
-def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, model: str, num_layers: int,
-                                                              keys: list[str] | None) -> None:
-    from mlx.utils import tree_flatten
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-    from mlx_lm.utils import load
-
-    from mlxpipe.plan.training import lora_parameters_of
-    from mlxpipe.model.metadata import load_local
-
-    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
-    loaded, _ = load(str(workdir / model))
-    loaded.freeze()
-    linear_to_lora_layers(loaded, num_layers, lora)
-    made = sum(v.size for _, v in tree_flatten(loaded.trainable_parameters()))
-    meta = load_local(workdir / model)
-    first = 0 if num_layers < 0 else 4 - num_layers
-    assert sum(lora_parameters_of(meta, i, 4, keys) for i in range(first, 4)) == made
-
-
-
-def test_the_memory_estimate_holds_the_micro_batches_in_flight_and_the_backward_working_set(workdir: Path) -> None:
-    from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.lora.run import TrainOptions
-    from mlxpipe.plan.training import training_memory
-    from mlxpipe.model.metadata import load_local
-    from mlxpipe.plan.shard import make_plan
-
-    meta = load_local(workdir / "llama")
-    the_plan = make_plan(meta, load_hostfile(Path("hostfiles/local-2.json")).hosts)  # rank 1: layers 0-1
-
-    def rank1(schedule: str, micro: int, num_layers: int = -1) -> tuple[int, int]:
-        options = TrainOptions.build({"model": str(workdir / "llama"), "train": True, "batch_size": 8,
-                                      "micro_batches": micro, "schedule": schedule, "num_layers": num_layers})
-        m = training_memory(meta, the_plan, options, 40)[1]  # the first stage: no logits
-        return m.micro_batches_held, m.activation_bytes
-
-    # In units of one layer's activations for one 2-row micro-batch (L): held micro-batches x
-    # 2 layers, plus the backward's working set, one layer of one micro-batch.
-    gpipe, one_f_one_b, naive = rank1("gpipe", 4), rank1("1f1b", 4), rank1("1f1b", 1)
-    assert (gpipe[0], one_f_one_b[0], naive[0]) == (4, 2, 1)
-    assert gpipe[1] / one_f_one_b[1] == pytest.approx(9 / 5)  # 8L + L against 4L + L
-    assert naive[1] / gpipe[1] == pytest.approx(12 / 9)  # one 8-row micro-batch: 2 x 4L + 4L
-    # Only the last layer trained: the first stage runs forward only, one micro-batch, no backward.
-    forward_only = rank1("1f1b", 4, num_layers=1)
-    assert forward_only[0] == 1 and forward_only[1] / one_f_one_b[1] == pytest.approx(2 / 5)
-
-
-def test_a_rank_whose_adapters_are_lost_on_the_way_fails_the_save_instead_of_writing_without_them(
-        tmp_path: Path) -> None:
-    # mlx.launch merges the ranks' output in 8 KiB reads, so a long line can be cut by another
-    # rank's output and lost. This cannot be made to happen on purpose with real ranks: the
-    # channel here delivers rank 0's "adapter" event and loses rank 1's.
-    from mlxpipe.errors import LaunchError
-    from mlxpipe.lora.run import ADAPTER_FILE, Reporter, Training, TrainOptions
-    from mlxpipe.worker.train import encode_weights
-    import mlx.core as mx
-
-    class Ranks:
-        size = 2
-
-        def __init__(self) -> None:
-            self.sent: list[dict[str, Any]] = []
-
-        def send(self, request: dict[str, Any]) -> None:
-            self.sent.append(request)
-
-        def events(self, timeout: float) -> Any:
-            while not self.sent:
-                yield {"event": "idle"}
-            ident = self.sent[0]["id"]
-            yield {"event": "adapter", "id": ident, "rank": 0, "data": encode_weights({"a": mx.zeros((2,))})}
-            for rank in (0, 1):
-                yield {"event": "done", "id": ident, "rank": rank, "kind": "save", "tensors": 1}
-
-    pipe = types.SimpleNamespace(ranks=Ranks(), options=types.SimpleNamespace(step_timeout=5.0), loaded={},
-                                 run_dir=tmp_path / "run")
-    options = TrainOptions.build({"model": "m", "train": True, "adapter_path": str(tmp_path)})
-    with pytest.raises(LaunchError, match="rank 1's adapters did not reach this machine whole"):
-        Training(pipe, options, Reporter()).run(iter([{"type": "save", "it": 1}]))
-    assert not (tmp_path / ADAPTER_FILE).exists()

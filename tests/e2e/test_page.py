@@ -19,7 +19,6 @@ import pytest
 
 from fixtures.processes import local_rank_processes
 from fixtures.serve_process import KEY, ServeProcess, ready_server
-from mlxpipe.serve.cluster_view import History
 
 WAIT_SECONDS = 60.0  # for the page to show what the server does; the ranks' relaunch gets longer
 RELAUNCH_SECONDS = 180.0
@@ -172,13 +171,3 @@ def test_a_killed_rank_shows_restarting_then_ready(breakable: ServeProcess, brow
     states = {e.get_attribute("data-rank"): e.get_attribute("data-state")
               for e in browser.find_elements(By.CSS_SELECTOR, "#ranks .rank")}
     assert states == {"0": "ready", "1": "ready"}
-
-
-def test_the_history_is_a_bounded_ring_of_rates() -> None:
-    history = History(size=3)
-    history.sample(100.0, tokens=0, in_flight=0)
-    history.sample(102.0, tokens=10, in_flight=2)
-    history.sample(103.0, tokens=10, in_flight=1)
-    history.sample(103.5, tokens=13, in_flight=1)
-    assert [(s["t"], s["tps"], s["in_flight"]) for s in history.samples] == [(102.0, 5.0, 2), (103.0, 0.0, 1),
-                                                                             (103.5, 6.0, 1)]

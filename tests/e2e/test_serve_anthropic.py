@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedQueue, greedy, is_eos, prompt
+from fixtures.chat_reference import greedy, is_eos, prompt
 from fixtures.serve_process import KEY, ServeProcess
-from mlxpipe.serve.app import build_app
-from mlxpipe.serve.door import ServerSettings
-from mlxpipe.serve.queue import RequestLog
 
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
@@ -163,40 +158,3 @@ def test_a_wrong_key_is_anthropics_authentication_error(server: ServeProcess, de
     response = httpx.post(f"{server.base}/v1/messages/count_tokens", json={"messages": _user("hi")},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 200 and response.json()["input_tokens"] > 0
-
-
-# --- tool calls the model writes (a scripted queue: the demo model's template has none) -------------------------
-
-
-TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
-    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
-    tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
-    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
-    app = build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
-    with TestClient(app) as http:
-        yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
-
-
-def test_a_tool_call_comes_back_as_a_tool_use_block(scripted: anthropic.Anthropic) -> None:
-    reply = scripted.messages.create(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
-                                     tools=[WEATHER_TOOL])
-    assert [b.type for b in reply.content] == ["text", "tool_use"]
-    assert reply.content[0].text == "Checking."
-    call = reply.content[1]
-    assert (call.name, call.input, reply.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
-    assert call.id.startswith("toolu_")
-
-
-def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthropic) -> None:
-    with scripted.messages.stream(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
-                                  tools=[WEATHER_TOOL]) as stream:
-        events = list(stream)
-        final = stream.get_final_message()
-    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
-    assert "text_delta" in deltas and "input_json_delta" in deltas
-    assert [b.type for b in final.content] == ["text", "tool_use"]
-    assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"

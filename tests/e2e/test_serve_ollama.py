@@ -8,19 +8,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import ollama
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-from starlette.testclient import TestClient
 
-from fixtures.chat_reference import ScriptedQueue, greedy, is_eos, plain, prompt
+from fixtures.chat_reference import greedy, is_eos, plain, prompt
 from fixtures.serve_process import KEY, ServeProcess
-from mlxpipe.serve.app import build_app
-from mlxpipe.serve.door import ServerSettings
-from mlxpipe.serve.queue import RequestLog
 
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
@@ -76,27 +70,6 @@ def test_bad_input_is_ollamas_error_naming_the_field(server: ServeProcess, body:
     response = httpx.post(f"{server.base}/api/chat", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
     assert response.status_code == status and fragment in response.json()["error"], response.text
-
-
-TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def scripted(demo_model: Path) -> Iterator[ollama.Client]:
-    tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
-    settings = ServerSettings(model_id="scripted", api_key=None, context=4096)
-    with TestClient(build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings,  # type: ignore[arg-type]
-                              RequestLog())) as http:
-        client = ollama.Client(host="http://testserver")
-        client._client = http  # the real door in-process
-        yield client
-
-
-def test_a_tool_call_comes_back_in_the_message(scripted: ollama.Client) -> None:
-    reply = scripted.chat(model="scripted", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                          tools=[WEATHER_FUNCTION])
-    (call,) = reply.message.tool_calls
-    assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
 
 @pytest.mark.ranks

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 from typer.testing import CliRunner
@@ -216,26 +216,6 @@ def test_shell_syntax_in_hostfile_is_rejected_or_harmless(cluster: Cluster, key:
         assert result.exit_code == 1, result.output
     assert not marker.exists()
     assert cluster.leftovers() == {}
-
-
-def test_trust_remote_code_is_off_unless_asked(demo_model: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxpipe.errors import LaunchError
-    from mlxpipe.launch.pipeline import Pipeline
-
-    jobs: list[Any] = []
-
-    def start(self: Pipeline, on_loaded: Callable[..., None] | None = None) -> None:
-        jobs.append(self.job)
-        raise LaunchError("not starting ranks in this test")
-
-    monkeypatch.setattr(Pipeline, "start", start)
-    hostfile = tmp_path / "local-2.json"
-    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
-    for flags in ([], ["--trust-remote-code"]):
-        result = cli("generate", "--model", str(demo_model), "--hostfile", str(hostfile), "--prompt", "Hi", *flags)
-        assert result.exit_code == 1 and "not starting ranks" in result.stderr
-    assert [job.trust_remote_code for job in jobs] == [False, True]
 
 
 # --- serve ----------------------------------------------------------------------------------------------

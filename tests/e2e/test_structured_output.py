@@ -3,7 +3,8 @@
 A tiny random model's free text is noise, so only the grammar mask can make its replies JSON: sampled replies
 must all parse and validate against their schema and end (``stop``) when the JSON does. One server on 2 ranks
 for the module; constrained and free requests in flight together must each equal their solo (greedy) output,
-since each request keeps its own grammar state. The fast tests check the fields and the grammar itself.
+since each request keeps its own grammar state. The fields and the grammar itself are checked without
+ranks in ``tests/test_request.py`` and ``tests/worker/test_constraints.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import numpy as np
 import openai
 import pytest
 
-from mlxpipe.request import Request, RequestError
-from mlxpipe.worker.constraints import Constraint, compile_error
 
 from fixtures.serve_process import ServeProcess, ready_server
-from fixtures.tiny_models import VOCAB_SIZE, TinyModels
+from fixtures.tiny_models import TinyModels
 
 # Bounded strings and numbers: a noise model would otherwise write until max_tokens inside a string.
 PERSON = {
@@ -48,57 +47,6 @@ def _schema_format(schema: dict[str, Any], name: str = "person") -> dict[str, An
 
 def _ask(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
-
-
-# --- fields and grammar, no ranks ----------------------------------------------------
-
-
-@pytest.mark.parametrize(("values", "field"), [
-    ({"top_logprobs": 21}, "top_logprobs"),
-    ({"top_logprobs": -1}, "top_logprobs"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}, "prefill_response": "{"}, "response_format"),
-])
-def test_request_checks_the_new_fields(values: dict[str, Any], field: str) -> None:
-    with pytest.raises(RequestError) as e:
-        Request(prompt="p", **values).check()
-    assert e.value.field == field
-
-
-def test_text_format_is_free_text() -> None:
-    assert Request(prompt="p", response_format={"type": "text"}).check().response_format is None
-
-
-@pytest.mark.parametrize(("schema", "fragment"), [
-    ({"type": "strang"}, "strang"),
-    ({"$ref": "#/definitions/nowhere"}, "nowhere"),
-    ({"type": "string", "pattern": "(("}, "unclosed"),
-])
-def test_a_schema_llguidance_cannot_compile_says_why(schema: dict[str, Any], fragment: str) -> None:
-    error = compile_error(_schema_format(schema))
-    assert error is not None and fragment in error
-
-
-def test_the_mask_allows_only_json_of_the_schema_and_then_only_the_end(tiny_models: TinyModels) -> None:
-    from mlx_lm.utils import load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_models["llama"])
-    eos = set(tokenizer.eos_token_ids)
-    rng = np.random.default_rng(0)
-    for _ in range(5):
-        constraint = Constraint(_schema_format(PERSON), tokenizer, VOCAB_SIZE, eos)
-        tokens: list[int] = []
-        while True:
-            allowed = np.flatnonzero(constraint.allowed(VOCAB_SIZE))
-            token = int(rng.choice(allowed))
-            if token in eos:
-                break
-            constraint.accept(token)
-            tokens.append(token)
-            assert len(tokens) < 400
-        jsonschema.validate(json.loads(tokenizer.decode(tokens)), PERSON)
-        assert set(np.flatnonzero(constraint.allowed(VOCAB_SIZE))) <= eos  # complete: nothing but the end
 
 
 # --- a server on 2 ranks ---------------------------------------------------------------

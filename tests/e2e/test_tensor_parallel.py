@@ -33,10 +33,9 @@ from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from tests.e2e.test_draft import first_layers_draft
-from tests.worker.test_schedule import _reference
+from tests.e2e.test_overlap import _reference
 from tests.e2e.test_pipeline import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
-from mlxpipe.errors import UsageError
 from mlxpipe.worker.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
@@ -346,13 +345,3 @@ def test_serve_with_tp_gives_mlx_lms_replies_alone_together_and_after_a_cancel(t
     history = [*first, {"role": "assistant", "content": _chat(tp_server, first)},
                {"role": "user", "content": "And then?"}]
     assert _chat(tp_server, history) == expected(history)  # the prompt cache holds what the first turn fed
-
-
-def test_job_with_tp_needs_a_path_per_rank_and_a_split_per_stage() -> None:
-    job = JobSpec(["a", "a", "b", "b"], [2, 4], tp=2)
-    assert job.world_size == 4
-    assert [job.layer_range(r) for r in range(4)] == [(4, 6), (4, 6), (0, 4), (0, 4)]
-    with pytest.raises(UsageError, match="3 model paths for 2 stages of 2 ranks"):
-        JobSpec(["a", "a", "b"], [2, 4], tp=2)
-    with pytest.raises(UsageError, match="generic pipeline only"):
-        JobSpec(["a", "a"], [6], tp=2, mode="native")

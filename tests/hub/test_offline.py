@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.download import fetch as fetch_mod
-from mlxpipe.cluster import target as target_mod
 from mlxpipe.cli import app
 from mlxpipe.hub.client import load_metadata
 
@@ -384,30 +383,3 @@ def test_an_unreachable_hub_falls_back_to_what_huggingface_hub_cached(
     hf_hub_download(repo, "config.json")
     point_hf_hub_at(closed_port_endpoint(), hf_home, monkeypatch)
     assert load_metadata(repo).commit == commit
-
-
-# --- The error boundary -----------------------------------------------------------------------
-
-
-def test_the_boundary_maps_a_network_error_nobody_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A future command calling the hub outside hub_errors still gets one line, not a traceback."""
-    from huggingface_hub import HfApi
-
-    ep = closed_port_endpoint()
-
-    def unmapped(*args: Any, **kwargs: Any) -> Any:
-        return HfApi(endpoint=ep).model_info("org/model", timeout=2)  # raises httpx's ConnectError
-
-    monkeypatch.setattr(target_mod, "load_model_metadata", unmapped)
-    result = invoke("plan", "--model", "org/model")
-    assert_one_error(result, f"error: cannot reach the hub at {ep}: connection refused",
-                     NET_HINT.format(ep=os.environ.get("HF_ENDPOINT") or "https://huggingface.co"))
-
-
-def test_the_boundary_lets_a_bug_keep_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    def bug(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("a bug")
-
-    monkeypatch.setattr(target_mod, "load_model_metadata", bug)
-    result = invoke("plan", "--model", "org/model")
-    assert isinstance(result.exception, ValueError)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from fixtures import flood_worker
-from fixtures.cluster import cluster, cluster_session  # noqa: F401
 from mlxpipe.launch import frames
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.launch.ranks import LaunchSpec, Ranks
@@ -165,8 +164,3 @@ def test_a_flood_of_long_events_from_every_rank_arrives_whole(tmp_path: Path) ->
     tic = time.monotonic()
     check_flood(flood(hostfile, 2000), 2000)  # ~21 MB per rank: events of 20 B to 65 KB
     print(f"flood: {time.monotonic() - tic:.1f} s")
-
-
-@pytest.mark.cluster
-def test_a_flood_through_ssh_terminals_arrives_whole(cluster: Any) -> None:  # noqa: F811
-    check_flood(flood(cluster.hostfile(3), 1000), 1000)

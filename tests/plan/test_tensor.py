@@ -6,7 +6,6 @@ Pure metadata and Typer's runner: no rank starts here (the ranks' side is tested
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,6 @@ from typer.testing import CliRunner
 
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
-from mlxpipe.cluster.doctor import tp_link_checks
-from mlxpipe.cluster.hostfile import parse_hostfile
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD
@@ -316,64 +313,3 @@ def test_pipeline_native_is_refused_with_tp(monkeypatch: pytest.MonkeyPatch) -> 
     result = invoke("generate", "--model", "unread", "--prompt", "hi", "--tp", "2", "--pipeline", "native")
     assert (result.exit_code, result.stderr) == (2, "error: --tp 2 needs the generic pipeline\n"
                                                     "hint: drop --pipeline native\n")
-
-
-# --- Launch: the job the ranks get ------------------------------------------------------------------
-
-
-def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, four_hosts: Path) -> None:
-    from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.hub.client import load_metadata
-    from mlxpipe.launch.pipeline import RunOptions, job_spec
-    from mlxpipe.worker.job import JobSpec
-
-    target = resolve_target(str(tiny), None, four_hosts, None, None, None, 2)
-    the_plan = make_plan(load_metadata(str(tiny)), target.hostfile.hosts, tp=2)
-    if "tp" not in {f.name for f in fields(JobSpec)}:
-        pytest.skip("the worker's JobSpec has no tp field yet (tp-core adds it)")
-    job = job_spec(load_metadata(str(tiny)), the_plan, target, RunOptions(tp=2))
-    assert (job.tp, job.split, len(job.model_paths)) == (2, [3, 3], 4)  # type: ignore[attr-defined]
-
-
-def test_job_spec_without_tp_is_unchanged(tiny: Path) -> None:
-    from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.hub.client import load_metadata
-    from mlxpipe.launch.pipeline import RunOptions, job_spec
-
-    target = resolve_target(str(tiny), None, REPO / "hostfiles" / "local-2.json", None, None, None)
-    meta_ = load_metadata(str(tiny))
-    job = job_spec(meta_, make_plan(meta_, target.hostfile.hosts), target, RunOptions())
-    assert (job.split, len(job.model_paths), getattr(job, "tp", 1)) == ([3, 3], 2, 1)
-
-
-# --- Doctor: a group over TCP -------------------------------------------------------------------------
-
-
-def hostfile(machines: list[str], backend: str = "ring") -> Any:
-    data = {"backend": backend, "hosts": [{"ssh": m, "ips": [f"10.0.0.{i}"]} for i, m in enumerate(machines)]}
-    return parse_hostfile(data, Path("h.json"))
-
-
-@pytest.mark.parametrize(("machines", "backend", "statuses"), [
-    (["a", "b", "c", "d"], "ring", ["warn", "warn"]),
-    (["a", "b", "c", "d"], "mpi", ["warn", "warn"]),
-    (["a", "b", "c", "d"], "jaccl", ["ok", "ok"]),
-    (["a", "a", "b", "b"], "ring", ["ok", "ok"]),  # each group on one machine; the pipeline crosses the link
-    (["127.0.0.1"] * 4, "ring", ["ok", "ok"]),
-])
-def test_doctor_warns_on_groups_over_tcp(machines: list[str], backend: str, statuses: list[str]) -> None:
-    checks = tp_link_checks(hostfile(machines, backend), 2, backend)
-    assert [(c.check, c.ranks, c.status) for c in checks] == [
-        ("tp links", (0, 1), statuses[0]), ("tp links", (2, 3), statuses[1])]
-    for c in checks:
-        assert (c.fix is not None and "JACCL" in c.fix and "mlx.distributed_config" in c.fix) == (c.status == "warn")
-    assert tp_link_checks(hostfile(machines, backend), 1, backend) == []
-
-
-def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)
-    result = invoke("doctor", "--tp", "2", "--json")
-    assert result.exit_code == 0, result.output
-    links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
-    assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
-    assert "one machine" in links[0]["detail"]

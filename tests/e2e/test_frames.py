@@ -1,0 +1,15 @@
+"""Frames through real ssh terminals: a flood of long events from every rank of the ssh test cluster arrives whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fixtures.cluster import cluster, cluster_session  # noqa: F401
+
+from tests.launch.test_frames import check_flood, flood
+
+
+@pytest.mark.cluster
+def test_a_flood_through_ssh_terminals_arrives_whole(cluster: Any) -> None:  # noqa: F811
+    check_flood(flood(cluster.hostfile(3), 1000), 1000)

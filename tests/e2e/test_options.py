@@ -1,0 +1,182 @@
+"""mlx_lm.generate's options: exact tokens on real ranks.
+
+Every option must give, on 2 ranks, exactly the tokens single-process mlx-lm gives with that
+option (greedy, or seeded sampling for the sampler's options): overlapped through the engine
+(``--prompts-file``, ``serve``), alone through it (``generate``, ``chat``), and through mlx-lm's
+``stream_generate`` (``--pipeline native``). One ``mlx.launch`` run serves every option
+(``fixtures/option_ranks.py``). The serve bodies' names are checked against a real server in
+``test_serve_openai.py``; the flags and prompts-file lines end to end below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures.option_reference import reference as mlx_lm_reference
+from fixtures.ranks import launch_cases, rank_dirs
+from fixtures.tiny_models import make_tiny_checkpoint
+
+from mlxpipe.worker.job import JobSpec
+
+PREFILL_STEP = 8
+SPLIT = [2, 4]  # rank 0 runs layers 4-5, rank 1 layers 0-3
+ADAPTER_LAYERS = 4  # adapters on layers 2-5: both ranks hold some, rank 1 also two without
+QUESTION = "Tell me about pipelines across several machines, please."
+LONG = "Stage after stage, token by token, the hidden state moves down the ring of hosts."
+_TIMEOUT = 420.0
+
+
+def _chat(**options: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, **options}
+
+
+def _raw(text: str = LONG, **options: Any) -> dict[str, Any]:
+    return {"prompt": text, "ignore_chat_template": True, "max_tokens": 8, **options}
+
+
+# One request per option (id -> Request fields), and the request without it that it must differ from.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "top_k": _chat(temp=1.0, top_k=2, seed=1),
+    "xtc": _chat(temp=1.0, xtc_probability=1.0, xtc_threshold=0.01, seed=2),
+    "min_p": _raw(temp=2.0, min_p=0.2, min_tokens_to_keep=3, top_p=0.9, seed=3),
+    "logit_bias": _chat(logit_bias={101: 3.0, 116: 2.0}),
+    "repetition": _chat(repetition_penalty=3.0, repetition_context_size=20),  # its greedy reply repeats a token
+    "presence_frequency": _chat(presence_penalty=5.0, frequency_penalty=2.0),
+    "extra_eos": _chat(extra_eos_token=["<|endoftext|>"]),  # and the third greedy token's id: see _requests
+    "max_kv_size": _raw(max_kv_size=12, max_tokens=10),
+    "kv_bits": _raw(kv_bits=4, kv_group_size=32, quantized_kv_start=10, max_tokens=10),
+    "prefill_response": _chat(prefill_response="Pipelines are"),
+    "chat_template_config": _chat(chat_template_config={"add_generation_prompt_extra": True}, system_prompt="Be brief."),
+}
+ADAPTER_REQUESTS: dict[str, dict[str, Any]] = {"adapter_chat": _chat(), "adapter_raw": _raw()}
+# Options that need not change the tokens of this tiny model (they are exercised all the same).
+UNCHANGED = {"chat_template_config"}
+
+
+# ---------------------------------------------------------------- every option on real ranks
+
+
+@pytest.fixture(scope="module")
+def option_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny qwen2 whose head_dim (32) KV quantization takes, and random LoRA adapters on its last 4 layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    root = tmp_path_factory.mktemp("options")
+    # qwen2: mlx-lm's make_prompt_cache honours max_kv_size only for models without their own make_cache.
+    checkpoint = make_tiny_checkpoint("qwen2", root / "qwen2", overrides={"hidden_size": 128})
+    model, _ = load(str(checkpoint))
+    lora = {"rank": 4, "scale": 2.0, "dropout": 0.0}
+    linear_to_lora_layers(model, ADAPTER_LAYERS, lora)
+    adapters = {k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.2
+                for i, (k, v) in enumerate(tree_flatten(model.parameters())) if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    dest = root / "adapters"
+    dest.mkdir()
+    mx.save_safetensors(str(dest / "adapters.safetensors"), adapters)
+    (dest / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": ADAPTER_LAYERS, "lora_parameters": lora}))
+    return checkpoint, dest
+
+
+def reference(path: Path, fields: dict[str, Any], adapters: Path | None = None) -> list[int]:
+    return mlx_lm_reference(path, fields, adapters, prefill_step_size=PREFILL_STEP)[0]
+
+
+def _without(fields: dict[str, Any]) -> dict[str, Any]:
+    """The same request with mlxpipe's defaults for every option but the prompt, length, temperature and seed."""
+    keep = {"messages", "prompt", "ignore_chat_template", "max_tokens", "temp", "seed"}
+    return {k: v for k, v in fields.items() if k in keep}
+
+
+def _requests(checkpoint: Path) -> dict[str, dict[str, Any]]:
+    """``OPTIONS`` with the extra EOS made one the greedy reply meets (its third token), and the logit
+    bias banning its first."""
+    requests = {key: {"id": key, **fields} for key, fields in OPTIONS.items()}
+    third = reference(checkpoint, _without(OPTIONS["extra_eos"]))[2]
+    requests["extra_eos"]["extra_eos_token"] = ["<|endoftext|>", str(third)]
+    first = reference(checkpoint, _without(OPTIONS["logit_bias"]))[0]
+    requests["logit_bias"]["logit_bias"] = {first: -100.0, 116: 2.0}
+    return requests
+
+
+@pytest.fixture(scope="module")
+def option_runs(option_model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    checkpoint, adapters = option_model
+    tmp = tmp_path_factory.mktemp("option-runs")
+    dirs = [str(d) for d in rank_dirs(checkpoint, SPLIT, tmp / "dirs")]
+    requests = list(_requests(checkpoint).values())
+    cases = [
+        {"id": "options", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP)),
+         "requests": requests, "concurrency": 3},
+        {"id": "native", "job": asdict(JobSpec(dirs, SPLIT, mode="native", prefill_step_size=PREFILL_STEP)),
+         "requests": requests},
+        {"id": "adapters", "job": asdict(JobSpec(dirs, SPLIT, prefill_step_size=PREFILL_STEP,
+                                                 adapter_path=str(adapters))),
+         "requests": [{"id": key, **fields} for key, fields in ADAPTER_REQUESTS.items()], "concurrency": 2},
+    ]
+    result = launch_cases("option_ranks.py", cases, 2, tmp, timeout=_TIMEOUT)
+    by_case = {(e["id"], e["rank"]): e for e in result.of("options_case")}
+    if len(by_case) != 2 * len(cases):
+        pytest.fail(f"not every case came back from every rank\n{result.describe()}")
+    return {"cases": {c["id"]: c for c in cases}, "events": by_case}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_each_option_is_token_identical_to_mlx_lm(option_runs, option_model, option: str) -> None:
+    checkpoint, _ = option_model
+    request = next(r for r in option_runs["cases"]["options"]["requests"] if r["id"] == option)
+    fields = {k: v for k, v in request.items() if k != "id"}
+    expected = reference(checkpoint, fields)
+    event = option_runs["events"][("options", 0)]
+    assert event["engine"][option]["tokens"] == expected, "overlapped (--prompts-file, serve)"
+    assert event["alone"][option]["tokens"] == expected, "alone (generate, chat)"
+    assert option_runs["events"][("native", 0)]["alone"][option]["tokens"] == expected, "stream_generate (native)"
+    if option not in UNCHANGED:
+        assert expected != reference(checkpoint, _without(fields)), "the option changes nothing: a weak test"
+    if option == "extra_eos":
+        assert len(expected) <= 3
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("request_id", list(ADAPTER_REQUESTS))
+def test_adapters_give_mlx_lms_tokens(option_runs, option_model, request_id: str) -> None:
+    checkpoint, adapters = option_model
+    fields = ADAPTER_REQUESTS[request_id]
+    expected = reference(checkpoint, fields, adapters)
+    event = option_runs["events"][("adapters", 0)]
+    assert event["engine"][request_id]["tokens"] == expected
+    assert event["alone"][request_id]["tokens"] == expected
+    assert expected != reference(checkpoint, fields), "the adapters change nothing: a weak test"
+
+
+# ---------------------------------------------------------------- the command line, end to end
+
+
+@pytest.mark.ranks
+def test_flags_and_prompts_file_lines_reach_the_ranks(option_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """``generate --prompts-file`` with option flags (the lines' defaults) and a line overriding them, adapters on."""
+    import subprocess
+    import sys
+
+    checkpoint, adapters = option_model
+    flags = {"temp": 1.0, "top_k": 2, "seed": 4, "kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 10}
+    lines = [_raw(max_tokens=6), _chat(max_tokens=6, temp=0.0, top_k=0, prefill_response="Sure")]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(checkpoint), "--prompts-file",
+            str(path), "--adapter-path", str(adapters), "--json", "--prefill-step-size", str(PREFILL_STEP)]
+    for key, value in flags.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    got = [r["tokens"] for r in json.loads(result.stdout)["results"]]
+    expected = [reference(checkpoint, {**flags, **line}, adapters)
+                for line in lines]
+    assert got == expected

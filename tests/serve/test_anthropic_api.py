@@ -1,0 +1,51 @@
+"""serve/anthropic_api.py in-process: the real app and door over a scripted queue (tool calls the model writes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import anthropic
+import pytest
+from fixtures.chat_reference import ScriptedQueue
+from fixtures.serve_process import KEY
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from starlette.testclient import TestClient
+
+from mlxpipe.serve.app import build_app
+from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
+from tests.e2e.test_serve_anthropic import WEATHER_TOOL, _user
+
+TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
+    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
+    tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
+    app = build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
+    with TestClient(app) as http:
+        yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
+
+
+def test_a_tool_call_comes_back_as_a_tool_use_block(scripted: anthropic.Anthropic) -> None:
+    reply = scripted.messages.create(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
+                                     tools=[WEATHER_TOOL])
+    assert [b.type for b in reply.content] == ["text", "tool_use"]
+    assert reply.content[0].text == "Checking."
+    call = reply.content[1]
+    assert (call.name, call.input, reply.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
+    assert call.id.startswith("toolu_")
+
+
+def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthropic) -> None:
+    with scripted.messages.stream(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
+                                  tools=[WEATHER_TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert "text_delta" in deltas and "input_json_delta" in deltas
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"
