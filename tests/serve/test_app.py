@@ -1,7 +1,7 @@
 """serve/app.py: the HTTP app over a scripted queue, in-process: the doors' routes behind the key, unknown routes.
 
-(The OpenAI door and ``/health`` ask the queue for more than the scripted queue has; a real server answers
-them in ``tests/e2e/test_serve_openai.py``.)
+(``/health`` asks the queue for more than the scripted queue has; a real server answers it in
+``tests/e2e/test_serve_openai.py``.)
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def test_an_unknown_route_or_method_is_an_error_in_openais_shape(http: TestClien
 
 
 @pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"max_tokens": 8, "messages": [{"role": "user", "content": "Capital of France?"}]}),
+    ("/v1/completions", {"max_tokens": 8, "prompt": "Capital of France?"}),
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "Capital of France?"}]}),
     ("/v1/responses", {"input": "Capital of France?"}),
     ("/api/chat", {"messages": [{"role": "user", "content": "Capital of France?"}], "stream": False}),
