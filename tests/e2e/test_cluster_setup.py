@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from fixtures.cluster import Cluster
+from fixtures.cluster import Cluster, built_cluster
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub
 from fixtures.macs import FakeMac, advertise, clear_macs, make_mac, wifi_address
@@ -47,6 +47,14 @@ def macs(cluster: Cluster) -> Iterator[Cluster]:
     yield cluster
     cluster.remove_observer()
     clear_macs(cluster)
+
+
+@pytest.fixture
+def four_macs(cluster_session: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A cluster of four hosts of its own (the session's has three, and other tests count them)."""
+    with built_cluster(4) as four:
+        monkeypatch.setenv("PATH", four.path_env())
+        yield four
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +213,8 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
 
 
 @pytest.mark.cluster
-def test_init_on_a_thunderbolt_ring_of_four_with_rdma(macs: Cluster, tmp_path: Path) -> None:
-    macs.ensure(4)
+def test_init_on_a_thunderbolt_ring_of_four_with_rdma(four_macs: Cluster, tmp_path: Path) -> None:
+    macs = four_macs
     for i in range(4):
         make_mac(macs, i, FakeMac("mini", f"ring4/mini-{i + 1}.json", rdma=True, bridge=False))
     hostfile = tmp_path / "ring.json"
