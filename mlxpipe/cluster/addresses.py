@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Sequence
 
-from mlxpipe.cluster.macos import KINDS, WIFI, Interface
+from mlxpipe.cluster.macos import KINDS, Interface
 
 LINK_LOCAL = "link-local"
 UNKNOWN = "unknown"
@@ -64,11 +64,6 @@ def best_network(hosts: Sequence[Sequence[Interface]]) -> Network | None:
     """The fastest network all ``hosts`` share; None when they share none."""
     found = shared_networks(hosts)
     return found[0] if found else None
-
-
-def wired_exists(hosts: Sequence[Sequence[Interface]]) -> bool:
-    """Some network other than Wi-Fi joins every host."""
-    return any(n.kind != WIFI for n in shared_networks(hosts))
 
 
 def address_kind(address: str, interfaces: Sequence[Interface] = ()) -> str:

@@ -110,10 +110,6 @@ class Machine:
     def python(self, path: str) -> Python | None:
         return next((p for p in self.pythons if p.path == path), None)
 
-    def peers(self) -> set[str]:
-        """The domain UUIDs of the Macs plugged into this one's Thunderbolt ports."""
-        return {b.peer_domain for b in self.thunderbolt if b.peer_domain}
-
 
 def survey(host: Host, timeout: float = SURVEY_TIMEOUT, connect_timeout: int = CONNECT_TIMEOUT) -> Machine:
     """Ask ``host`` what it is; ``SetupError`` naming the host and the fix when ssh fails."""
