@@ -11,14 +11,7 @@ import pytest
 
 from mlxpipe.cluster import init
 from mlxpipe.cluster.hostfile import load_hostfile
-from mlxpipe.cluster.macos import (
-    BRIDGE,
-    ETHERNET,
-    THUNDERBOLT,
-    WIFI,
-    Interface,
-    ThunderboltBus,
-)
+from mlxpipe.cluster.macos import BRIDGE, ETHERNET, THUNDERBOLT, WIFI, Interface, ThunderboltBus
 from mlxpipe.cluster.survey import Machine, Python
 from mlxpipe.cluster.thunderbolt import Wiring
 from mlxpipe.errors import HostfileError
