@@ -10,28 +10,26 @@ mlx-lm's tool parser as the OpenAI door parses them.
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import anthropic_shapes as shapes
 from mlxpipe.serve.anthropic_schemas import Parsed, parse
-from mlxpipe.serve.controller import RequestLog, ServeEngine
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
-from mlxpipe.serve.generation import Generation, start
-from mlxpipe.serve.text import tool_calls
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.generation import Generation, respond, start
+from mlxpipe.serve.queue import RequestLog, RequestQueue
+from mlxpipe.serve.text import Delta, tool_calls
 
 
 class AnthropicApi:
-    """The Anthropic Messages endpoints over one engine."""
+    """The Anthropic Messages endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
         """This door's routes."""
@@ -43,31 +41,28 @@ class AnthropicApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, counting=True)
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, counting=True)
         except ApiError as e:
             return shapes.error_response(e)
         except ClientDisconnect:
             return gone(request)
-        return JSONResponse({"input_tokens": len(parsed.job.tokens)})
+        return JSONResponse({"input_tokens": len(parsed.request.tokens)})
 
     async def messages(self, request: Request) -> Response:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return shapes.error_response(e)
         except (ClientDisconnect, ClientGone):
             return gone(request)
-        run = _Run(self, parsed, generation)
-        if parsed.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream", headers=STREAM_HEADERS)
-        return await run.whole(request)
+        return await respond(generation, _Run(self, parsed, generation), request, parsed.stream)
 
 
 class _Run:
-    """One request's reply in Anthropic's shapes."""
+    """One request's reply in Anthropic's shapes (``generation.ReplyShapes``)."""
 
     def __init__(self, api: AnthropicApi, parsed: Parsed, generation: Generation) -> None:
         self.api, self.parsed, self.generation = api, parsed, generation
@@ -81,35 +76,20 @@ class _Run:
         except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
             raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
 
-    async def whole(self, request: Request) -> Response:
-        """The whole message as one body; a client that goes away before it is ready cancels it."""
-        collected = await until(self._collect(), request)
-        if collected is None:
-            return gone(request)
-        if collected is not True:
-            return shapes.error_response(failure(collected))
-        return JSONResponse(self.message.body(self.generation))
+    def opening(self) -> list[str]:
+        return self.message.opening()
 
-    async def _collect(self) -> Any:
-        """True once the reply is in ``self.message``, else the error that ended it."""
-        error = await self.generation.each(lambda delta: self.message.add(delta, self._calls(delta.tool_calls)))
-        return error or True
+    def add(self, delta: Delta) -> list[str]:
+        return self.message.add(delta, self._calls(delta.tool_calls))
 
-    async def events(self) -> AsyncIterator[str]:
-        """The reply as Anthropic's events; an error after the first is an ``error`` event, the last."""
-        for line in self.message.opening():
-            yield line
-        deltas = self.generation.deltas()
-        try:
-            async for delta in deltas:
-                for line in self.message.add(delta, self._calls(delta.tool_calls)):
-                    yield line
-        except RequestFailed as e:
-            await deltas.aclose()
-            yield shapes.event(shapes.error_body(failure(e)))
-            return
-        if self.generation.error is not None:
-            yield shapes.event(shapes.error_body(failure(self.generation.error)))
-            return
-        for line in self.message.closing(self.generation):
-            yield line
+    def closing(self) -> list[str]:
+        return self.message.closing(self.generation)
+
+    def failed(self, error: ApiError) -> str:
+        return shapes.event(shapes.error_body(error))
+
+    def body(self) -> dict[str, Any]:
+        return self.message.body(self.generation)
+
+    def error_response(self, error: ApiError) -> Response:
+        return shapes.error_response(error)

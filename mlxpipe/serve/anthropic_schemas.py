@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
-from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
 
 # Body field -> Request field: Anthropic's sampling fields, then mlx-lm's (through the SDKs' extra_body).
@@ -32,7 +32,7 @@ _MEDIA = {"image": "an image", "document": "a document", "search_result": "a sea
 class Parsed:
     """A validated Messages body."""
 
-    job: Job
+    request: Request  # as the ranks run it: the prompt as token ids
     stream: bool
     stops: list[str]
     tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
@@ -40,7 +40,7 @@ class Parsed:
 
 def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
           counting: bool = False) -> Parsed:
-    """``body`` checked and turned into a job for the ranks; ``counting``: for ``count_tokens`` (no
+    """``body`` checked and turned into a request for the ranks; ``counting``: for ``count_tokens`` (no
     ``max_tokens`` needed). Raises ``ApiError``."""
     bodies.check_model(body, settings)
     if not counting and body.get("max_tokens") is None:
@@ -53,8 +53,8 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
     tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages")
-    job = bodies.job_for(request, tokens, settings, "messages", new_id)
-    return Parsed(job, field(body, "stream", bool, False), bodies.stops(body, "stop_sequences"), offered)
+    return Parsed(bodies.for_ranks(request, tokens, settings, "messages", new_id), field(body, "stream", bool, False),
+                  bodies.stops(body, "stop_sequences"), offered)
 
 
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:

@@ -1,7 +1,7 @@
 """The HTTP app of ``mlxpipe serve`` (Starlette): every API door's routes, ``GET /health``, the
 cluster's page (``cluster_view``), unknown routes.
 
-Each door is a module of its own that turns one HTTP dialect into requests for the engine and the replies back
+Each door is a module of its own that turns one HTTP dialect into requests for the queue and the replies back
 (``openai_api``: OpenAI's chat completions and completions; ``anthropic_api``: Anthropic's Messages;
 ``responses_api``: OpenAI's Responses; ``ollama_api``: Ollama's); what every door shares (the API key, the
 body-size limit, admission, failures, clients that go away) is ``door``. No body can break the server: a door
@@ -19,19 +19,19 @@ from starlette.routing import Route
 
 from mlxpipe.serve.anthropic_api import AnthropicApi
 from mlxpipe.serve.cluster_view import ClusterView, page_routes
-from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.serve.ollama_api import OllamaApi
 from mlxpipe.serve.openai_api import OpenAIApi
 from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_api import ResponsesApi
 
 
-def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
-    """The Starlette app serving ``engine``."""
+def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
+    """The Starlette app serving ``queue``."""
 
     async def health(request: Request) -> Response:
-        body = engine.health()
+        body = queue.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
 
     # Outside every door, errors take OpenAI's shape: the dialect every client of this server speaks.
@@ -41,10 +41,10 @@ def build_app(engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    doors = [OpenAIApi(engine, tokenizer, settings, log), AnthropicApi(engine, tokenizer, settings, log),
-             ResponsesApi(engine, tokenizer, settings, log), OllamaApi(engine, tokenizer, settings, log)]
+    doors = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
+             ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
     routes = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
-    view = ClusterView(engine, log, settings.model_id)  # the cluster's page at /
+    view = ClusterView(queue, log, settings.model_id)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})

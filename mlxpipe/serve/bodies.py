@@ -1,5 +1,6 @@
-"""What the newer doors' body checks share: typed fields, sampling options over the server's, chat messages for
-the template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens and the context.
+"""What every door's body checks share: typed fields, sampling options over the server's, chat messages for the
+template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens, the context, and
+what a server with a draft model refuses.
 
 Each door names the fields its own way (``messages[2].content[0]``, ``input[1].output``); every error here is an
 ``ApiError`` naming that field, raised before anything reaches a rank.
@@ -11,12 +12,11 @@ import json
 import types
 import typing
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.protocol.request import Request, RequestError
-from mlxpipe.serve.controller import Job
+from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 
@@ -62,20 +62,26 @@ def json_types(annotation: Any) -> Any:
 HINTS = typing.get_type_hints(Request)
 
 
-def options(body: dict[str, Any], settings: ServerSettings, names: dict[str, str]) -> Request:
-    """The body's options (``names``: body field -> ``Request`` field) over the server's defaults, checked; errors
-    name the body's field."""
-    values = {}
+def options(body: dict[str, Any], settings: ServerSettings, names: Mapping[str, str]) -> Request:
+    """The body's options (``names``: body field -> ``Request`` field, checked in that order; a later name of
+    the same field wins) over the server's defaults, checked; errors name the body's field. A ``logit_bias``
+    takes token ids as strings (JSON's keys), a ``response_format`` is compiled (``check_schema``)."""
+    values: dict[str, Any] = {}
+    spelled = {key: name for name, key in names.items()}
     for name, key in names.items():
         value = field(body, name, json_types(HINTS[key]))
         if value is not None:
-            values[key] = value
-    spelled = {key: name for name, key in names.items()}
+            values[key], spelled[key] = value, name
     try:
-        return replace(settings.defaults, **values).check(lambda key: f"'{spelled.get(key, key)}'",
-                                                          settings.vocab_size)
+        if "logit_bias" in values:
+            values["logit_bias"] = parse_logit_bias(values["logit_bias"], f"'{spelled['logit_bias']}'")
+        request = replace(settings.defaults, **values).check(lambda key: f"'{spelled.get(key, key)}'",
+                                                             settings.vocab_size)
     except RequestError as e:
         raise ApiError(400, e.message, param=spelled.get(e.field, e.field)) from None
+    if "response_format" in values and request.response_format is not None:
+        check_schema(request.response_format, spelled["response_format"])
+    return request
 
 
 def stops(body: dict[str, Any], name: str) -> list[str]:
@@ -144,16 +150,33 @@ def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra:
     return tokens
 
 
-def job_for(request: Request, tokens: list[int], settings: ServerSettings, param: str,
-            new_id: Callable[[], str]) -> Job:
-    """The job for the ranks: the prompt within the context, the reply bounded by what is left of it."""
+# What speculative decoding cannot do: it samples inside mlx-lm, where neither a grammar mask nor logprobs reach.
+DRAFT_REFUSES = ("response_format", "logprobs")
+
+
+def for_ranks(request: Request, tokens: list[int], settings: ServerSettings, param: str, new_id: Callable[[], str],
+              spelled: Mapping[str, str] | None = None) -> Request:
+    """The request as the ranks run it: the prompt within the context (``param``: the body's field for it), the
+    reply bounded by what is left of it, nothing a draft model cannot do (``spelled``: the body's name of a
+    ``Request`` field where it differs)."""
     if len(tokens) + 1 > settings.context:
         raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
                             f"{settings.context} tokens", param=param, code="context_length_exceeded")
+    if settings.draft_model:
+        refuse_with_draft(request, spelled or {})
     max_tokens = min(request.max_tokens, settings.context - len(tokens))
     # The ranks read token ids alone: the messages stay here.
     return replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens, messages=None, prompt=None,
                    prefill_response=None)
+
+
+def refuse_with_draft(request: Request, spelled: Mapping[str, str]) -> None:
+    """A 400 naming the body's field when ``request`` asks what a draft model cannot do (``DRAFT_REFUSES``)."""
+    for key in DRAFT_REFUSES:
+        if getattr(request, key):
+            name = spelled.get(key, key)
+            raise ApiError(400, f"'{name}' is not supported by this server: it runs a draft model (--draft-model); "
+                                "serve without one for it", param=name)
 
 
 def check_schema(response_format: dict[str, Any], param: str) -> None:

@@ -22,9 +22,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from mlxpipe.serve.controller import RequestLog, ServeEngine
 from mlxpipe.serve.door import ApiError, authorize
 from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 
 PAGE_DIR = Path(__file__).parent / "page"
 SAMPLE_SECONDS = 1.0
@@ -49,29 +49,29 @@ class History:
 
 
 class ClusterView:
-    """What the page shows, from the engine, the plan and the request log."""
+    """What the page shows, from the queue, the plan and the request log."""
 
-    def __init__(self, engine: ServeEngine, log: RequestLog, model_id: str) -> None:
-        self.engine, self.log, self.model_id = engine, log, model_id
+    def __init__(self, queue: RequestQueue, log: RequestLog, model_id: str) -> None:
+        self.queue, self.log, self.model_id = queue, log, model_id
         self.history = History()
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Sample the figures every ``SAMPLE_SECONDS`` until the engine has finished."""
+        """Sample the figures every ``SAMPLE_SECONDS`` until the queue has ended (stopped, or gave up)."""
         threading.Thread(target=self._sample_until_finished, daemon=True, name="mlxpipe-page-figures").start()
 
     def _sample_until_finished(self) -> None:
-        while not self.engine.finished.wait(SAMPLE_SECONDS):
+        while not self.queue.finished.wait(SAMPLE_SECONDS):
             self.sample()
 
     def sample(self) -> None:
         """One sample of the live figures."""
         with self._lock:
-            self.history.sample(time.time(), self.engine.tokens_out, self.engine.in_flight)
+            self.history.sample(time.time(), self.queue.tokens_out, self.queue.in_flight)
 
     def snapshot(self) -> dict[str, Any]:
         """The page's data: ``/health``'s body, each rank's memory and time, the figures and recent requests."""
-        health = self.engine.health()
+        health = self.queue.health()
         times = {t["rank"]: t for t in health.get("time", {}).get("ranks", [])}
         with self._lock:
             history = list(self.history.samples)
@@ -79,7 +79,7 @@ class ClusterView:
         return {
             **health,
             "model_id": self.model_id,
-            "detail": self.engine.detail,
+            "detail": self.queue.detail,
             # /health's ranks as they are (a tensor-parallel group or stage it names included), with figures.
             "ranks": [self._rank(r, times.get(r["rank"])) for r in health["ranks"]],
             "hops": [_hop(h, times.get(h["to"])) for h in health.get("time", {}).get("hops", [])],
@@ -90,8 +90,8 @@ class ClusterView:
 
     def _rank(self, rank: dict[str, Any], time_spent: dict[str, Any] | None) -> dict[str, Any]:
         # Looked up by number, not position: /health may come to name ranks the plan's list does not order so.
-        state = next((r for r in self.engine.ranks if r.rank == rank["rank"]), None)
-        planned = next((r for r in self.engine.plan.ranks if r.rank == rank["rank"]), None)
+        state = next((r for r in self.queue.ranks if r.rank == rank["rank"]), None)
+        planned = next((r for r in self.queue.plan.ranks if r.rank == rank["rank"]), None)
         budget = planned.budget_bytes if planned is not None else None
         return {
             **rank,

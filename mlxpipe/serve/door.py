@@ -23,7 +23,7 @@ from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
 from mlxpipe.protocol.request import Request as GenerationRequest
-from mlxpipe.serve.controller import ServeEngine
+from mlxpipe.serve.queue import RequestQueue
 
 T = TypeVar("T")
 
@@ -44,10 +44,11 @@ class ServerSettings:
     defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
 
 
 class ClientGone(Exception):
-    """The client went away before its reply began (answered with ``gone``)."""
+    """The client went away before its reply was ready (answered with ``gone``)."""
 
 
 class ApiError(Exception):
@@ -75,10 +76,10 @@ def authorize(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key", kind="authentication_error")
 
 
-def admit(engine: ServeEngine) -> None:
+def admit(queue: RequestQueue) -> None:
     """Room for one more request (it waits here while the ranks load or relaunch), else 429."""
-    if engine.in_flight >= engine.capacity:
-        raise ApiError(429, f"{engine.in_flight} requests in flight, the most this server takes "
+    if queue.in_flight >= queue.capacity:
+        raise ApiError(429, f"{queue.in_flight} requests in flight, the most this server takes "
                             f"(--max-concurrency + --max-queue); try again shortly",
                        code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
 
@@ -114,8 +115,8 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
-async def until(item: Awaitable[T], request: Request) -> T | None:
-    """``item``, or None when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
+async def until(item: Awaitable[T], request: Request) -> T:
+    """``item``, or ``ClientGone`` when the client goes away first (checked every ``DISCONNECT_POLL_SECONDS``)."""
     task = asyncio.ensure_future(item)
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
@@ -123,7 +124,7 @@ async def until(item: Awaitable[T], request: Request) -> T | None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            return None
+            raise ClientGone()
     return task.result()
 
 

@@ -1,44 +1,55 @@
-"""One request's generation as an API door reads it: its deltas from the first token to the last, and its log line.
+"""One request's generation as an API door reads it: its deltas from the first token to the last, its log line,
+and the walk every door's reply takes, streamed or in one body.
 
-Whatever the door's dialect, a reply is the same walk: tokens from the controller's ``Stream`` become text
+Whatever the door's dialect, a reply is the same walk: tokens from the queue's ``Stream`` become text
 (``serve.text.Reply``: stop strings, reasoning, tool calls), a stop string or a client that goes away cancels
 the request on the ranks, a reply whose text fails ends that request alone, and the request log gets one line.
-The door only shapes what it reads here.
+A stream opens, carries each delta, and ends with its closing or, once it has begun, an error as its last
+event; a reply in one body is a response, or an error response when the reply failed. The door supplies only
+its shapes (``ReplyShapes``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.serve.controller import Job, Outcome, RequestLog, Sampled, ServeEngine, Stream
-from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, until
+from mlxpipe.protocol.request import Request as GenerationRequest
+from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, gone, until
+from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply
 
+# Server-sent events as they come: no cache, and no buffering by a proxy (nginx's X-Accel-Buffering).
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE = "text/event-stream"
 
-async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: Request, job: Job,
+
+async def start(queue: RequestQueue, tokenizer: Any, log: RequestLog, http: Request, request: GenerationRequest,
                 stops: list[str]) -> Generation:
-    """``job`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
-    503, a request a rank refused) or ``ClientGone``. Nothing is sent to the client before this returns, so a
-    request that waited for the ranks and gave up is a plain error in its door's shape."""
-    admit(engine)
+    """``request`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
+    503, a request a rank refused) or ``ClientGone`` (``http``'s client went away). Nothing is sent to the client
+    before this returns, so a request that waited for the ranks and gave up is a plain error in its door's
+    shape."""
+    admit(queue)
     try:
-        stream = engine.submit(job, asyncio.get_running_loop())
+        stream = queue.submit(request, asyncio.get_running_loop())
     except UsageError as e:
         raise ApiError(400, e.message) from None
     except MlxpipeError as e:  # the pipeline gave up
         raise failure(e) from None
-    generation = Generation(engine, tokenizer, log, job, stream, stops)
-    first = await until(stream.peek(), request)
-    if first is None:
+    generation = Generation(queue, tokenizer, log, request, stream, stops)
+    try:
+        first = await until(stream.peek(), http)
+    except ClientGone:
         generation.cancel()
         generation.log("cancelled")
-        raise ClientGone()
+        raise
     if isinstance(first, Outcome) and first.error is not None:
         generation.outcome = first
         generation.log()
@@ -46,12 +57,74 @@ async def start(engine: ServeEngine, tokenizer: Any, log: RequestLog, request: R
     return generation
 
 
+class ReplyShapes(Protocol):
+    """A door's shapes of one reply: what ``stream`` and ``whole`` write as they walk it."""
+
+    def opening(self) -> list[str]:
+        """A stream's first lines, before any delta."""
+
+    def add(self, delta: Delta) -> list[str]:
+        """``delta`` into the reply; its lines when streamed. May raise ``RequestFailed`` (a tool call that
+        cannot be parsed): the reply ends there, with that error."""
+
+    def closing(self) -> list[str]:
+        """A stream's last lines, once the reply is complete."""
+
+    def failed(self, error: ApiError) -> str:
+        """A stream's last line when the reply fails after it began."""
+
+    def body(self) -> dict[str, Any]:
+        """The whole reply as one body, once it is complete."""
+
+    def error_response(self, error: ApiError) -> Response:
+        """An error answered in one body, in the door's shape."""
+
+
+async def respond(generation: Generation, shapes: ReplyShapes, http: Request, streaming: bool,
+                  media_type: str = SSE, headers: Mapping[str, str] | None = STREAM_HEADERS) -> Response:
+    """The reply streamed (``media_type``, with ``headers``) or in one body (``whole``)."""
+    if streaming:
+        return StreamingResponse(stream(generation, shapes), media_type=media_type, headers=headers)
+    return await whole(generation, shapes, http)
+
+
+async def stream(generation: Generation, shapes: ReplyShapes) -> AsyncIterator[str]:
+    """The reply's lines: its opening, each delta's and its closing; an error after the first line is the last."""
+    for line in shapes.opening():
+        yield line
+    deltas = generation.deltas()
+    try:
+        async for delta in deltas:
+            for line in shapes.add(delta):
+                yield line
+    except RequestFailed as e:
+        await deltas.aclose()
+        yield shapes.failed(failure(e))
+        return
+    if generation.error is not None:
+        yield shapes.failed(failure(generation.error))
+        return
+    for line in shapes.closing():
+        yield line
+
+
+async def whole(generation: Generation, shapes: ReplyShapes, http: Request) -> Response:
+    """The whole reply as one body; a client that goes away before it is ready cancels it."""
+    try:
+        error = await until(generation.each(shapes.add), http)
+    except ClientGone:
+        return gone(http)
+    if error is not None:
+        return shapes.error_response(failure(error))
+    return JSONResponse(shapes.body())
+
+
 class Generation:
     """One request, from its first token to its last."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, log: RequestLog, job: Job, stream: Stream,
-                 stops: list[str]) -> None:
-        self.engine, self.log_file, self.job, self.stream = engine, log, job, stream
+    def __init__(self, queue: RequestQueue, tokenizer: Any, log: RequestLog, request: GenerationRequest,
+                 stream: Stream, stops: list[str]) -> None:
+        self.queue, self.log_file, self.request, self.stream = queue, log, request, stream
         self.reply = Reply(tokenizer, stops)
         self.outcome: Outcome | None = None
         self._logged = False
@@ -70,7 +143,7 @@ class Generation:
 
     def cancel(self) -> None:
         """Stop the request on the ranks."""
-        self.engine.cancel(self.job.id)
+        self.queue.cancel(self.request.id)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
@@ -104,7 +177,7 @@ class Generation:
                 self.cancel()  # the client went away
             self.log()
 
-    async def each(self, add: Callable[[Delta], Any]) -> BaseException | None:
+    async def each(self, add: Callable[[Delta], object]) -> MlxpipeError | None:
         """Feed every delta of the reply to ``add``: the error that ended it, or None once it is complete."""
         deltas = self.deltas()
         try:
@@ -114,14 +187,6 @@ class Generation:
             await deltas.aclose()
             return e
         return self.error
-
-    async def collect(self) -> tuple[str, str, list[str]]:
-        """The whole reply: its text, its reasoning and its raw tool-call texts."""
-        text, reasoning, calls = "", "", []
-        async for delta in self.deltas():
-            text, reasoning = text + delta.text, reasoning + delta.reasoning
-            calls.extend(delta.tool_calls)
-        return text, reasoning, calls
 
     def _text(self, step: Callable[[], Delta]) -> Delta | None:
         """A step of the reply's text; when it raises (a tokenizer's detokenizer, say), this request fails alone."""
@@ -149,7 +214,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.job.tokens)
+        return len(self.request.tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -184,10 +249,10 @@ class Generation:
         status = status or ("error" if error else
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
-            "id": self.job.id, "status": status, "prompt_tokens": len(self.job.tokens),
+            "id": self.request.id, "status": status, "prompt_tokens": len(self.request.tokens),
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
-            "busy": [round(t["busy"], 3) for _, t in sorted(self.engine.time.items())],
+            "busy": [round(t["busy"], 3) for _, t in sorted(self.queue.time.items())],
         }

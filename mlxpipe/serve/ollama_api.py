@@ -12,18 +12,20 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
-from mlxpipe.serve.controller import RequestLog, ServeEngine
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
-from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.ollama_schemas import Parsed, check_model, parse
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
+
+NDJSON = "application/x-ndjson"
 
 OLLAMA_VERSION = "0.6.0"  # the API version these shapes follow, for the clients that ask
 
@@ -38,10 +40,10 @@ def _now() -> str:
 
 
 class OllamaApi:
-    """Ollama's endpoints over one engine."""
+    """Ollama's endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
         """This door's routes."""
@@ -93,24 +95,26 @@ class OllamaApi:
                 # An empty prompt loads the model in Ollama; here it is loaded already.
                 return JSONResponse({"model": check_model(body, self.settings), "created_at": _now(), "response": "",
                                      "done": True, "done_reason": "load"})
-            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, parsed.stops)
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return error_response(e)
         except (ClientDisconnect, ClientGone):
             return gone(request)
-        run = _Run(self, parsed, generation, chat)
-        if parsed.stream:
-            return StreamingResponse(run.lines(), media_type="application/x-ndjson")
-        return await run.whole(request)
+        return await respond(generation, _Run(self, parsed, generation, chat), request, parsed.stream, NDJSON,
+                             headers=None)
 
 
 class _Run:
-    """One request's reply in Ollama's shapes."""
+    """One request's reply in Ollama's shapes: newline-delimited JSON or one object (``generation.ReplyShapes``)."""
 
     def __init__(self, api: OllamaApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
         self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
         self.started = time.monotonic_ns()
+        # The reply in one object, as it grows.
+        self._texts: list[str] = []
+        self._reasonings: list[str] = []
+        self._tool_calls: list[dict[str, Any]] = []
 
     def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
         if not texts or not self.chat:
@@ -144,37 +148,27 @@ class _Run:
                 "total_duration": elapsed + prefill, "load_duration": 0, "prompt_eval_count": g.prompt_tokens,
                 "prompt_eval_duration": prefill, "eval_count": g.completion_tokens, "eval_duration": elapsed}
 
-    async def whole(self, request: Request) -> Response:
-        collected = await until(self._collect(), request)
-        if collected is None:
-            return gone(request)
-        if isinstance(collected, Exception):
-            return error_response(failure(collected))
-        text, reasoning, calls = collected
-        return JSONResponse(self._last(self._piece(Delta(text, reasoning), calls)))
+    def opening(self) -> list[str]:
+        return []
 
-    async def _collect(self) -> Any:
-        texts, reasonings, calls = [], [], []
+    def add(self, delta: Delta) -> list[str]:
+        """A line of ``delta`` when streamed, else ``delta`` into the one object."""
+        calls = self._calls(delta.tool_calls)
+        if self.parsed.stream:
+            return [json.dumps(self._piece(delta, calls)) + "\n"]
+        self._texts.append(delta.text)
+        self._reasonings.append(delta.reasoning)
+        self._tool_calls.extend(calls)
+        return []
 
-        def add(delta: Delta) -> None:
-            texts.append(delta.text)
-            reasonings.append(delta.reasoning)
-            calls.extend(self._calls(delta.tool_calls))
+    def closing(self) -> list[str]:
+        return [json.dumps(self._last(self._piece(Delta(), []))) + "\n"]
 
-        error = await self.generation.each(add)
-        return error or ("".join(texts), "".join(reasonings), calls)
+    def failed(self, error: ApiError) -> str:
+        return json.dumps({"error": error.message}) + "\n"
 
-    async def lines(self) -> AsyncIterator[str]:
-        """The reply as newline-delimited JSON; an error after the first line is an ``{"error"}`` line, the last."""
-        deltas = self.generation.deltas()
-        try:
-            async for delta in deltas:
-                yield json.dumps(self._piece(delta, self._calls(delta.tool_calls))) + "\n"
-        except RequestFailed as e:
-            await deltas.aclose()
-            yield json.dumps({"error": failure(e).message}) + "\n"
-            return
-        if self.generation.error is not None:
-            yield json.dumps({"error": failure(self.generation.error).message}) + "\n"
-            return
-        yield json.dumps(self._last(self._piece(Delta(), []))) + "\n"
+    def body(self) -> dict[str, Any]:
+        return self._last(self._piece(Delta("".join(self._texts), "".join(self._reasonings)), self._tool_calls))
+
+    def error_response(self, error: ApiError) -> Response:
+        return error_response(error)

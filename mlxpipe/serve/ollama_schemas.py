@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
-from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
 
 # options field -> Request field.
@@ -26,7 +26,7 @@ _OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p"
 class Parsed:
     """A validated Ollama body."""
 
-    job: Job
+    request: Request  # as the ranks run it: the prompt as token ids
     stream: bool
     stops: list[str]
     tools: list[dict[str, Any]] | None
@@ -48,7 +48,7 @@ def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
 
 def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
           new_id: Callable[[], str]) -> Parsed:
-    """``body`` checked and turned into a job for the ranks; raises ``ApiError``."""
+    """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     model = check_model(body, settings)
     if body.get("format") not in (None, ""):
         # Structured output (format "json" or a schema) would map to Request.response_format once the grammar
@@ -72,8 +72,8 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
     tokens = bodies.tokens_for(tokenizer, request, tools, None, param)
-    job = bodies.job_for(request, tokens, settings, param, new_id)
-    return Parsed(job, field(body, "stream", bool, True), stops, tools, model)
+    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), field(body, "stream", bool, True), stops,
+                  tools, model)
 
 
 def _options(options: dict[str, Any], settings: ServerSettings) -> Any:

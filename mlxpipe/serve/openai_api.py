@@ -3,36 +3,35 @@
 Streaming as server-sent events ending with ``data: [DONE]``, or one JSON body. Shapes follow OpenAI's
 (``openai_shapes``), so the ``openai`` package and any OpenAI client work unchanged; every error is a 4xx/5xx in
 OpenAI's error shape naming the field at fault (``openai_schemas`` checks every field before anything reaches a
-rank). A response starts only once its first token (or its error) is there, so a request that waited for the
-ranks to load and gave up still gets a plain 503. A client that goes away, at any moment, costs one line in the
-log.
+rank). A response starts only once its first token (or its error) is there (``generation.start``), so a request
+that waited for the ranks to load and gave up still gets a plain 503. A client that goes away, at any moment,
+costs one line in the log.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import lru_cache
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
+from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import openai_shapes as shapes
-from mlxpipe.serve.controller import Outcome, RequestLog, ServeEngine
-from mlxpipe.serve.door import ApiError, ServerSettings, admit, authorize, failure, gone, read_json, until
-from mlxpipe.serve.generation import Generation
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.openai_schemas import Parsed, parse
-from mlxpipe.serve.text import tool_calls
+from mlxpipe.serve.queue import RequestLog, RequestQueue
+from mlxpipe.serve.text import Delta, tool_calls
 
 
 class OpenAIApi:
-    """The OpenAI endpoints over one engine."""
+    """The OpenAI endpoints over the request queue."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         # A token's own text, for logprobs (the same few thousand tokens come back again and again).
         self.decode = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
 
@@ -62,59 +61,30 @@ class OpenAIApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, chat, self.settings, self.tokenizer, self.engine.new_id)
-            self._check_draft(parsed)
-            admit(self.engine)
-            stream = self.engine.submit(parsed.job, asyncio.get_running_loop())
+            parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
         except ApiError as e:
             return shapes.error_response(e)
-        except UsageError as e:
-            return shapes.error_response(ApiError(400, e.message))
-        except MlxpipeError as e:  # the pipeline gave up
-            return shapes.error_response(failure(e))
-        except ClientDisconnect:
+        except (ClientDisconnect, ClientGone):
             return gone(request)
-        generation = Generation(self.engine, self.tokenizer, self.log, parsed.job, stream, parsed.stops)
-        run = _Run(self, parsed, generation, chat)
-        # Nothing is sent before the first token or the error: a request that waited for the ranks
-        # and gave up is a plain 503, a request refused by a rank a plain error.
-        first = await until(stream.peek(), request)
-        if first is None:
-            generation.cancel()
-            generation.log("cancelled")
-            return gone(request)
-        if isinstance(first, Outcome) and first.error is not None:
-            generation.outcome = first
-            generation.log()
-            return shapes.error_response(failure(first.error))
-        if parsed.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await run.whole(request)
-
-    def _check_draft(self, parsed: Parsed) -> None:
-        """Speculative decoding samples inside mlx-lm, where neither a grammar mask nor logprobs reach."""
-        if getattr(self.engine.config, "draft_model", None) is None:
-            return
-        field = "response_format" if parsed.job.response_format is not None else "logprobs" if parsed.job.logprobs \
-            else None
-        if field is not None:
-            raise ApiError(400, f"'{field}' is not supported by this server: it runs a draft model (--draft-model); "
-                                "serve without one for it", param=field)
+        return await respond(generation, _Run(self, parsed, generation, chat), request, parsed.stream)
 
 
 class _Run:
-    """One request's reply in OpenAI's shapes: SSE chunks or one body."""
+    """One request's reply in OpenAI's shapes: SSE chunks or one body (``generation.ReplyShapes``)."""
 
     def __init__(self, api: OpenAIApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
         self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
-        self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.job.id, int(time.time()),
+        self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.request.id, int(time.time()),
                                     api.settings.model_id, chat)
         self._text_offset = 0  # the legacy completions' text_offset of the next token
+        # The reply in one body, as it grows: its text, its reasoning, its tool calls (None: the model wrote none).
+        self._text, self._reasoning = "", ""
+        self._calls: list[dict[str, Any]] | None = None
 
     def _logprobs(self) -> dict[str, Any] | None:
         """The logprobs of the tokens since the last call, in this API's shape (None: not asked for)."""
-        if not self.parsed.job.logprobs:
+        if not self.parsed.request.logprobs:
             return None
         entries = self.generation.take_logprobs()
         decode = self.api.decode
@@ -130,46 +100,37 @@ class _Run:
         except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
             raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
 
-    async def whole(self, request: Request) -> Response:
-        """The whole reply as one body; a client that goes away before it is ready cancels it."""
-        generation = self.generation
-        collected = await until(generation.collect(), request)  # a cancelled collect cancels it on the ranks
-        if collected is None:
-            return gone(request)
-        text, reasoning, raw_calls = collected
-        if generation.error is not None:
-            return shapes.error_response(failure(generation.error))
-        calls = None
-        if self.chat and raw_calls:
-            try:
-                calls = self._tool_calls(raw_calls)
-            except RequestFailed as e:
-                return shapes.error_response(failure(e))
-        body = self.shapes.whole(text, reasoning, calls, generation.finish_reason, shapes.usage(generation),
-                                 self._logprobs())
-        return JSONResponse(body)
+    def opening(self) -> list[str]:
+        """A chat stream's first chunk: the assistant's role."""
+        return [shapes.sse(self.shapes.opening())] if self.chat else []
 
-    async def events(self) -> AsyncIterator[str]:
-        """The reply as server-sent events; an error after the first chunk is the last event."""
-        generation = self.generation
-        if self.chat:
-            yield shapes.sse(self.shapes.opening())
-        deltas = generation.deltas()
-        try:
-            async for delta in deltas:
-                calls = self._tool_calls(delta.tool_calls) if self.chat and delta.tool_calls else []
-                yield shapes.sse(self.shapes.chunk(self.shapes.delta(delta, calls), logprobs=self._logprobs()))
-        except RequestFailed as e:
-            await deltas.aclose()
-            yield shapes.sse(shapes.error_body(failure(e)))
-            return
-        if generation.error is not None:
-            yield shapes.sse(shapes.error_body(failure(generation.error)))
-            return
-        leftover = self._logprobs()  # tokens that showed no text of their own yet
-        yield shapes.sse(self.shapes.closing(generation.finish_reason,
-                                             leftover if leftover and (leftover.get("content") or
-                                                                       leftover.get("tokens")) else None))
+    def add(self, delta: Delta) -> list[str]:
+        """A stream's chunk of ``delta`` (its tokens' logprobs with it), or ``delta`` into the one body."""
+        calls = self._tool_calls(delta.tool_calls) if self.chat and delta.tool_calls else []
+        if self.parsed.stream:
+            return [shapes.sse(self.shapes.chunk(self.shapes.delta(delta, calls), logprobs=self._logprobs()))]
+        self._text, self._reasoning = self._text + delta.text, self._reasoning + delta.reasoning
+        if self.chat and delta.tool_calls:
+            self._calls = (self._calls or []) + calls
+        return []
+
+    def closing(self) -> list[str]:
+        """The chunk that ends the choice (with the logprobs of tokens that showed no text of their own yet), the
+        usage chunk when asked for, ``[DONE]``."""
+        leftover = self._logprobs()
+        lines = [shapes.sse(self.shapes.closing(self.generation.finish_reason,
+                                                leftover if leftover and (leftover.get("content") or
+                                                                          leftover.get("tokens")) else None))]
         if self.parsed.include_usage:
-            yield shapes.sse(self.shapes.usage_chunk(shapes.usage(generation)))
-        yield shapes.DONE
+            lines.append(shapes.sse(self.shapes.usage_chunk(shapes.usage(self.generation))))
+        return [*lines, shapes.DONE]
+
+    def failed(self, error: ApiError) -> str:
+        return shapes.sse(shapes.error_body(error))
+
+    def body(self) -> dict[str, Any]:
+        return self.shapes.whole(self._text, self._reasoning, self._calls, self.generation.finish_reason,
+                                 shapes.usage(self.generation), self._logprobs())
+
+    def error_response(self, error: ApiError) -> Response:
+        return shapes.error_response(error)

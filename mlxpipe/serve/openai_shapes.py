@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 from starlette.responses import JSONResponse
 
-from mlxpipe.serve.controller import Sampled
 from mlxpipe.serve.door import ApiError
 from mlxpipe.serve.generation import Generation
+from mlxpipe.serve.queue import Sampled
 from mlxpipe.serve.text import Delta
 
 DONE = "data: [DONE]\n\n"

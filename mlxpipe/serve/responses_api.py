@@ -13,31 +13,29 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import responses_shapes as shapes
-from mlxpipe.serve.controller import RequestLog, ServeEngine
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, failure, gone, read_json, until
-from mlxpipe.serve.generation import Generation, start
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.openai_shapes import error_response
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_schemas import Parsed, parse
 from mlxpipe.serve.responses_store import ResponseStore
-from mlxpipe.serve.text import tool_calls
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from mlxpipe.serve.text import Delta, tool_calls
 
 
 class ResponsesApi:
-    """The Responses endpoints over one engine, with their store."""
+    """The Responses endpoints over the request queue, with their store."""
 
-    def __init__(self, engine: ServeEngine, tokenizer: Any, settings: ServerSettings, log: RequestLog,
+    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog,
                  store: ResponseStore | None = None) -> None:
-        self.engine, self.tokenizer, self.settings, self.log = engine, tokenizer, settings, log
+        self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         self.store = store or ResponseStore()
 
     def routes(self) -> list[Route]:
@@ -65,20 +63,17 @@ class ResponsesApi:
         try:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = parse(body, self.settings, self.tokenizer, self.engine.new_id, self.store)
-            generation = await start(self.engine, self.tokenizer, self.log, request, parsed.job, [])
+            parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, self.store)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, [])
         except ApiError as e:
             return error_response(e)
         except (ClientDisconnect, ClientGone):
             return gone(request)
-        run = _Run(self, parsed, generation)
-        if parsed.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream", headers=STREAM_HEADERS)
-        return await run.whole(request)
+        return await respond(generation, _Run(self, parsed, generation), request, parsed.stream)
 
 
 class _Run:
-    """One request's reply in the Responses API's shapes."""
+    """One request's reply in the Responses API's shapes (``generation.ReplyShapes``)."""
 
     def __init__(self, api: ResponsesApi, parsed: Parsed, generation: Generation) -> None:
         self.api, self.parsed, self.generation = api, parsed, generation
@@ -96,43 +91,29 @@ class _Run:
     def status(self) -> str:
         return "incomplete" if self.generation.finish_reason == "length" else "completed"
 
-    async def whole(self, request: Request) -> Response:
-        """The whole response as one body; a client that goes away before it is ready cancels it."""
-        collected = await until(self._collect(), request)
-        if collected is None:
-            return gone(request)
-        if collected is not True:
-            return error_response(failure(collected))
+    def opening(self) -> list[str]:
+        return self.reply.opening()
+
+    def add(self, delta: Delta) -> list[str]:
+        return self.reply.add(delta, self._calls(delta.tool_calls))
+
+    def closing(self) -> list[str]:
+        """The last item's end and ``response.completed``; the response is kept before the client may leave."""
+        closing = self.reply.closing(self.status, self.generation)
+        self._keep(self.reply.body(self.status, self.generation))
+        return closing
+
+    def failed(self, error: ApiError) -> str:
+        return self.reply.event("error", **shapes.error_event(error))
+
+    def body(self) -> dict[str, Any]:
         self.reply.finish()
         body = self.reply.body(self.status, self.generation)
         self._keep(body)
-        return JSONResponse(body)
+        return body
 
-    async def _collect(self) -> Any:
-        """True once the reply is in ``self.reply``, else the error that ended it."""
-        error = await self.generation.each(lambda delta: self.reply.add(delta, self._calls(delta.tool_calls)))
-        return error or True
-
-    async def events(self) -> AsyncIterator[str]:
-        """The response as the Responses API's events; an error after the first is an ``error`` event, the last."""
-        for line in self.reply.opening():
-            yield line
-        deltas = self.generation.deltas()
-        try:
-            async for delta in deltas:
-                for line in self.reply.add(delta, self._calls(delta.tool_calls)):
-                    yield line
-        except RequestFailed as e:
-            await deltas.aclose()
-            yield self.reply.event("error", **shapes.error_event(failure(e)))
-            return
-        if self.generation.error is not None:
-            yield self.reply.event("error", **shapes.error_event(failure(self.generation.error)))
-            return
-        closing = self.reply.closing(self.status, self.generation)
-        self._keep(self.reply.body(self.status, self.generation))  # kept before the client may leave
-        for line in closing:
-            yield line
+    def error_response(self, error: ApiError) -> Response:
+        return error_response(error)
 
     def _keep(self, body: dict[str, Any]) -> None:
         """The conversation so far, its reply appended as the template reads it, for ``previous_response_id``."""

@@ -16,7 +16,6 @@ from typing import Any, Callable
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
-from mlxpipe.serve.controller import Job
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.serve.responses_store import ResponseStore
 
@@ -32,7 +31,7 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 class Parsed:
     """A validated Responses body, with what the response echoes back."""
 
-    job: Job
+    request: Request  # as the ranks run it: the prompt as token ids
     stream: bool
     store: bool
     conversation: list[dict[str, Any]]  # every message but the instructions: what a follow-up continues
@@ -42,7 +41,7 @@ class Parsed:
 
 def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
           store: ResponseStore) -> Parsed:
-    """``body`` checked and turned into a job for the ranks; raises ``ApiError``."""
+    """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     bodies.check_model(body, settings)
     _refuse_unsupported(body)
     request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
@@ -54,14 +53,15 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
     tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
-    job = bodies.job_for(request, tokens, settings, "input", new_id)
+    # text.format is the body's name of the structured output a server with a draft model refuses.
+    ranked = bodies.for_ranks(request, tokens, settings, "input", new_id, {"response_format": "text.format"})
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": request.temp, "top_p": request.top_p, "tool_choice": choice or "auto",
             "tools": field(body, "tools", list, []), "parallel_tool_calls": field(body, "parallel_tool_calls", bool,
                                                                                  True),
             "previous_response_id": body.get("previous_response_id"), "metadata": field(body, "metadata", dict, {}),
             "text": {"format": {"type": "text"}}}
-    return Parsed(job, field(body, "stream", bool, False), field(body, "store", bool, True), conversation, offered,
+    return Parsed(ranked, field(body, "stream", bool, False), field(body, "store", bool, True), conversation, offered,
                   echo)
 
 

@@ -1,10 +1,10 @@
-"""``mlxpipe serve``: the pipeline kept up behind an OpenAI-compatible API.
+"""``mlxpipe serve``: the pipeline kept up behind the HTTP APIs (OpenAI's, Anthropic's, Ollama's).
 
-``controller`` keeps the pipeline (launch, requests, restarts), ``app`` is
-the HTTP API (its doors: ``openai_api``), ``text`` turns tokens into what a
-client sees. ``serve()`` ties them to uvicorn: it plans, checks and downloads
-once (errors end the command before anything listens), then listens while the
-ranks load, and serves until SIGINT or SIGTERM.
+``queue`` keeps the pipeline up and carries every request to the ranks and its tokens back (launch, requests,
+restarts), ``app`` is the HTTP app (its doors: ``openai_api``, ``anthropic_api``, ``responses_api``,
+``ollama_api``), ``text`` turns tokens into what a client sees. ``serve()`` ties them to uvicorn: it plans,
+checks and downloads once (errors end the command before anything listens), then listens while the ranks load,
+and serves until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import uvicorn
 from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import LaunchError, UsageError
-from mlxpipe.protocol.request import Request
-from mlxpipe.serve.controller import RequestLog, ServeEngine, ServeOptions
 from mlxpipe.launch.run import PipelineConfig, prepare
+from mlxpipe.protocol.request import Request
+from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -49,48 +49,49 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
     def on_state(state: str, detail: str | None) -> None:
         if state == "ready":
-            log.path = engine.run_dir / "requests.jsonl" if engine.run_dir else None
-            console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {engine.run_dir}")
-            if engine.restarts == 0:  # once: a relaunch changes nothing there
+            log.path = queue.run_dir / "requests.jsonl" if queue.run_dir else None
+            console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {queue.run_dir}")
+            if queue.restarts == 0:  # once: a relaunch changes nothing there
                 console.err.print(f"the cluster's page: http://{_url_host(host)}:{port}/ (open it in a browser)")
         elif state == "restarting":
-            console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {engine.restarts} "
+            console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {queue.restarts} "
                          f"of {options.max_restarts})")
         elif state == "failed":
-            server.should_exit = True  # bound below, before the engine starts
+            server.should_exit = True  # bound below, before the queue starts
 
-    engine = ServeEngine(replace(config, quiet=True), meta, plan, options, on_state)
+    queue = RequestQueue(replace(config, quiet=True), meta, plan, options, on_state)
     settings = ServerSettings(
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
+        draft_model=config.draft_model is not None,
     )
-    app = build_app(engine, tokenizer, settings, log)
+    app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                    timeout_graceful_shutdown=3), engine)
+                                    timeout_graceful_shutdown=3), queue)
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
                       f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
-    engine.start()
+    queue.start()
     _quiet_lost_connections()
     try:
         server.run()
     finally:
-        engine.stop()
+        queue.stop()
     if server.signal is not None:
         console.error(f"stopped by {server.signal_name}")
         return 128 + server.signal
-    if engine.error is not None:
-        failures = engine.restarts + 1
+    if queue.error is not None:
+        failures = queue.restarts + 1
         raise LaunchError(f"the pipeline failed {failures} time{'s' if failures > 1 else ''}, the last time: "
-                          f"{engine.error.message}", engine.error.hint)
+                          f"{queue.error.message}", queue.error.hint)
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that ends the engine's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
+    """uvicorn's server that ends the queue's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
 
-    def __init__(self, config: uvicorn.Config, engine: ServeEngine) -> None:
+    def __init__(self, config: uvicorn.Config, queue: RequestQueue) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.queue = queue
         self.signal: int | None = None
 
     @property
@@ -101,7 +102,7 @@ class _Server(uvicorn.Server):
         if self.signal is None:
             self.signal = sig
         # End the streams now: uvicorn's graceful shutdown waits for them.
-        threading.Thread(target=self.engine.stop, daemon=True).start()
+        threading.Thread(target=self.queue.stop, daemon=True).start()
         self.should_exit = True
 
     @contextlib.contextmanager

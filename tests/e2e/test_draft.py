@@ -12,11 +12,13 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import httpx
 import pytest
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
+from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import make_tiny_checkpoint
 
 from mlxpipe.protocol.job import JobSpec
@@ -222,61 +224,95 @@ def test_chat_takes_a_draft_model(models) -> None:
     assert result.stdout == "".join(f"{reply}\n" for reply in replies)
 
 
+@pytest.fixture(scope="module")
+def draft_server(models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """``mlxpipe serve --draft-model`` (2 drafted tokens a pass), once ready, for this file's serve tests."""
+    with ready_server(["--model", str(models["target"]), "--draft-model", str(models["draft"]),
+                       "--num-draft-tokens", "2", "--prefill-step-size", str(PREFILL_STEP)],
+                      tmp_path_factory.mktemp("draft-serve-home")) as proc:
+        yield proc
+
+
 @pytest.mark.ranks
-def test_serve_takes_a_draft_model(models, tmp_path: Path) -> None:
+def test_serve_takes_a_draft_model(models, draft_server: ServeProcess) -> None:
     """``mlxpipe serve --draft-model``: requests run one at a time, as mlx_lm.server runs them with a draft;
     two sent at once each get mlx-lm's speculative reply, and the second turn of a chat reuses caches."""
     import threading
 
     import openai
-    from fixtures.serve_process import ServeProcess
 
-    server = ServeProcess(["--model", str(models["target"]), "--draft-model", str(models["draft"]),
-                           "--num-draft-tokens", "2", "--prefill-step-size", str(PREFILL_STEP)], tmp_path / "home")
-    try:
-        server.wait_for("ready")
-        client = openai.OpenAI(base_url=server.url, api_key="unused")
-        questions = [QUESTION, "What is a ring of hosts?"]
-        replies: dict[str, Any] = {}
+    server = draft_server
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    questions = [QUESTION, "What is a ring of hosts?"]
+    replies: dict[str, Any] = {}
 
-        def ask(question: str) -> None:
-            replies[question] = client.chat.completions.create(
-                model=str(models["target"]), messages=[{"role": "user", "content": question}], max_tokens=8,
-                temperature=0)
+    def ask(question: str) -> None:
+        replies[question] = client.chat.completions.create(
+            model=str(models["target"]), messages=[{"role": "user", "content": question}], max_tokens=8,
+            temperature=0)
 
-        threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=_TIMEOUT)
-        for question in questions:
-            tokens, text = mlx_lm_reference(models["target"], {"messages": [{"role": "user", "content": question}],
-                                                                "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
-                                            draft=models["draft"], num_draft_tokens=2)
-            assert replies[question].choices[0].message.content == text, question
-            assert replies[question].usage.completion_tokens == len(tokens)
-        history = [{"role": "user", "content": questions[1]},
-                   {"role": "assistant", "content": replies[questions[1]].choices[0].message.content},
-                   {"role": "user", "content": "And then?"}]
-        second = client.chat.completions.create(model=str(models["target"]), messages=history, max_tokens=8,
-                                                temperature=0)
-        assert second.usage.prompt_tokens_details.cached_tokens > 0
-        assert second.choices[0].message.content == mlx_lm_reference(
-            models["target"], {"messages": history, "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
-            draft=models["draft"], num_draft_tokens=2)[1]
-        # Sampled, the draft shows: speculative sampling draws other tokens than plain sampling.
-        fields = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temp": 1.0, "seed": 3}
-        speculative = mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP,
-                                       draft=models["draft"], num_draft_tokens=2)[1]
-        assert speculative != mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP)[1]
-        sampled = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
-                                                 max_tokens=8, temperature=1.0, seed=3)
-        assert sampled.choices[0].message.content == speculative
-        # mlx_lm.server's body field: this request's draft length.
-        shorter = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
-                                                 max_tokens=8, temperature=1.0, seed=3,
-                                                 extra_body={"num_draft_tokens": 1})
-        assert shorter.choices[0].message.content == mlx_lm_reference(
-            models["target"], fields, prefill_step_size=PREFILL_STEP, draft=models["draft"], num_draft_tokens=1)[1]
-    finally:
-        server.stop()
+    threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=_TIMEOUT)
+    for question in questions:
+        tokens, text = mlx_lm_reference(models["target"], {"messages": [{"role": "user", "content": question}],
+                                                            "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
+                                        draft=models["draft"], num_draft_tokens=2)
+        assert replies[question].choices[0].message.content == text, question
+        assert replies[question].usage.completion_tokens == len(tokens)
+    history = [{"role": "user", "content": questions[1]},
+               {"role": "assistant", "content": replies[questions[1]].choices[0].message.content},
+               {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=str(models["target"]), messages=history, max_tokens=8,
+                                            temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].message.content == mlx_lm_reference(
+        models["target"], {"messages": history, "max_tokens": 8}, prefill_step_size=PREFILL_STEP,
+        draft=models["draft"], num_draft_tokens=2)[1]
+    # Sampled, the draft shows: speculative sampling draws other tokens than plain sampling.
+    fields = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temp": 1.0, "seed": 3}
+    speculative = mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP,
+                                   draft=models["draft"], num_draft_tokens=2)[1]
+    assert speculative != mlx_lm_reference(models["target"], fields, prefill_step_size=PREFILL_STEP)[1]
+    sampled = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
+                                             max_tokens=8, temperature=1.0, seed=3)
+    assert sampled.choices[0].message.content == speculative
+    # mlx_lm.server's body field: this request's draft length.
+    shorter = client.chat.completions.create(model=str(models["target"]), messages=fields["messages"],
+                                             max_tokens=8, temperature=1.0, seed=3,
+                                             extra_body={"num_draft_tokens": 1})
+    assert shorter.choices[0].message.content == mlx_lm_reference(
+        models["target"], fields, prefill_step_size=PREFILL_STEP, draft=models["draft"], num_draft_tokens=1)[1]
+
+
+_USER = [{"role": "user", "content": QUESTION}]
+_CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+# What speculative decoding cannot do (it samples inside mlx-lm), through each door that can ask for it: the
+# path, the body, the field the 400 names. Anthropic's Messages have no such field; Ollama's format is refused
+# by every server.
+DRAFT_REFUSALS = {
+    "chat-response-format": ("/v1/chat/completions", {"messages": _USER, "max_tokens": 4,
+                                                      "response_format": {"type": "json_object"}}, "response_format"),
+    "chat-logprobs": ("/v1/chat/completions", {"messages": _USER, "max_tokens": 4, "logprobs": True,
+                                               "top_logprobs": 2}, "logprobs"),
+    "completions-logprobs": ("/v1/completions", {"prompt": LONG, "max_tokens": 4, "logprobs": 2}, "logprobs"),
+    "responses-text-format": ("/v1/responses", {"input": QUESTION, "max_output_tokens": 4, "text": {"format": {
+        "type": "json_schema", "name": "city", "schema": _CITY, "strict": True}}}, "text.format"),
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(("path", "body", "param"), DRAFT_REFUSALS.values(), ids=DRAFT_REFUSALS.keys())
+def test_serve_with_a_draft_model_refuses_what_it_cannot_do(draft_server: ServeProcess, path: str,
+                                                             body: dict[str, Any], param: str) -> None:
+    """Structured output and logprobs are a 400 naming the body's field in every door, before any rank sees them
+    (a rank's fallback would answer a 500)."""
+    response = httpx.post(f"{draft_server.base}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": f"'{param}' is not supported by this server: it runs a draft model (--draft-model); serve "
+                   "without one for it", "type": "invalid_request_error", "param": param, "code": None}
+    assert draft_server.health()["status"] == "ready"
+

@@ -2,7 +2,7 @@
 
 Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
 alone on the same chat-template input. The demo model's template has no tool calls, so the tool calls the
-model writes are checked through the same door over a scripted engine (``fixtures.chat_reference``).
+model writes are checked through the same door over a scripted queue (``fixtures.chat_reference``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Ollama door of ``mlxpipe serve``, with the official ``ollama`` package as client.
 
 Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
-alone on the same input. Tool calls the model writes are checked over a scripted engine, as for the other doors.
+alone on the same input. Tool calls the model writes are checked over a scripted queue, as for the other doors.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""serve/anthropic_api.py in-process: the real app and door over a scripted engine (tool calls the model writes)."""
+"""serve/anthropic_api.py in-process: the real app and door over a scripted queue (tool calls the model writes)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Iterator
 
 import anthropic
 import pytest
-from fixtures.chat_reference import ScriptedEngine
+from fixtures.chat_reference import ScriptedQueue
 from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 from tests.e2e.test_serve_anthropic import WEATHER_TOOL, _user
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -22,10 +22,10 @@ TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city"
 
 @pytest.fixture(scope="module")
 def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
-    """The real app and door over a scripted engine, its tokenizer given mlx-lm's JSON tool parser."""
+    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
-    app = build_app(ScriptedEngine(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
+    app = build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
     with TestClient(app) as http:
         yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
 

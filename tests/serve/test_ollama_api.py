@@ -1,4 +1,4 @@
-"""serve/ollama_api.py in-process: the real app and door over a scripted engine (tool calls the model writes)."""
+"""serve/ollama_api.py in-process: the real app and door over a scripted queue (tool calls the model writes)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Iterator
 
 import ollama
 import pytest
-from fixtures.chat_reference import ScriptedEngine
+from fixtures.chat_reference import ScriptedQueue
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 from tests.e2e.test_serve_ollama import WEATHER_FUNCTION
 
 TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -23,7 +23,7 @@ TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 def scripted(demo_model: Path) -> Iterator[ollama.Client]:
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=None, context=4096)
-    with TestClient(build_app(ScriptedEngine(tokenizer, TOOL_REPLY), tokenizer, settings,  # type: ignore[arg-type]
+    with TestClient(build_app(ScriptedQueue(tokenizer, TOOL_REPLY), tokenizer, settings,  # type: ignore[arg-type]
                               RequestLog())) as http:
         client = ollama.Client(host="http://testserver")
         client._client = http  # the real door in-process

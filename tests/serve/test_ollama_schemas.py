@@ -31,18 +31,18 @@ def test_a_chat_becomes_the_templated_tokens_with_ollamas_options(tokenizer: Any
                     "options": {"temperature": 0.5, "seed": 3, "num_predict": 7, "stop": ["\n\n"]}},
                    True, SETTINGS, tokenizer, ids())
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert parsed.job.tokens == tokenizer.encode(expected, add_special_tokens=False)
-    assert (parsed.job.temp, parsed.job.seed, parsed.job.max_tokens) == (0.5, 3, 7)
-    assert (parsed.stream, parsed.stops, parsed.model, parsed.job.id) == (False, ["\n\n"], "demo:latest", "req-0")
+    assert parsed.request.tokens == tokenizer.encode(expected, add_special_tokens=False)
+    assert (parsed.request.temp, parsed.request.seed, parsed.request.max_tokens) == (0.5, 3, 7)
+    assert (parsed.stream, parsed.stops, parsed.model, parsed.request.id) == (False, ["\n\n"], "demo:latest", "req-0")
 
 
 def test_generate_applies_the_template_unless_raw_and_runs_until_the_context_ends(tokenizer: Any) -> None:
     raw = parse({"prompt": "Once upon", "raw": True, "options": {"num_predict": -1}}, False, SETTINGS, tokenizer,
                 ids())
-    assert raw.job.ignore_chat_template and raw.stream  # Ollama streams unless told not to
-    assert raw.job.max_tokens == SETTINGS.context - len(raw.job.tokens)  # -1: until the context is full
+    assert raw.request.ignore_chat_template and raw.stream  # Ollama streams unless told not to
+    assert raw.request.max_tokens == SETTINGS.context - len(raw.request.tokens)  # -1: until the context is full
     templated = parse({"prompt": "Once upon"}, False, SETTINGS, tokenizer, ids())
-    assert len(templated.job.tokens) > len(raw.job.tokens)
+    assert len(templated.request.tokens) > len(raw.request.tokens)
 
 
 @pytest.mark.parametrize(("body", "chat", "status", "param"), [

@@ -1,4 +1,4 @@
-"""serve/responses_api.py in-process: the real app and doors over a scripted engine.
+"""serve/responses_api.py in-process: the real app and doors over a scripted queue.
 
 Function calls the model writes, and malformed bodies through the Responses and Anthropic doors.
 """
@@ -11,33 +11,33 @@ from typing import Any, Iterator
 
 import openai
 import pytest
-from fixtures.chat_reference import ScriptedEngine, prompt
+from fixtures.chat_reference import ScriptedQueue, prompt
 from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from mlxpipe.serve.app import build_app
-from mlxpipe.serve.controller import RequestLog
 from mlxpipe.serve.door import ServerSettings
+from mlxpipe.serve.queue import RequestLog
 from tests.e2e.test_serve_responses import WEATHER_FUNCTION, WEATHER_TOOL, _user
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def scripted(demo_model: Path) -> Iterator[tuple[openai.OpenAI, ScriptedEngine]]:
-    """The real app and door over a scripted engine, its tokenizer given mlx-lm's JSON tool parser."""
+def scripted(demo_model: Path) -> Iterator[tuple[openai.OpenAI, ScriptedQueue]]:
+    """The real app and door over a scripted queue, its tokenizer given mlx-lm's JSON tool parser."""
     tokenizer = load_tokenizer(demo_model, tokenizer_config_extra={"tool_parser_type": "json_tools"})
     settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
-    engine = ScriptedEngine(tokenizer, TOOL_REPLY)
-    with TestClient(build_app(engine, tokenizer, settings, RequestLog())) as http:  # type: ignore[arg-type]
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0), engine
+    queue = ScriptedQueue(tokenizer, TOOL_REPLY)
+    with TestClient(build_app(queue, tokenizer, settings, RequestLog())) as http:  # type: ignore[arg-type]
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0), queue
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["one-body", "streaming"])
-def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[openai.OpenAI, ScriptedEngine],
+def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[openai.OpenAI, ScriptedQueue],
                                                               demo_model: Path, stream: bool) -> None:
-    client, engine = scripted
+    client, queue = scripted
     if stream:
         with client.responses.stream(model="scripted", input="Weather in Paris?", tools=[WEATHER_TOOL]) as s:
             kinds = [e.type for e in s]
@@ -57,7 +57,7 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
             {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "22 C"}],
         [WEATHER_FUNCTION])
-    assert engine.jobs[-1].tokens == expected
+    assert queue.requests[-1].tokens == expected
 
 
 # --- no body can break either door ---------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def _fuzz(count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     return bodies
 
 
-def test_no_body_breaks_either_door(scripted: tuple[openai.OpenAI, ScriptedEngine]) -> None:
+def test_no_body_breaks_either_door(scripted: tuple[openai.OpenAI, ScriptedQueue]) -> None:
     """Hundreds of malformed bodies through the real doors: each a 4xx in its API's shape or a 200, never a 5xx."""
     http: TestClient = scripted[0]._client  # the TestClient the SDK was given
     statuses = []

@@ -1,13 +1,14 @@
-"""The controller side of ``mlxpipe serve``: one pipeline kept up, requests in, tokens out, restarts.
+"""The serve-side request queue: one pipeline kept up, requests in, tokens out, restarts.
 
-The HTTP server lives in this process, never in a rank, so a rank's death does
-not take the API down. A background thread launches the pipeline (through
-``startup.launch``, the same sequence every command uses), puts the ranks into
-their serving loop (``worker.engine``), and pumps their events: each token goes
-to its request's stream as it is sampled. When a rank fails, every request in
-flight ends at once with the root cause, ``/health`` says ``restarting``, and
-the thread launches and loads the pipeline again, up to ``max_restarts`` times
-with backoff; after that the server gives up with the root cause.
+The HTTP server lives in the controller's process, never in a rank, so a rank's
+death does not take the API down. A background thread launches the pipeline
+(through ``launch.run.launch``, the same sequence every command uses), puts the
+ranks into their serving loop (``worker.loop``), and pumps their events:
+each token goes to its request's stream as it is sampled. When a rank fails,
+every request in flight ends at once with the root cause, ``/health`` says
+``restarting``, and the thread launches and loads the pipeline again, up to
+``max_restarts`` times with backoff; after that the server gives up with the
+root cause.
 
 A request that arrives while the pipeline loads or relaunches waits here, and
 is sent to the ranks once they are ready (in arrival order), for at most
@@ -59,10 +60,6 @@ class ServeOptions:
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request waits for the ranks to be ready
 
 
-# One request as the ranks run it: its token ids (``tokens``, the chat template applied here) and every option.
-Job = Request
-
-
 @dataclass
 class Outcome:
     """How a request ended, from rank 0's ``finished`` event (or a failure)."""
@@ -87,8 +84,8 @@ class Sampled:
 class Stream:
     """The tokens of one request, readable from the HTTP server's event loop."""
 
-    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
-        self.job = job
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request  # as the ranks run it: its token ids (the chat template applied here), its options
         self._loop = loop
         self._queue: asyncio.Queue[int | Sampled | Outcome] = asyncio.Queue()
         self._peeked: list[int | Sampled | Outcome] = []
@@ -129,8 +126,8 @@ class RankState:
     memory_gb: float | None = None  # in use when a request last ended
 
 
-class ServeEngine:
-    """The pipeline behind the server; see the module docstring."""
+class RequestQueue:
+    """Every door's requests, to the ranks and back, with the pipeline kept up for them (the module docstring)."""
 
     def __init__(self, config: PipelineConfig, meta: ModelMetadata, plan: Plan, options: ServeOptions,
                  on_state: Callable[[str, str | None], None] | None = None) -> None:
@@ -236,7 +233,7 @@ class ServeEngine:
             stream.put(event.token if event.logprob is None else Sampled(event.token, event.logprob, event.top or []))
         else:
             with self._lock:
-                self._streams.pop(stream.job.id, None)
+                self._streams.pop(stream.request.id, None)
             stream.put(Outcome(
                 finish_reason=event.finish_reason,
                 prompt_tokens=event.prompt_tokens,
@@ -270,14 +267,14 @@ class ServeEngine:
     def new_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Stream:
-        """Send ``job`` to the ranks, or keep it until they are ready; the caller checked ``capacity``."""
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Stream:
+        """Send ``request`` to the ranks, or keep it until they are ready; the caller checked ``capacity``."""
         if self.state == "failed":
             assert self.error is not None
             raise self.error
-        stream = Stream(job, loop)
+        stream = Stream(request, loop)
         with self._lock:
-            self._streams[job.id] = stream
+            self._streams[request.id] = stream
             if self.state == "ready" and self._pipe is not None:
                 self._send(stream)
             else:
@@ -287,7 +284,7 @@ class ServeEngine:
     def _send(self, stream: Stream) -> None:
         """To every rank (under the lock, so that the ranks see requests in the order they came)."""
         assert self._pipe is not None
-        self._pipe.ranks.send(Submit(stream.job.with_seed(lambda: random.randrange(2**31))))
+        self._pipe.ranks.send(Submit(stream.request.with_seed(lambda: random.randrange(2**31))))
 
     def cancel(self, request_id: str) -> None:
         """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
@@ -319,7 +316,7 @@ class ServeEngine:
                 late = [s for s in self._waiting if now - s.submitted > self.options.queue_timeout]
                 for stream in late:
                     self._waiting.remove(stream)
-                    self._streams.pop(stream.job.id, None)
+                    self._streams.pop(stream.request.id, None)
             for stream in late:
                 stream.put(Outcome(error=LaunchError(
                     f"waited {self.options.queue_timeout:g} s for the pipeline, which is still {self.state}",
