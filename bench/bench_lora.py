@@ -181,7 +181,7 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
         estimate = training_memory(run.meta, run.plan, options, lora.longest_sequence(run.datasets.train))
         peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
         how = "naive" if micro == 1 else schedule
-        for m, r in zip(estimate, run.plan.ranks):
+        for m, r in zip(estimate, run.plan.ranks, strict=True):
             lines.append(f"| {how}, M = {micro} | {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | "
                          f"{peaks[m.rank] / 1e6:.1f} MB | {peaks[m.rank] / m.total_bytes:.2f} |")
     return "\n".join(lines)

@@ -223,7 +223,7 @@ def _single_process_batching_main(path: str) -> None:
         mx.eval(model(mx.array([[5]] * b), cache=c), [x.state for x in c])
         return time.perf_counter() - tic
 
-    setups = {1: cache(0), **{b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)))]
+    setups = {1: cache(0), **{b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)), strict=True)]
                               for b in (2, 4, 8)}}
     best = {b: min(step(c, b) for _ in range(25)) for b, c in setups.items()}  # best of 25: least disturbed
     print(" | ".join(f"B = {b}: {best[1] * b / t:.2f}x" for b, t in best.items()))

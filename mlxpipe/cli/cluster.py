@@ -280,7 +280,7 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         t = Table(title=f"backend {outcome.data['backend']}", title_justify="left")
         for name in ("rank", "host", "chip", "memory", "macOS", "free disk", "ips", "python"):
             t.add_column(name, overflow="fold", justify="right" if name in ("rank", "memory", "free disk") else "left")
-        for rank, (m, entry) in enumerate(zip(outcome.machines, outcome.data["hosts"])):
+        for rank, (m, entry) in enumerate(zip(outcome.machines, outcome.data["hosts"], strict=True)):
             t.add_row(str(rank), escape(m.ssh), escape(m.chip or "-"), human_bytes(m.memory_bytes),
                       m.macos or "-", human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
         console.out.print(t)

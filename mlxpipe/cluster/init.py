@@ -79,7 +79,7 @@ def survey_all(hosts: Sequence[str], on_done: Callable[[str, Machine | SetupErro
         results = list(pool.map(one, hosts))
     machines = [r for r in results if isinstance(r, Machine)]
     steps = [Step(name, f"{r.hint or r.message} ({r.message.split(': ', 1)[-1]})", blocking=True)
-             for name, r in zip(hosts, results) if isinstance(r, SetupError)]
+             for name, r in zip(hosts, results, strict=True) if isinstance(r, SetupError)]
     return machines, steps
 
 
@@ -191,7 +191,7 @@ def _check_wired(order: list[Machine], wiring: thunderbolt.Wiring,
     if failed:
         return order, failed
     steps = []
-    for m, wired in zip(machines, wiring.hosts):
+    for m, wired in zip(machines, wiring.hosts, strict=True):
         held = {str(a.ip) for i in m.interfaces for a in i.addresses}
         if set(wired["ips"]) <= held:
             continue

@@ -243,7 +243,7 @@ class ResultsFile:
         self.partial = path.with_name(path.name + ".partial")
         self.saved = 0
         try:
-            self._file = open(self.partial, "w", encoding="utf-8")
+            self._file = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - open until finish()
         except OSError as e:
             raise UsageError(f"--output {path}: cannot write {self.partial}: {e.strerror or e}") from e
 

@@ -192,7 +192,7 @@ class Ranks:
         run_dir = self.spec.run_dir
         (run_dir / "hostfile.json").write_text(json.dumps(self.spec.hostfile.to_mlx_launch(), indent=2))
         (run_dir / "command.txt").write_text(shlex.join(self.argv) + "\n")
-        self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)
+        self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)  # noqa: SIM115 - open for the run
         self.tracker.started_at = time.monotonic()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # stdin must be a pipe: mlx.launch crashes when it is closed, and it broadcasts it to the ranks.
@@ -339,7 +339,8 @@ class Ranks:
         with self._log_lock:
             log = self._logs.get(rank)
             if log is None:
-                log = self._logs[rank] = open(self.rank_log(rank), "ab", buffering=0)  # type: ignore[arg-type]
+                path = self.spec.run_dir / RUN_LOG if rank is None else self.rank_log(rank)
+                log = self._logs[rank] = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the run
             log.write(line.encode(errors="replace") + b"\n")
 
     def _write(self, data: bytes) -> None:

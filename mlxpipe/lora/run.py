@@ -196,7 +196,7 @@ def eval_batches(dataset: Any, options: TrainOptions, num_batches: int) -> list[
 
     index = iter(range(num_batches)) if num_batches != -1 else iter(int, 1)
     batches = iterate_batches(dataset=dataset, batch_size=options.batch_size, max_seq_length=options.max_seq_length)
-    return [_wire(b) for _, b in zip(index, batches)]
+    return [_wire(b) for _, b in zip(index, batches, strict=False)]
 
 
 def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Iterator[TrainMessage]:
@@ -212,7 +212,7 @@ def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Ite
     if options.train:
         train = iterate_batches(dataset=data.train, batch_size=options.batch_size,
                                 max_seq_length=options.max_seq_length, loop=True)
-        for it, batch in zip(range(1, options.iters + 1), train):
+        for it, batch in zip(range(1, options.iters + 1), train, strict=False):
             if len(data.valid) and (it == 1 or it % options.steps_per_eval == 0 or it == options.iters):
                 yield Eval(id=next(ids), it=it, what="val",
                            batches=eval_batches(data.valid, options, options.val_batches))

@@ -128,7 +128,7 @@ def _mlx_lm_dir() -> Path:
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError("mlx-lm is not installed", "pip install mlx-lm")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def layer_windows(c: dict[str, Any], n: int) -> list[int | None]:

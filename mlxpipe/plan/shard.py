@@ -94,7 +94,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["fits"] = self.fits
-        for r, rp in zip(data["ranks"], self.ranks):
+        for r, rp in zip(data["ranks"], self.ranks, strict=True):
             r["layers"] = rp.layers
         return data
 

@@ -161,7 +161,7 @@ class Generation:
                 token = item.token if isinstance(item, Sampled) else item
                 if isinstance(item, Sampled) and token not in self.reply.tokenizer.eos_token_ids:
                     self.logprobs.append(item)  # as its text: the end-of-sequence token is not shown
-                delta = self._text(lambda: self.reply.add(token))
+                delta = self._text(lambda: self.reply.add(token))  # noqa: B023 - called here, at once
                 if delta is None:
                     break  # this reply's text failed: it ends here, with the error
                 if delta:

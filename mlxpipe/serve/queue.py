@@ -335,7 +335,7 @@ class RequestQueue:
         }
         if self.plan.tp > 1:  # --tp: each rank's pipeline stage and place in its stage's tensor-parallel group
             out["tp"] = self.plan.tp
-            for entry, planned in zip(out["ranks"], self.plan.ranks):
+            for entry, planned in zip(out["ranks"], self.plan.ranks, strict=True):
                 entry.update(stage=planned.stage, tp_index=planned.tp_index)
         time = dict(self.time)
         if time:

@@ -29,7 +29,7 @@ def decode_batch_for(model: Any, job: JobSpec, requested: int) -> int:
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Requests' own caches as one batch cache per layer (as ``BatchGenerator`` merges them)."""
-    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
+    return [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
 
 
 class BatchCaches:
@@ -71,7 +71,7 @@ class BatchCaches:
         if joining:
             merged = merge_caches([self.take_own(index) for index in joining])
             if cache:
-                for c, new in zip(cache, merged):
+                for c, new in zip(cache, merged, strict=True):
                     c.extend(new)
             else:
                 cache = merged

@@ -270,7 +270,7 @@ class Engine:
             hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
             tokens, agreed = self._share(sampled, sampling, inbox)
         if sampling is not None and tokens is not None:
-            for index, token in zip(sampling.requests, tokens):
+            for index, token in zip(sampling.requests, tokens, strict=False):  # end_tick checks the count
                 if not self.schedule.requests[index].cancelled and token != FAILED:
                     self._on_token(index, token)
         for index in self.schedule.end_tick(tokens):

@@ -87,5 +87,5 @@ def token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
     order = mx.argpartition(-row, top - 1)[:top]  # the top ones, unordered: cheaper than sorting the vocabulary
     values = row[order]
     mx.eval(order, values)
-    ranked = sorted(zip(order.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+    ranked = sorted(zip(order.tolist(), values.tolist(), strict=True), key=lambda p: (-p[1], p[0]))
     return chosen, [[int(i), float(v)] for i, v in ranked if v != -float("inf")]

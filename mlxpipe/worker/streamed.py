@@ -224,9 +224,10 @@ class Streamed:
             )
         # Ranks hold different caches (native mode keeps only local ones), so
         # they agree before anyone trims: all must feed the same tokens.
-        if keep and all_agree(self.context.group, usable):
-            if extra == 0 or trim_prompt_cache(previous.cache, extra) == extra:
-                return previous.cache, common
+        if keep and all_agree(self.context.group, usable) and (
+            extra == 0 or trim_prompt_cache(previous.cache, extra) == extra
+        ):
+            return previous.cache, common
         return make_prompt_cache(self.context.loaded.model, max_kv_size=max_kv_size or self.context.job.max_kv_size), 0
 
     def _speculative_cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
@@ -247,7 +248,7 @@ class Streamed:
             common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *lengths)
         common = agreed_min(self.context.group, common)  # every rank must feed the same tokens
         if common > 0:
-            for part, length in zip(parts, lengths):
+            for part, length in zip(parts, lengths, strict=True):
                 trim_prompt_cache(part, length - common)
             return previous.cache, common
         return make_prompt_cache(self.context.loaded.model) + make_prompt_cache(self.context.loaded.draft), 0

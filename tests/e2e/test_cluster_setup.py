@@ -172,7 +172,7 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
     # mlx.distributed_config wired the cable (192.168.0.1 <-> .2 on en2) and chose the ring over Thunderbolt.
     assert data == {"backend": "ring", "envs": [], "hosts": [
         {"ssh": h, "ips": [ip], "memory_gb": 256, "python": f"{home}/{VENV_PYTHON}", "hf_home": f"{home}/.cache/huggingface"}
-        for h, ip, home in zip((h0, h1), ("192.168.0.1", "192.168.0.2"), homes)]}
+        for h, ip, home in zip((h0, h1), ("192.168.0.1", "192.168.0.2"), homes, strict=True)]}
     lines = init.stdout.splitlines()
     for h in (h0, h1):  # what ssh cannot do, one line per host and step
         assert any(line.startswith(f"step: on {h}: enable RDMA for JACCL") and "rdma_ctl enable" in line for line in lines)

@@ -50,7 +50,7 @@ def _reference(model_dir: str, prompt: str | None = None) -> tuple[list[int], li
 def _check_against_mlx_lm(entries: list[Any], demo_model: Path, prompt: str | None = None) -> None:
     tokens, logprobs, tokenizer = _reference(str(demo_model), prompt)
     assert [e["token"] for e in entries] == [tokenizer.decode([t]) for t in tokens]
-    for entry, token, row in zip(entries, tokens, logprobs):
+    for entry, token, row in zip(entries, tokens, logprobs, strict=True):
         assert entry["logprob"] == pytest.approx(row[token], abs=TOLERANCE)
         top = entry["top_logprobs"]
         assert len(top) == TOP
@@ -101,7 +101,7 @@ def test_completions_carry_the_legacy_logprobs(client: openai.OpenAI, demo_model
     # mlx-lm's streaming detokenizer drops the space a reply's first token starts with; the token keeps it.
     assert "".join(got["tokens"]).lstrip() == text.lstrip()
     assert got["text_offset"] == [len("".join(got["tokens"][:i])) for i in range(len(tokens))]
-    for value, top, token, row in zip(got["token_logprobs"], got["top_logprobs"], tokens, logprobs):
+    for value, top, token, row in zip(got["token_logprobs"], got["top_logprobs"], tokens, logprobs, strict=True):
         assert value == pytest.approx(row[token], abs=TOLERANCE)
         assert len(top) == 3 and max(top.values()) == value
 

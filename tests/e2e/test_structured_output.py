@@ -77,7 +77,7 @@ def test_sampled_json_schema_replies_all_parse_and_validate(client: openai.OpenA
                                                     temperature=1.0, seed=seed), range(4)))
     contents = [r.choices[0].message.content for r in replies]
     assert len(set(contents)) > 1, contents  # sampled, not one fixed string
-    for reply, content in zip(replies, contents):
+    for reply, content in zip(replies, contents, strict=True):
         jsonschema.validate(json.loads(content), PERSON)
         assert reply.choices[0].finish_reason == "stop"  # it ended with the JSON
 

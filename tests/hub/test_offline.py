@@ -299,7 +299,7 @@ def test_offline_download_names_the_files_a_host_lacks(
     hub_env.reset_log()
     go_offline(monkeypatch)
     result = invoke("download", "--model", repo, "--hostfile", hostfile)
-    files = len([p for p in snapshot.iterdir()]) + 1
+    files = len(list(snapshot.iterdir())) + 1
     assert_one_error(
         result,
         f"error: 127.0.0.1 (rank 1): offline (HF_HUB_OFFLINE=1) and 1 of its {files} files of {repo} at commit "

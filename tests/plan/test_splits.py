@@ -61,7 +61,7 @@ def test_even_split_is_mlx_lm_pipeline_for_every_size() -> None:
     checked, mismatches = 0, []
     for num_layers in range(1, 129):
         for size in range(1, min(16, num_layers) + 1):
-            strategy, split = choose_split("even", None, num_layers, cluster[:size])
+            _strategy, split = choose_split("even", None, num_layers, cluster[:size])
             ours = layer_ranges(split)
             if ours != _mlx_lm_ranges(num_layers, size):
                 mismatches.append((num_layers, size))
@@ -190,7 +190,7 @@ def test_memory_split_every_rank_gets_a_layer_and_its_share() -> None:
         assert sum(split) == num_layers
         assert min(split) >= 1
         spare = num_layers - size
-        for layers, budget in zip(split, budgets):
+        for layers, budget in zip(split, budgets, strict=True):
             assert abs(layers - 1 - spare * budget / sum(budgets)) < 1
 
 

@@ -78,7 +78,7 @@ def _same_layers(value: list, target: Any) -> bool:
         return True
     # ``layers`` properties may return a fresh slice of the list.
     return isinstance(target, list) and len(value) == len(target) and all(
-        a is b for a, b in zip(value, target)
+        a is b for a, b in zip(value, target, strict=True)
     )
 
 

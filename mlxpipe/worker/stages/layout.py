@@ -50,7 +50,7 @@ def _parts(layout: Layout) -> list[dict[str, Any]]:
     parts = [layout["hidden"]]
     for item in layout["extras"]:
         if item is not None:
-            parts.extend(item["tuple"] if "tuple" in item else [item])
+            parts.extend(item.get("tuple", [item]))
     return parts
 
 
@@ -76,7 +76,7 @@ def _pack(layout: Layout, out: mx.array, extras: tuple | None) -> mx.array:
     """The hidden state and the extras that cross, as bytes per token, in one array:
     two sends could run in another order than the two receives."""
     arrays = [out]
-    for item, value in zip(layout["extras"], extras or ()):
+    for item, value in zip(layout["extras"], extras or (), strict=False):
         if item is not None:
             arrays.extend(value if "tuple" in item else [value])
     batch, tokens = out.shape[:2]

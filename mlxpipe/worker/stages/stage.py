@@ -123,10 +123,7 @@ class _PipelineStage:
             # A new array, not ``x`` itself: the next block must tell the state from
             # other arguments that were the same object (Talkie's embeddings).
             out = mx.stop_gradient(x)
-            if stage.before_local:
-                extras = _made_up_extras(exchange.incoming_layout, x)
-            else:
-                extras = exchange.last_extras
+            extras = _made_up_extras(exchange.incoming_layout, x) if stage.before_local else exchange.last_extras
         if stage.sends:
             if exchange.probing:
                 exchange.outgoing_layout = _layout_of(out, extras)
@@ -171,7 +168,7 @@ def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) 
         return received, args, kwargs
     hidden, extras = _unpack(received, layout)
     # The extras the stand-in before made up are replaced wherever the model passes them on.
-    for made_up, real in zip(exchange.last_extras or (), extras):
+    for made_up, real in zip(exchange.last_extras or (), extras, strict=False):
         if real is not None:
             args, kwargs = _replace_object(made_up, real, args, kwargs)
     return hidden, args, kwargs

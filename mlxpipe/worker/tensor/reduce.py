@@ -67,7 +67,7 @@ def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
         ):
             continue
         if any(value is tensor for value in vars(module).values()) or any(
-            module.get(k) is tensor for k in module.keys()
+            module.get(k) is tensor for k in module
         ):
             stray.append(name or "the model")
     return stray
