@@ -124,7 +124,9 @@ def pipeline_rows(model: Path, ranks: int, texts: list[str], max_tokens: int) ->
     return rows
 
 
-def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs: int = 3) -> list[tuple[str, list[int], list[float]]]:
+def split_rows(
+    model: Path, texts: list[str], max_tokens: int, k: int = 2, runs: int = 3
+) -> list[tuple[str, list[int], list[float]]]:
     """Overlapped K = 2 on 2 pinned ranks under the even and the balanced split: (strategy, split, tok/s per run)."""
     requests = _requests(texts, max_tokens)
     rows = []

@@ -186,7 +186,8 @@ def install(
     wheelhouse: Annotated[Path | None, typer.Option(
         "--wheelhouse", help="Install from these wheels only (a directory of .whl files for the hosts), never "
         "from a package registry.",
-        show_default="the hosts' registry, else this machine's own packages (or pip download here for another platform)",
+        show_default="the hosts' registry, else this machine's own packages "
+        "(or pip download here for another platform)",
     )] = None,
     json_out: Json = False,
 ) -> None:
@@ -281,8 +282,8 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         for name in ("rank", "host", "chip", "memory", "macOS", "free disk", "ips", "python"):
             t.add_column(name, overflow="fold", justify="right" if name in ("rank", "memory", "free disk") else "left")
         for rank, (m, entry) in enumerate(zip(outcome.machines, outcome.data["hosts"], strict=True)):
-            t.add_row(str(rank), escape(m.ssh), escape(m.chip or "-"), human_bytes(m.memory_bytes),
-                      m.macos or "-", human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
+            t.add_row(str(rank), escape(m.ssh), escape(m.chip or "-"), human_bytes(m.memory_bytes), m.macos or "-",
+                      human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
         console.out.print(t)
     for note in outcome.notes:
         _line(note)

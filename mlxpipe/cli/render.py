@@ -38,7 +38,8 @@ def plan_table(plan: Plan) -> RenderableType:
         t.add_column("max ctx", justify="right", no_wrap=True)
     for r in plan.ranks:
         row = [
-            str(r.rank), *([f"{r.stage} · {r.tp_index}"] if plan.tp > 1 else []), r.host, f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
+            str(r.rank), *([f"{r.stage} · {r.tp_index}"] if plan.tp > 1 else []), r.host,
+            f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
             f"{short_bytes(r.download_bytes)} in {len(r.files)}", short_bytes(r.kv_bytes_per_1k),
             f"{r.work_share:.0%}",
         ]
@@ -55,7 +56,8 @@ def tasks_table(tasks: Sequence[Any], meta: Any) -> RenderableType:
     whole = sum(meta.file_sizes.values())
     title = f"{_model_title(meta)}: files per host"
     t = Table()
-    for name, justify in (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right")):
+    columns = (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right"))
+    for name, justify in columns:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for task in tasks:
         files = "\n".join(task.job.files)

@@ -184,8 +184,11 @@ def _rdma_steps(order: Sequence[Machine], cables: Sequence[thunderbolt.Cable], b
     return steps
 
 
-def _check_wired(order: list[Machine], wiring: thunderbolt.Wiring,
-                 resurvey: Callable[[Sequence[str]], tuple[list[Machine], list[Step]]]) -> tuple[list[Machine], list[Step]]:
+def _check_wired(
+    order: list[Machine],
+    wiring: thunderbolt.Wiring,
+    resurvey: Callable[[Sequence[str]], tuple[list[Machine], list[Step]]],
+) -> tuple[list[Machine], list[Step]]:
     """After a set-up MLX could only print: does each host hold its Thunderbolt addresses? If not, its commands."""
     machines, failed = resurvey([m.ssh for m in order])
     if failed:

@@ -1,8 +1,9 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
-progress as events (``protocol.download``: mlxpipe is installed there, as on every rank); ``--check`` only reports which files are already
-there (``download --from-controller`` asks it before sending anything). Files
+progress as events (``protocol.download``: mlxpipe is installed there, as on every rank);
+``--check`` only reports which files are already there (``download --from-controller``
+asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
 ``local_dir``). huggingface_hub writes each file to a temporary name and
 renames it when complete, so an interrupted transfer never looks complete, and

@@ -225,7 +225,8 @@ def require_fit(the_plan: Plan) -> None:
     if the_plan.fits:
         return
     bad = next(r for r in the_plan.ranks if r.fits is False)
-    hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
+    suggested = the_plan.suggested_split
+    hint = f"try --split {','.join(map(str, suggested))}" if suggested else "see `mlxpipe plan`"
     raise PlanError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
 
 

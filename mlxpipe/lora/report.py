@@ -35,7 +35,8 @@ class LoraReporter(Reporter):
         for r in the_plan.ranks:
             m = self.memory[r.rank]
             console.err.print(
-                f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}; training memory ~{human_bytes(m.total_bytes)}"
+                f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}; "
+                f"training memory ~{human_bytes(m.total_bytes)}"
                 f" = frozen {human_bytes(m.frozen_bytes)} + adapters, gradients, optimizer {human_bytes(m.lora_bytes)}"
                 f" + activations of {m.micro_batches_held} micro-batch(es) {human_bytes(m.activation_bytes)}[/]"
             )

@@ -49,7 +49,9 @@ class TrainOptions:
     data: str = "data"
     fine_tune_type: str = "lora"
     optimizer: str = "adam"
-    optimizer_config: dict = field(default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}})
+    optimizer_config: dict = field(
+        default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}}
+    )
     mask_prompt: bool = False
     num_layers: int = 16
     batch_size: int = 4
@@ -93,8 +95,10 @@ class TrainOptions:
         if self.schedule not in SCHEDULES:
             raise UsageError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.batch_size % self.micro_batches:
-            raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
-                             hint="each micro-batch gets the same number of sequences")
+            raise UsageError(
+                f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
+                hint="each micro-batch gets the same number of sequences",
+            )
         if self.fine_tune_type not in FINE_TUNE_TYPES:
             raise UsageError(f"--fine-tune-type {self.fine_tune_type!r}: mlxpipe trains lora or dora adapters")
         one_of(self.optimizer.lower(), OPTIMIZERS, "--optimizer")
@@ -277,7 +281,9 @@ class Reporter:
 
     def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None: ...
     def step(self, report: StepReport) -> None: ...
-    def train(self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float) -> None: ...
+    def train(
+        self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float
+    ) -> None: ...
     def val(self, it: int, loss: float, seconds: float) -> None: ...
     def test(self, loss: float) -> None: ...
     def saved(self, it: int, path: Path) -> None: ...

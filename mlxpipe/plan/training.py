@@ -77,7 +77,8 @@ def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: 
     rows = options.batch_size // options.micro_batches
     per_layer = seq * rows * hidden * (34 + 5 * heads * seq / max(hidden, 1)) * act_bytes / 2
     num_layers = meta.num_layers
-    trained_from = 0 if options.num_layers <= 0 else max(num_layers - options.num_layers, 0)  # mlx-lm: 0 and -1 mean all
+    # mlx-lm: 0 and -1 mean all
+    trained_from = 0 if options.num_layers <= 0 else max(num_layers - options.num_layers, 0)
     lora = options.lora_parameters
     keys = lora.get("keys")
     copies = 2 + OPTIMIZER_COPIES.get(options.optimizer, 2)  # parameters, gradients, optimizer state
@@ -86,7 +87,8 @@ def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: 
     out = []
     for r in the_plan.ranks:
         stage = stages - 1 - r.rank
-        values = sum(lora_parameters_of(meta, i, int(lora["rank"]), keys) for i in range(max(r.start, trained_from), r.end))
+        trained = range(max(r.start, trained_from), r.end)
+        values = sum(lora_parameters_of(meta, i, int(lora["rank"]), keys) for i in trained)
         if stage < first_trained:
             held = 1  # forward only: one micro-batch at a time, nothing kept
         elif options.schedule == "1f1b":

@@ -310,7 +310,9 @@ def parse_chat_template_config(text: str | None, name: str) -> dict[str, Any] | 
     except json.JSONDecodeError as e:
         raise RequestError("chat_template_config", f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(config, dict):
-        raise RequestError("chat_template_config", f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}'")
+        raise RequestError(
+            "chat_template_config", f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}'"
+        )
     return config
 
 

@@ -1,4 +1,5 @@
-"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed ``mlxpipe.protocol.request.Request``.
+"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed
+``mlxpipe.protocol.request.Request``.
 
 Content blocks become the chat messages a chat template reads, as ``mlx_lm.server`` gives them to it: ``text``
 blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as an object), a user's

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed ``mlxpipe.protocol.request.Request``.
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed
+``mlxpipe.protocol.request.Request``.
 
 Every field is checked before anything reaches a rank, and every error names the body's own field
 (``'temperature'``, ``'max_completion_tokens'``, ``'messages[2].content'``). The options a body may set, and

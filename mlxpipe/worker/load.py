@@ -217,7 +217,8 @@ def load_local_adapters(model: nn.Module, path: Path, start: int, end: int, rank
         index = _layer_index(name, prefix)
         if index is not None and not start <= index < end:
             continue  # another rank's layer
-        if name not in params or (fine_tune_type != "full" and name.rsplit(".", 1)[-1] not in ("lora_a", "lora_b", "m")):
+        adapter = name.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m")
+        if name not in params or (fine_tune_type != "full" and not adapter):
             wrong.append(f"{name}: not an adapter parameter of the model")
         elif w.shape != params[name].shape:
             wrong.append(f"{name}: shape {tuple(w.shape)}, the model's {tuple(params[name].shape)}")

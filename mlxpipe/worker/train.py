@@ -178,7 +178,8 @@ class Stage:
         loss = mx.array(0.0)
         actions = stage_actions(schedule, self.size, self.index, micro_batches, self.backward_from)
         for action in actions:
-            self.on_action(f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro + 1}/{micro_batches}")
+            kind = "forward" if action.kind == "F" else "backward"
+            self.on_action(f"{kind} of micro-batch {action.micro + 1}/{micro_batches}")
             mb, mb_lengths = cuts[action.micro]
             if action.kind == "F":
                 done = self._forward(action, mb, mb_lengths, ntoks, params, flight)

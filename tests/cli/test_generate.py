@@ -26,7 +26,9 @@ from tests.e2e.test_ssh_cluster import cli
         (["--output", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),
     ],
 )
-def test_generate_refuses_bad_batch_flags(tiny_models: TinyModels, tmp_path: Path, args: list[str], message: str) -> None:
+def test_generate_refuses_bad_batch_flags(
+    tiny_models: TinyModels, tmp_path: Path, args: list[str], message: str
+) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hi\n")
     argv = ["generate", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), *args]

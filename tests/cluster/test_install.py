@@ -41,7 +41,9 @@ def test_a_mac_with_only_macos_python_is_told_what_to_install() -> None:
     ("macosx-14.0-arm64", "3.12.1", True), ("macosx-15.0-arm64", "3.12.8", True),  # deployment targets may differ
     ("macosx-14.0-arm64", "3.11.9", False), ("macosx-14.0-x86_64", "3.12.1", False), ("linux-x86_64", "3.12.1", False),
 ])
-def test_the_controllers_own_wheels_fit_the_same_os_architecture_and_python(platform: str, version: str, same: bool) -> None:
+def test_the_controllers_own_wheels_fit_the_same_os_architecture_and_python(
+    platform: str, version: str, same: bool
+) -> None:
     assert install._same_platform(py("/v/python", version, True, platform), TARGET) is same
 
 

@@ -156,7 +156,9 @@ def test_ranks_sharing_a_cache_fetch_each_file_once(hub_env: FakeHub, repos: dic
 # --- Idempotence, split changes, and the console script -------------------------------------
 
 
-def test_console_script_end_to_end_then_a_second_run_moves_nothing(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
+def test_console_script_end_to_end_then_a_second_run_moves_nothing(
+    hub_env: FakeHub, repos: dict, tmp_path: Path
+) -> None:
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, DEMO)
     plan = plan_for(meta, hostfile)
@@ -177,7 +179,9 @@ def test_console_script_end_to_end_then_a_second_run_moves_nothing(hub_env: Fake
     assert content_gets(hub_env) == [] and hub_env.bytes_served() == 0
 
 
-def test_changing_the_split_fetches_only_the_files_that_became_needed(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
+def test_changing_the_split_fetches_only_the_files_that_became_needed(
+    hub_env: FakeHub, repos: dict, tmp_path: Path
+) -> None:
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, TINY)
     before, after = plan_for(meta, hostfile, split="4,2"), plan_for(meta, hostfile, split="1,5")

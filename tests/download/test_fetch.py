@@ -116,7 +116,9 @@ def test_fetch_lands_verified_files_in_the_standard_cache(hub_env: FakeHub, tiny
     assert result.fetched_bytes == sum(progress) == job.total_bytes == hub_env.bytes_served()
 
 
-def test_second_fetch_finds_everything_present_without_a_request(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
+def test_second_fetch_finds_everything_present_without_a_request(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path
+) -> None:
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     fetch(job)
     hub_env.reset_log()
@@ -167,7 +169,9 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub_env: FakeHub, tin
     assert sum(progress) == size
 
 
-def test_a_file_corrupted_once_is_refetched_and_verified(hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None) -> None:
+def test_a_file_corrupted_once_is_refetched_and_verified(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None
+) -> None:
     hub_env.corrupt(tiny_repo, SHARD, times=1)
     job = job_for(hub_env, tiny_repo, [SHARD], tmp_path)
     progress: list[int] = []
@@ -177,7 +181,9 @@ def test_a_file_corrupted_once_is_refetched_and_verified(hub_env: FakeHub, tiny_
     assert sum(progress) == job.sizes[SHARD]  # the bad attempt's bytes were given back
 
 
-def test_a_file_always_corrupted_is_an_error_and_never_kept(hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None) -> None:
+def test_a_file_always_corrupted_is_an_error_and_never_kept(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None
+) -> None:
     hub_env.corrupt(tiny_repo, SHARD, times=fetch_mod.ATTEMPTS)
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     with pytest.raises(DownloadError) as info:
@@ -205,7 +211,9 @@ def test_a_gated_repo_names_the_host_and_how_to_log_in_there(hub_env: FakeHub, t
     assert "hf auth login" in info.value.hint and "HF_TOKEN on studio-2 (rank 1)" in info.value.hint
 
 
-def test_check_mode_reports_present_and_missing_without_network(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
+def test_check_mode_reports_present_and_missing_without_network(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path
+) -> None:
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     fetch(dataclasses.replace(job, files=("config.json",)))
     hub_env.reset_log()

@@ -124,7 +124,9 @@ def text_reference(workdir: Path) -> dict[str, Any]:
     return reference(workdir / "ref-text", model=str(workdir / "llama"), data=str(workdir / "text"), **FLAGS)
 
 
-def test_two_ranks_naive_schedule_equals_mlx_lm_and_writes_its_format(workdir: Path, text_reference: dict[str, Any]) -> None:
+def test_two_ranks_naive_schedule_equals_mlx_lm_and_writes_its_format(
+    workdir: Path, text_reference: dict[str, Any]
+) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load

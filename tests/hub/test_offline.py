@@ -118,7 +118,9 @@ def test_refused_connection(command: str, repo: str, hf_home: Path, monkeypatch:
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_dns_failure(command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch, unresolvable: str) -> None:
+def test_dns_failure(
+    command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch, unresolvable: str
+) -> None:
     point_hf_hub_at(unresolvable, hf_home, monkeypatch)
     result = invoke(command, "--model", repo)
     assert_one_error(

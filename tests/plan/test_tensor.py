@@ -277,7 +277,9 @@ LAUNCHING = {  # every value they need; the flag under test is refused before th
     ("0", "error: --tp 0: a tensor-parallel group needs at least 1 host\n"
           "hint: use --tp 1 (pipeline only) or a divisor of the number of hosts\n"),
 ], ids=["hosts", "zero"])
-def test_bad_tp_exits_2_before_anything_runs(command: str, tp: str, error: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_tp_exits_2_before_anything_runs(
+    command: str, tp: str, error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)  # the default hostfile: hostfiles/local-2.json
     result = invoke(*LAUNCHING[command], "--tp", tp)
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", error)

@@ -41,7 +41,9 @@ def _layout_of(out: mx.array, extras: tuple | None) -> Layout | None:
             items.append(_array_layout(value, lead))
     hidden = _array_layout(out, lead)
     if hidden is None:
-        raise ModelError("a block returns more than a hidden state of shape (batch, tokens, ...); the generic pipeline cannot cut it")
+        raise ModelError(
+            "a block returns more than a hidden state of shape (batch, tokens, ...); the generic pipeline cannot cut it"
+        )
     return {"hidden": hidden, "extras": items}
 
 

@@ -45,8 +45,8 @@ _ATTENTION = [
 # its key and value heads (InternLM2's wqkv, phi3small) or per head [q k v] (GPT-NeoX), where a
 # contiguous split gives each member whole groups. A name some models lay out differently is
 # looked up by the model's module (query_key_value).
-_FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
-              ("query_key_value", "dense"), ("q_k_v_proj", "out_proj")]
+_FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"),
+              ("wqkv", "wo"), ("query_key_value", "dense"), ("q_k_v_proj", "out_proj")]
 _FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped",
                                                         "bailing_moe": "parts", "bailing_moe_linear": "parts",
                                                         "bailing_hybrid": "parts"}}
