@@ -38,7 +38,9 @@ def test_generate_refuses_bad_batch_flags(
 
 
 def test_batch_flags_need_a_prompts_file(tiny_models: TinyModels) -> None:
-    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "x", "--concurrency", "2"])
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "x", "--concurrency", "2"]
+    )
     assert result.exit_code == 2
     assert "--concurrency and --output go with --prompts-file" in result.output
 

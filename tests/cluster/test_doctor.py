@@ -199,7 +199,9 @@ def test_require_ok_names_the_first_failure() -> None:
     ]
     with pytest.raises(LaunchError) as e:
         require_ok(results)
-    assert e.value.message == "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
+    assert e.value.message == (
+        "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
+    )
     assert e.value.hint == "start sshd"
     require_ok(results[:1])
 

@@ -21,11 +21,13 @@ def py(path: str, version: str, venv: bool = False, platform: str = "macosx-14.0
 
 
 def test_the_venv_is_made_with_the_controllers_minor_else_the_newest() -> None:
-    same = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"), py("/opt/homebrew/bin/python3.13", "3.13.1"),
+    same = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"),
+                                                   py("/opt/homebrew/bin/python3.13", "3.13.1"),
                                                    py("/opt/homebrew/bin/python3.12", "3.12.8")))
     assert install._base_python(same, TARGET).path == "/opt/homebrew/bin/python3.12"
     newest = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"), py("/a/python3.10", "3.10.4"),
-                                                     py("/a/python3.11", "3.11.2"), py("/v/python", "3.13.0", venv=True)))
+                                                     py("/a/python3.11", "3.11.2"),
+                                                     py("/v/python", "3.13.0", venv=True)))
     assert install._base_python(newest, TARGET).path == "/a/python3.11"
 
 

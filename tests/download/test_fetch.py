@@ -87,7 +87,8 @@ def test_host_refuses_a_tampered_job_before_any_request(hub_env: FakeHub, tiny_r
 
     good = json.loads(base64.b64decode(FetchJob(tiny_repo, "a" * 40, ("config.json",)).encode()))
     bad = base64.b64encode(json.dumps({**good, "files": ["../../.ssh/authorized_keys"]}).encode()).decode()
-    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad],
+                          capture_output=True, text=True)
     events = list(wire.iter_events(iter(proc.stdout.splitlines())))
     assert proc.returncode == 1
     assert [e["event"] for e in events] == ["error"]
@@ -129,7 +130,8 @@ def test_second_fetch_finds_everything_present_without_a_request(
 
 
 def test_fetch_into_a_plain_model_dir(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
-    job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path, hf_home=None, local_dir=str(tmp_path / "models" / TINY))
+    job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path, hf_home=None,
+                  local_dir=str(tmp_path / "models" / TINY))
     result = fetch(job)
     assert Path(result.path) == tmp_path / "models" / TINY
     assert not (Path(result.path) / SHARD).is_symlink()
@@ -217,9 +219,8 @@ def test_check_mode_reports_present_and_missing_without_network(
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     fetch(dataclasses.replace(job, files=("config.json",)))
     hub_env.reset_log()
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert list(wire.iter_events(iter(proc.stdout.splitlines()))) == [
         {"event": "check", "present": ["config.json"], "missing": [SHARD]}

@@ -24,7 +24,8 @@ from fixtures.tiny_models import make_tiny_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 240
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the", "rain", "and", "sun"]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the",
+         "rain", "and", "sun"]
 # Adam turns float noise in near-zero gradients into steps of up to the learning rate, so a
 # modest one keeps the comparison about the pipeline, not about rounding (mlx_lm's default is 1e-5).
 FLAGS = {"batch_size": 4, "iters": 4, "num_layers": 3, "learning_rate": 1e-4, "steps_per_eval": 2,

@@ -62,8 +62,8 @@ def _check_against_mlx_lm(entries: list[Any], demo_model: Path, prompt: str | No
 
 
 def test_chat_logprobs_are_mlx_lms_and_greedy_is_the_top(client: openai.OpenAI, demo_model: Path) -> None:
-    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                           logprobs=True, top_logprobs=TOP)
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
+                                           max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=TOP)
     choice = reply.choices[0]
     entries = [e.model_dump() for e in choice.logprobs.content]
     assert len(entries) == reply.usage.completion_tokens - (choice.finish_reason == "stop")  # one per shown token
@@ -74,8 +74,9 @@ def test_chat_logprobs_are_mlx_lms_and_greedy_is_the_top(client: openai.OpenAI, 
 def test_streamed_chat_logprobs_equal_the_whole_ones(client: openai.OpenAI, demo_model: Path) -> None:
     entries: list[dict[str, Any]] = []
     text = ""
-    for chunk in client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                                logprobs=True, top_logprobs=TOP, stream=True):
+    for chunk in client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
+                                                max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                                                top_logprobs=TOP, stream=True):
         choice = chunk.choices[0]
         text += choice.delta.content or ""
         if choice.logprobs is not None and choice.logprobs.content:
@@ -88,8 +89,8 @@ def test_streamed_chat_logprobs_equal_the_whole_ones(client: openai.OpenAI, demo
 def test_completions_carry_the_legacy_logprobs(client: openai.OpenAI, demo_model: Path, stream: bool) -> None:
     prompt = "The capital of France is"
     tokens, logprobs, tokenizer = _reference(str(demo_model), prompt)
-    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3,
-                                      stream=stream)
+    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, logprobs=3, stream=stream)
     parts = list(reply) if stream else [reply]
     got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for part in parts:

@@ -67,7 +67,8 @@ def client(tiny_server: ServeProcess) -> openai.OpenAI:
 
 def _reply(client: openai.OpenAI, text: str, response_format: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     extra = {"response_format": response_format} if response_format is not None else {}
-    return client.chat.completions.create(model=client.models.list().data[0].id, messages=_ask(text), max_tokens=MAX_TOKENS, **extra, **kwargs)
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=_ask(text),
+                                          max_tokens=MAX_TOKENS, **extra, **kwargs)
 
 
 @pytest.mark.ranks

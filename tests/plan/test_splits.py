@@ -292,11 +292,15 @@ def test_computed_splits_keep_the_group_on_one_rank() -> None:
 def test_a_split_that_cuts_the_group_is_refused_with_a_legal_one() -> None:
     with pytest.raises(PlanError) as error:
         make_plan(uniform(30, MB, **GEMMA3N), hosts(3), split=[10, 10, 10])
-    assert str(error.value.message) == "--split 10,10,10 cuts layers 18-29, which share KV caches and must run on one rank"
+    assert str(error.value.message) == (
+        "--split 10,10,10 cuts layers 18-29, which share KV caches and must run on one rank"
+    )
     assert error.value.hint == "try --split 12,8,10"
 
 
 def test_no_split_keeps_the_group_whole() -> None:
     config = {"layer_types": ["sliding_attention"] * 4, "num_kv_shared_layers": 3}
-    with pytest.raises(PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"):
+    with pytest.raises(
+        PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"
+    ):
         make_plan(uniform(4, MB, **config), hosts(2), strategy="even")

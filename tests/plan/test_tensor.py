@@ -70,7 +70,8 @@ def test_groups_of_consecutive_ranks_share_a_stage(tp: int, size: int, strategy:
     for r in plan.ranks:  # every member runs its stage's layers and fetches its stage's whole files
         first = plan.ranks[r.stage * tp]
         assert (r.start, r.end, r.files, r.weight_bytes) == (first.start, first.end, first.files, first.weight_bytes)
-        assert r.files == tuple(sorted(["shared.safetensors", *(f"layer-{i}.safetensors" for i in range(r.start, r.end))]))
+        layers = (f"layer-{i}.safetensors" for i in range(r.start, r.end))
+        assert r.files == tuple(sorted(["shared.safetensors", *layers]))
         assert r.weight_bytes == member_bytes(r.layers, tp)
     # Stage 0 runs the last layers, as rank 0 does without --tp.
     assert plan.ranks[0].end == N and plan.ranks[-1].start == 0
