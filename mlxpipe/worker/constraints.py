@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): llguidance's default allows any whitespace
 # between tokens, in which a small or unsure model can wander until max_tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_of(response_format: dict[str, Any]) -> Any:

@@ -50,7 +50,8 @@ def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) 
         if token not in eos_ids:
             detokenizer.add_token(token)
     detokenizer.finalize()
-    return detokenizer.text
+    text: str = detokenizer.text
+    return text
 
 
 def _error(engine: EngineView, index: int) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
@@ -60,7 +60,7 @@ class Streamed:
         keep = request.keep_cache
         if self.context.loaded.draft is None:
             cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
-            draft = {}
+            draft: dict[str, Any] = {}
         else:
             # speculative_generate_step: the target verifies num_draft_tokens draft tokens in one
             # pass through the stages; every rank drafts the same tokens with its own copy.
@@ -214,8 +214,8 @@ class Streamed:
         """A cache for ``tokens`` and how many of them it already holds."""
         previous, self._prompt_cache = self._prompt_cache, None
         common = extra = 0
-        usable = keep and previous is not None
-        if usable:
+        usable = False
+        if keep and previous is not None:
             # At least one token must be fed to get logits for the next one.
             common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1)
             extra = len(previous.tokens) - common
@@ -224,10 +224,11 @@ class Streamed:
             )
         # Ranks hold different caches (native mode keeps only local ones), so
         # they agree before anyone trims: all must feed the same tokens.
-        if keep and all_agree(self.context.group, usable) and (
-            extra == 0 or trim_prompt_cache(previous.cache, extra) == extra
-        ):
-            return previous.cache, common
+        if keep and all_agree(self.context.group, usable):
+            assert previous is not None  # usable on every rank, this one too
+            # mlx-lm annotates trim_prompt_cache as returning a list: it returns the count trimmed.
+            if extra == 0 or cast(int, trim_prompt_cache(previous.cache, extra)) == extra:
+                return previous.cache, common
         return make_prompt_cache(self.context.loaded.model, max_kv_size=max_kv_size or self.context.job.max_kv_size), 0
 
     def _speculative_cache_for(self, tokens: list[int], keep: bool) -> tuple[list[Any], int]:
@@ -244,14 +245,18 @@ class Streamed:
         parts = [previous.cache[:split], previous.cache[split:]] if keep and previous is not None else []
         lengths = [_cache_length(part) for part in parts]
         common = 0
-        if parts and None not in lengths:
-            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *lengths)
+        known = [length for length in lengths if length is not None]
+        if previous is not None and parts and len(known) == len(lengths):
+            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *known)
         common = agreed_min(self.context.group, common)  # every rank must feed the same tokens
         if common > 0:
-            for part, length in zip(parts, lengths, strict=True):
+            assert previous is not None  # common > 0 on every rank: this one kept its caches
+            for part, length in zip(parts, known, strict=True):
                 trim_prompt_cache(part, length - common)
             return previous.cache, common
-        return make_prompt_cache(self.context.loaded.model) + make_prompt_cache(self.context.loaded.draft), 0
+        draft = self.context.loaded.draft
+        assert draft is not None  # only speculative requests come here
+        return make_prompt_cache(self.context.loaded.model) + make_prompt_cache(draft), 0
 
 
 def _cache_length(cache: list[Any]) -> int | None:

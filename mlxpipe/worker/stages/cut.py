@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,7 +65,7 @@ def pipeline_generic(model: nn.Module, where: Any, split: list[int]) -> tuple[in
 def find_exchange(model: nn.Module) -> Exchange | None:
     """The ``Exchange`` of a model ``pipeline_generic`` wrapped; None for one rank or native mode."""
     for layer in blocks_of(model):
-        stage = getattr(layer, "_mlxpipe_stage", None)
+        stage: _Stage | None = getattr(layer, "_mlxpipe_stage", None)
         if stage is not None:
             return stage.exchange
     return None
@@ -88,7 +88,9 @@ def _leaves(value: Any) -> list[Any]:
     """The leaves of ``value``, stopping at modules."""
     if isinstance(value, nn.Module):
         return [value]
-    return [v for _, v in tree_flatten(value, is_leaf=lambda v: isinstance(v, nn.Module))]
+    # tree_flatten returns a list unless given a dict to fill (its annotation says either).
+    flat = cast(list[tuple[str, Any]], tree_flatten(value, is_leaf=lambda v: isinstance(v, nn.Module)))
+    return [v for _, v in flat]
 
 
 def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:

@@ -99,7 +99,8 @@ def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str
 
 def _reduced_call(cls: type) -> Callable[..., mx.array]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
-        return self.tp_reduce(cls.__call__(self, *args, **kwargs))
+        reduced: mx.array = self.tp_reduce(cls.__call__(self, *args, **kwargs))
+        return reduced
 
     return __call__
 

@@ -22,7 +22,7 @@ class GroupRMSNorm(nn.Module):
     """The member's slice of an ``nn.RMSNorm`` over a width split across a tensor group."""
 
     def __init__(self, norm: nn.RMSNorm, group: Any) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
         width = norm.weight.shape[-1]
         part = width // group.size()
         self.weight = mx.contiguous(norm.weight[group.rank() * part : (group.rank() + 1) * part])

@@ -24,7 +24,7 @@ from mlxpipe.worker.groups import TensorGroup
 class GroupShardedToAllLinear(ShardedToAllLinear):
     """``ShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
 
-    group: TensorGroup
+    group: TensorGroup  # type: ignore[assignment]  # mlx read its size() and rank() to slice; it sums here
 
     def __call__(self, x: mx.array) -> mx.array:
         x = self.group.all_sum(x @ self["weight"].T)
@@ -34,7 +34,7 @@ class GroupShardedToAllLinear(ShardedToAllLinear):
 class GroupQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
     """``QuantizedShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
 
-    group: TensorGroup
+    group: TensorGroup  # type: ignore[assignment]  # as above
 
     def __call__(self, x: mx.array) -> mx.array:
         x = mx.quantized_matmul(
@@ -45,7 +45,7 @@ class GroupQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
         return x + self["bias"] if "bias" in self else x
 
 
-_REPLACEMENTS = {ShardedToAllLinear: GroupShardedToAllLinear,
+_REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {ShardedToAllLinear: GroupShardedToAllLinear,
                  QuantizedShardedToAllLinear: GroupQuantizedShardedToAllLinear}
 
 
