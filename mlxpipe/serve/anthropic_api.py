@@ -46,7 +46,9 @@ class AnthropicApi:
             return shapes.error_response(e)
         except ClientDisconnect:
             return gone(request)
-        return JSONResponse({"input_tokens": len(parsed.request.tokens)})
+        tokens = parsed.request.tokens
+        assert tokens is not None  # parse tokenizes the prompt
+        return JSONResponse({"input_tokens": len(tokens)})
 
     async def messages(self, request: Request) -> Response:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -146,7 +146,7 @@ class Generation:
         """Stop the request on the ranks."""
         self.queue.cancel(self.request.id)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
         done = False
         try:
@@ -215,7 +215,9 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.request.tokens)
+        tokens = self.request.tokens
+        assert tokens is not None  # every door sends the prompt as token ids
+        return len(tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -250,7 +252,7 @@ class Generation:
         status = status or ("error" if error else
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
-            "id": self.request.id, "status": status, "prompt_tokens": len(self.request.tokens),
+            "id": self.request.id, "status": status, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,

@@ -41,7 +41,7 @@ def served_name(settings: ServerSettings) -> str:
 
 def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
     """The model named (Ollama's clients add ``:latest``), which must be the one served; 404 otherwise."""
-    model = field(body, "model", str, settings.model_id)
+    model: str = field(body, "model", str, settings.model_id)
     if model not in (settings.model_id, f"{settings.model_id}:latest"):
         raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r}", param="model")
     return model

@@ -101,8 +101,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
     content = m.get("content")
     if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        texts: list[str] = [p["text"] for p in content
+                            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+        if len(texts) != len(content):
             raise ApiError(400, f"'{where}.content' may hold only text parts", param=f"{where}.content")
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):

@@ -291,7 +291,7 @@ class RequestQueue:
         """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
-            if stream in self._waiting:
+            if stream is not None and stream in self._waiting:
                 self._waiting.remove(stream)
                 return
         pipe = self._pipe

@@ -134,4 +134,5 @@ def tool_calls(tokenizer: Any, texts: list[str], tools: list[Any] | None, stream
         return []
     from mlx_lm.server import ToolCallFormatter
 
-    return ToolCallFormatter(tokenizer.tool_parser, tools, streaming)(texts)
+    calls: list[dict[str, Any]] = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)(texts)
+    return calls
