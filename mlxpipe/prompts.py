@@ -29,6 +29,7 @@ def prompt_tokens(tokenizer: Any, request: Request, tools: list[Any] | None = No
             tokenizer.chat_template = default
     use_template = not request.ignore_chat_template and tokenizer.has_chat_template
     if messages is None and not use_template:
+        assert prompt is not None  # exactly one of the two, checked above
         # As stream_generate: no second BOS when the prompt brings one.
         bos = tokenizer.bos_token
         add_bos = bos is None or not prompt.startswith(bos)

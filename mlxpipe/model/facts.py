@@ -120,7 +120,8 @@ def _mlx_lm_constant(name: str) -> dict[Any, str]:
     tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return ast.literal_eval(node.value)
+            table: dict[Any, str] = ast.literal_eval(node.value)
+            return table
     return {}
 
 
