@@ -279,7 +279,8 @@ def _version(p: _Probe, name: str) -> str | None:
         return None
     if name == "python":  # patch releases do not matter; the minor version does
         return ".".join(p.facts["python"].split(".")[:2])
-    return p.facts["versions"].get(name)
+    version: str | None = p.facts["versions"].get(name)  # the probe's JSON: a string, or null
+    return version
 
 
 def _versions_check(p: _Probe, references: dict[str, tuple[str, list[str]]]) -> CheckResult:
