@@ -337,7 +337,8 @@ def _progress_class(on_bytes: OnBytes | None) -> Any:
         def update(self, n: float | None = 1) -> bool | None:
             if on_bytes and n:
                 on_bytes(int(n))
-            return super().update(n)
+            done: bool | None = super().update(n)
+            return done
 
     return _Forward
 

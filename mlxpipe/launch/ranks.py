@@ -151,7 +151,7 @@ def free_port_base(count: int) -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + count < 65000 and all(_port_free(base + i) for i in range(count)):
             return base
     return DEFAULT_PORT

@@ -80,7 +80,8 @@ class PipelineConfig:
 
     @property
     def chosen_backend(self) -> str:
-        return pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
+        backend: str = pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
+        return backend
 
     @property
     def stages(self) -> int:

@@ -18,7 +18,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mlxpipe.errors import ConfigError, LaunchError, UsageError, WireError
 from mlxpipe.paths import replacing
@@ -30,6 +30,8 @@ from mlxpipe.protocol.messages import Eval, Resume, Save, Step, TrainMessage
 from mlxpipe.worker.train_schedule import SCHEDULES
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from mlxpipe.launch.pipeline import Pipeline
     from mlxpipe.launch.run import PipelineConfig
 
@@ -49,7 +51,7 @@ class TrainOptions:
     data: str = "data"
     fine_tune_type: str = "lora"
     optimizer: str = "adam"
-    optimizer_config: dict = field(
+    optimizer_config: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}}
     )
     mask_prompt: bool = False
@@ -66,8 +68,8 @@ class TrainOptions:
     save_every: int = 100
     max_seq_length: int = 2048
     grad_checkpoint: bool = False
-    lr_schedule: dict | None = None
-    lora_parameters: dict = field(default_factory=lambda: {"rank": 8, "dropout": 0.0, "scale": 20.0})
+    lr_schedule: dict[str, Any] | None = None  # mlx_lm.lora's YAML
+    lora_parameters: dict[str, Any] = field(default_factory=lambda: {"rank": 8, "dropout": 0.0, "scale": 20.0})
     seed: int = 0
     trust_remote_code: bool = False
     # The pipeline's own.
@@ -189,12 +191,14 @@ def longest_sequence(dataset: Any) -> int:
     return longest
 
 
-def _wire(batch: Any) -> tuple[list, list]:
+def _wire(batch: tuple[mx.array, mx.array]) -> tuple[list[list[int]], list[list[int]]]:
     tokens, lengths = batch
-    return tokens.tolist(), lengths.tolist()
+    return cast(list[list[int]], tokens.tolist()), cast(list[list[int]], lengths.tolist())
 
 
-def eval_batches(dataset: Any, options: TrainOptions, num_batches: int) -> list[tuple[list, list]]:
+def eval_batches(
+    dataset: Any, options: TrainOptions, num_batches: int
+) -> list[tuple[list[list[int]], list[list[int]]]]:
     """The batches mlx-lm's ``evaluate`` takes, drawn the same way (one permutation, when any batch is taken)."""
     from mlx_lm.tuner.trainer import iterate_batches
 
