@@ -42,11 +42,15 @@ uses the neighbour exchanges on every backend, since every backend has them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 
 from mlxpipe.errors import UsageError
+
+# What the tensor sharders slice for: an MLX group, or a TensorGroup standing in for one. mlx's shard_linear
+# and mlx-lm's shard() read only its size() and rank(), but are annotated with MLX's Group alone: Any here.
+SliceGroup = Any
 
 
 class TensorGroup:

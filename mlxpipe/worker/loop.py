@@ -53,7 +53,7 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) ->
     RankLoop(loaded, group, job, emit).run(stream or sys.stdin)
 
 
-def loaded_event(job: JobSpec, group: Any, loaded: LoadedModel, trainable: int | None = None,
+def loaded_event(job: JobSpec, group: mx.distributed.Group, loaded: LoadedModel, trainable: int | None = None,
                  frozen: int | None = None) -> Loaded:
     """What a rank's ``loaded`` event says (serving and training ranks alike)."""
     return Loaded(
@@ -69,7 +69,7 @@ def loaded_event(job: JobSpec, group: Any, loaded: LoadedModel, trainable: int |
     )
 
 
-def init_group(world_size: int) -> Any:
+def init_group(world_size: int) -> mx.distributed.Group:
     """The distributed group of the job; a single rank needs no backend."""
     if world_size == 1:
         # mlx.launch gives a lone rank an empty hostfile, which the ring
@@ -87,7 +87,7 @@ def init_group(world_size: int) -> Any:
 class RankLoop:
     """Answers ``generate``, ``batch``, ``serve`` and ``exit`` on one rank (see the module docstring)."""
 
-    def __init__(self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = wire.emit) -> None:
+    def __init__(self, loaded: LoadedModel, group: mx.distributed.Group, job: JobSpec, emit: Emit = wire.emit) -> None:
         self.loaded = loaded
         self.group = group
         self.job = job

@@ -93,7 +93,7 @@ def _leaves(value: Any) -> list[Any]:
     return [v for _, v in flat]
 
 
-def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
+def pipeline_native(model: nn.Module, group: mx.distributed.Group, split: list[int]) -> tuple[int, int]:
     """Pipeline ``model`` with mlx-lm's own ``model.model.pipeline``."""
     if not has_native_pipeline(model):
         raise ModelError(

@@ -17,13 +17,14 @@ wrong.
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import SliceGroup
 from mlxpipe.worker.tensor.experts import moe_blocks, shard_moe
 from mlxpipe.worker.tensor.mla import shard_mla
 from mlxpipe.worker.tensor.norms import GroupRMSNorm, split_norm
@@ -85,7 +86,7 @@ _HEAD_COUNTS = ("n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_
 _KV_HEAD_COUNTS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "k_num_heads", "v_num_heads")
 
 
-def shard_block(block: nn.Module, group: Any, where: str) -> None:
+def shard_block(block: nn.Module, group: SliceGroup, where: str) -> None:
     """Slice ``block``'s attention and MLP in place for ``group``; ModelError naming ``where`` otherwise."""
     n = group.size()
     # MoE blocks first: their shared experts are dense MLPs that must not reduce on their own.
@@ -137,7 +138,7 @@ def _fused_layout(module: nn.Module) -> tuple[tuple[str, str] | None, str]:
     return fused, kind
 
 
-def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
+def _shard_attention(module: nn.Module, group: SliceGroup, n: int, where: str) -> bool:
     fused, kind = _fused_layout(module)
     layout = None if fused else next((lay for lay in _ATTENTION if _has(module, (*lay[0], lay[1]))), None)
     if fused is not None:
@@ -195,7 +196,7 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
     return True
 
 
-def _shard_mlp(module: nn.Module, group: Any) -> bool:
+def _shard_mlp(module: nn.Module, group: SliceGroup) -> bool:
     fused = next((lay for lay in _FUSED_GATE_UP if _has(module, lay)), None)
     if fused is not None:
         module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=2, group=group)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
-from mlxpipe.worker.groups import TensorGroup
+from mlxpipe.worker.groups import SliceGroup, TensorGroup
 
 
 class GroupShardedToAllLinear(ShardedToAllLinear):
@@ -73,7 +72,7 @@ def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
     return stray
 
 
-def hand_world_to(model: nn.Module, tensor: TensorGroup, world: Any) -> None:
+def hand_world_to(model: nn.Module, tensor: TensorGroup, world: mx.distributed.Group) -> None:
     """Pure tensor parallelism: the modules ``stray_group_users`` finds hold the world group instead of
     ``tensor`` (the same members, sizes and ranks), for their own ``mx.distributed`` calls."""
     for _, module in model.named_modules():
@@ -87,7 +86,7 @@ def hand_world_to(model: nn.Module, tensor: TensorGroup, world: Any) -> None:
                 module[key] = world
 
 
-def reducer(group: Any) -> Callable[[mx.array], mx.array]:
+def reducer(group: SliceGroup) -> Callable[[mx.array], mx.array]:
     """The sum across ``group`` for layers mlxpipe slices itself (MoE blocks, norms over all heads): a stage's
     ``TensorGroup`` sums by itself (neighbour exchanges); an MLX group (the world, with pure tensor parallelism
     over more than 2 hosts) by ``all_sum``."""
