@@ -9,13 +9,16 @@ prompt becomes the same tokens wherever it is turned into them, and the same as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-def prompt_tokens(tokenizer: Any, request: Request, tools: list[Any] | None = None) -> list[int]:
+
+def prompt_tokens(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None = None) -> list[int]:
     """The request's prompt (``tokens``, ``prompt`` or ``messages``) as token ids, through the chat template if any."""
     if request.tokens is not None:
         return list(request.tokens)

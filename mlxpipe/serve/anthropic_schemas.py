@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Body field -> Request field: Anthropic's sampling fields, then mlx-lm's (through the SDKs' extra_body).
 _OPTIONS = {"max_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k",
@@ -40,7 +43,7 @@ class Parsed:
     tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
 
 
-def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
+def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWrapper, new_id: Callable[[], str],
           counting: bool = False) -> Parsed:
     """``body`` checked and turned into a request for the ranks; ``counting``: for ``count_tokens`` (no
     ``max_tokens`` needed). Raises ``ApiError``."""

@@ -10,7 +10,7 @@ checks every field before anything reaches a rank, and a failure of one request 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -26,6 +26,9 @@ from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_api import ResponsesApi
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class _Door(Protocol):
     """What the app reads of an API door: its routes."""
@@ -33,7 +36,7 @@ class _Door(Protocol):
     def routes(self) -> list[Route]: ...
 
 
-def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
+def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog) -> Starlette:
     """The Starlette app serving ``queue``."""
 
     async def health(request: Request) -> Response:

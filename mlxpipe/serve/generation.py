@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,13 +26,16 @@ from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, gone, until
 from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 # Server-sent events as they come: no cache, and no buffering by a proxy (nginx's X-Accel-Buffering).
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE = "text/event-stream"
 
 
-async def start(queue: RequestQueue, tokenizer: Any, log: RequestLog, http: Request, request: GenerationRequest,
-                stops: list[str]) -> Generation:
+async def start(queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, http: Request,
+                request: GenerationRequest, stops: list[str]) -> Generation:
     """``request`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
     503, a request a rank refused) or ``ClientGone`` (``http``'s client went away). Nothing is sent to the client
     before this returns, so a request that waited for the ranks and gave up is a plain error in its door's
@@ -123,7 +126,7 @@ async def whole(generation: Generation, shapes: ReplyShapes, http: Request) -> R
 class Generation:
     """One request, from its first token to its last."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, log: RequestLog, request: GenerationRequest,
+    def __init__(self, queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, request: GenerationRequest,
                  stream: Stream, stops: list[str]) -> None:
         self.queue, self.log_file, self.request, self.stream = queue, log, request, stream
         self.reply = Reply(tokenizer, stops)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # options field -> Request field.
 _OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -47,7 +50,7 @@ def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
     return model
 
 
-def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
     """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     model = check_model(body, settings)

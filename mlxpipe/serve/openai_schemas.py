@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Body field -> Request field, in the order they are checked; the rest (the KV cache, the prompt's template
 # switches...) are the server's flags alone. OpenAI's names where they differ from Request's, mlx_lm.server's
@@ -46,7 +49,7 @@ class Parsed:
     tools: list[Any] | None
 
 
-def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
     """``body`` checked and turned into a request for the ranks (its prompt as token ids); raises ``ApiError``."""
     bodies.check_model(body, settings)
