@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -54,6 +54,9 @@ from mlxpipe.cli._options import (
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+
+if TYPE_CHECKING:
+    from mlxpipe.launch.batch import RequestResult
 
 Prompt = Annotated[str | None, typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
@@ -213,7 +216,7 @@ def _generate_batch(config: Any, defaults: Request, prompts_file: Path,
                             f"{result.failed[0].error}", "the others ran to their end; their results are kept")
 
 
-def _print_result(result: Any) -> None:
+def _print_result(result: RequestResult) -> None:
     console.out.rule(f"{result.id}", align="left")
     if result.error is not None:
         console.error(f"request {result.id} failed: {result.error}")

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
     from mlxpipe.launch.pipeline import Pipeline
     from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.plan.shard import Plan
+    from mlxpipe.plan.training import RankTrainingMemory
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -283,7 +286,7 @@ class TrainResult:
 class Reporter:
     """What the run tells the user; the CLI gives one (terminal lines or --json)."""
 
-    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None: ...
+    def plan(self, meta: ModelMetadata, the_plan: Plan, memory: list[RankTrainingMemory]) -> None: ...
     def step(self, report: StepReport) -> None: ...
     def train(
         self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float
