@@ -129,15 +129,15 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
             names[call_id] = name
             calls.append(bodies.tool_call(call_id, name, field(block, "input", dict, {}, f"{at}.")))
         elif kind == "tool_result" and role == "user":
-            call_id = field(block, "tool_use_id", str, None, f"{at}.")
-            if call_id is None:
+            answered = field(block, "tool_use_id", str, None, f"{at}.")
+            if answered is None:
                 raise ApiError(400, f"'{at}.tool_use_id' must name the tool_use it answers", param=f"{at}.tool_use_id")
             result = block.get("content")
             text = _texts(result, f"{at}.content") if isinstance(result, list) else field(block, "content", str, "",
                                                                                           f"{at}.")
-            tool = {"role": "tool", "tool_call_id": call_id, "content": text}
-            if call_id in names:
-                tool["name"] = names[call_id]
+            tool = {"role": "tool", "tool_call_id": answered, "content": text}
+            if answered in names:
+                tool["name"] = names[answered]
             results.append(tool)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier turns' reasoning: templates drop it too

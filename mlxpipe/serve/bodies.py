@@ -13,7 +13,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
@@ -32,6 +32,15 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a
                str: "a string"}
 
 
+T = TypeVar("T")
+
+
+@overload
+def field(body: dict[str, Any], name: str, kinds: type[T], default: T, where: str = "") -> T: ...
+@overload
+def field(body: dict[str, Any], name: str, kinds: type[T], default: None = None, where: str = "") -> T | None: ...
+@overload
+def field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None, where: str = "") -> Any: ...
 def field(body: dict[str, Any], name: str, kinds: Any, default: Any = None, where: str = "") -> Any:
     """``body[name]`` checked against ``kinds`` (bools are not numbers), or ``default`` when absent or null;
     ``where`` prefixes the name in the error (``messages[0].``)."""
