@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import Hostfile
@@ -69,6 +69,9 @@ from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Log, rank_of
 from mlxpipe.protocol.message import Message, Wire, tag_of
 from mlxpipe.protocol.messages import Exit
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
@@ -453,7 +456,7 @@ def interrupt_on_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM
         return
     fired: list[int] = []
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if not fired:
             fired.append(signum)
             raise Interrupted(signum)

@@ -29,6 +29,7 @@ from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
 
 if TYPE_CHECKING:
     from pathlib import Path
+    from types import FrameType
 
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -106,7 +107,7 @@ class _Server(uvicorn.Server):
     def signal_name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = sig
         # End the streams now: uvicorn's graceful shutdown waits for them.

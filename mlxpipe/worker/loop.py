@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
@@ -42,6 +42,9 @@ from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.progress import Emit, Progress
 from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
 from mlxpipe.worker.streamed import Streamed
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
@@ -243,7 +246,7 @@ def _reason(e: BaseException) -> str:
     return e.message if isinstance(e, MlxpipeError) else f"{type(e).__name__}: {e}"
 
 
-def _quietly(work: Any, *args: Any) -> None:
+def _quietly(work: Callable[..., object], *args: object) -> None:
     """Work aside whose failure only means it is done later, where its error reaches the request."""
     try:
         work(*args)

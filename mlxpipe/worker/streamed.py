@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
@@ -30,6 +30,9 @@ from mlxpipe.worker.load import settle
 from mlxpipe.worker.progress import Emit
 from mlxpipe.worker.reporters import text_of
 from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import GenerationResponse
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Streamed:
         self._prompt_cache = None
 
     def generate(self, request: Request, tokens: list[int], tic: float,
-                 on_response: Callable[[Any], None] | None = None) -> Done:
+                 on_response: Callable[[GenerationResponse], None] | None = None) -> Done:
         """One request through mlx-lm's ``stream_generate`` (one rank, ``--pipeline native``, a draft model);
         each response goes to ``on_response`` (default: rank 0 streams its text)."""
         tokenizer = self.context.loaded.tokenizer
@@ -166,7 +169,7 @@ class Streamed:
         tokens = [int(t) for t in request.tokens or ()]
         self.context.progress.reset()
 
-        def stream(response: Any) -> None:
+        def stream(response: GenerationResponse) -> None:
             if self.rank == 0:
                 self._emit(Token(rank=0, id=request.id, token=response.token))
 
@@ -201,7 +204,7 @@ class Streamed:
         self._emit(summary)
         return summary
 
-    def _emit_token(self, request: Request, response: Any) -> None:
+    def _emit_token(self, request: Request, response: GenerationResponse) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""
         if self.rank != 0:
             return

@@ -28,7 +28,7 @@ def check_split(split: list[int], num_layers: int, group_size: int) -> None:
         )
 
 
-def pipeline_generic(model: nn.Module, where: Any, split: list[int]) -> tuple[int, int]:
+def pipeline_generic(model: nn.Module, where: Topology | mx.distributed.Group, split: list[int]) -> tuple[int, int]:
     """Pipeline ``model`` in place for this rank's stage; returns its ``[start, end)``.
 
     ``where`` is the rank's ``Topology`` (or, for a plain pipeline, its group).
@@ -106,7 +106,7 @@ def pipeline_native(model: nn.Module, group: mx.distributed.Group, split: list[i
     return inner.start_idx, inner.end_idx
 
 
-def learn_layouts(model: nn.Module, where: Any) -> None:
+def learn_layouts(model: nn.Module, where: Topology | mx.distributed.Group) -> None:
     """Learn, once at load, what crosses each cut besides the hidden state.
 
     Stage by stage from the first: a stage hears from stage + 1 what it will
