@@ -14,9 +14,15 @@ from mlxpipe.cli._options import Json
 from mlxpipe.defaults import DEFAULT_DISCOVER_TIMEOUT, DEFAULT_HOSTFILE_OUT
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from rich.table import Table
+
     from mlxpipe.cluster.discover import Found
     from mlxpipe.cluster.init import Outcome
     from mlxpipe.cluster.install import Installed
+    from mlxpipe.cluster.survey import Machine
+    from mlxpipe.errors import SetupError
 
 app = typer.Typer(
     name="cluster",
@@ -125,7 +131,7 @@ def init(
     from mlxpipe.errors import UsageError
 
     names = list(hosts or [])
-    steps: list[Any] = []
+    steps: list[setup.Step] = []
     if discover:
         for f in _discover(interface, timeout, quiet=json_out):
             if f.ssh is None:
@@ -161,13 +167,13 @@ def init(
         raise typer.Exit(1)
 
 
-def _nothing() -> Any:
+def _nothing() -> AbstractContextManager[None]:
     import contextlib
 
     return contextlib.nullcontext()
 
 
-def _survey_line(host: str, result: Any) -> None:
+def _survey_line(host: str, result: Machine | SetupError) -> None:
     from mlxpipe.cluster.survey import Machine
 
     if isinstance(result, Machine):
@@ -240,7 +246,7 @@ def _line(text: str) -> None:
     console.out.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _machine_summary(m: Any) -> str:
+def _machine_summary(m: Machine) -> str:
     from mlxpipe.console import human_bytes
 
     parts = [m.chip or "chip unknown", human_bytes(m.memory_bytes) if m.memory_bytes else "memory unknown"]
@@ -251,7 +257,7 @@ def _machine_summary(m: Any) -> str:
     return ", ".join(parts)
 
 
-def _found_table(found: Sequence[Found]) -> Any:
+def _found_table(found: Sequence[Found]) -> Table:
     from rich.markup import escape
     from rich.table import Table
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
+
+if TYPE_CHECKING:
+    from mlxpipe.lora.run import TrainOptions
 
 LORA_BYTES = 4  # LoRA parameters are float32 (mlx-lm draws them so)
 OPTIMIZER_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "muon": 1, "adafactor": 1}
@@ -66,7 +69,9 @@ def lora_parameters_of(meta: ModelMetadata, layer: int, rank: int, keys: list[st
     return total
 
 
-def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: int) -> list[RankTrainingMemory]:
+def training_memory(
+    meta: ModelMetadata, the_plan: Plan, options: TrainOptions, longest: int
+) -> list[RankTrainingMemory]:
     """Every rank's estimate for ``options`` (a ``TrainOptions``) with the data's ``longest`` sequence."""
     config = meta.text_config
     hidden = int(config.get("hidden_size", 0))
