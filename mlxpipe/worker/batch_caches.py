@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxpipe.protocol.checks import at_least
@@ -13,7 +14,7 @@ from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 
-def decode_batch_for(model: Any, job: JobSpec, requested: int) -> int:
+def decode_batch_for(model: nn.Module, job: JobSpec, requested: int) -> int:
     """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
 
     mlx-lm's own test (its server's ``is_batchable``): every cache has
