@@ -39,10 +39,12 @@ def served_name(settings: ServerSettings) -> str:
 
 
 def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
-    """The model named (Ollama's clients add ``:latest``), which must be the one served; 404 otherwise."""
+    """The model named (Ollama's clients add ``:latest``), which must be one this server answers to
+    (``ServerSettings.answers_to``); 404 otherwise."""
     model = field(body, "model", str, settings.model_id)
-    if model not in (settings.model_id, f"{settings.model_id}:latest"):
-        raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r}", param="model")
+    if not settings.answers_to(model.removesuffix(":latest")):
+        raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r} "
+                            "(--served-model-name adds names, --any-model-name takes any)", param="model")
     return model
 
 
@@ -121,10 +123,10 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return bodies.tool_list(body, _tool) or None
 
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
+def _tool(tool: Any, where: str) -> list[dict[str, Any]]:
     function = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(function, dict):
         raise ApiError(400, f"'{where}' must be a function tool ({{\"type\": \"function\", \"function\": "
                             "...}})", param=where)
-    return bodies.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                f"{where}.function")
+    return [bodies.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                 f"{where}.function")]

@@ -41,7 +41,7 @@ def test_a_last_assistant_message_is_the_prefill_the_reply_continues() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x"}]}]},

@@ -43,7 +43,7 @@ def test_items_become_messages_and_consecutive_calls_one_assistant_turn() -> Non
     ([{"type": "function_call", "name": "f"}], "input[0]"),
     ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}], "input[0].arguments"),
     ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
-    ([{"type": "web_search_call"}], "input[0]"),
+    ([{"type": "telepathy_call"}], "input[0]"),
 ])
 def test_each_bad_item_is_a_400_naming_it(value: Any, param: str) -> None:
     with pytest.raises(ApiError) as info:
