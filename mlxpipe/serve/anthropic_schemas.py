@@ -6,9 +6,9 @@ blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` 
 are dropped, and ``system`` messages inside ``messages`` (Claude Code sends one mid-conversation) are system turns
 where they stand (``bodies.tokens_for`` merges them where the template takes one); images and documents are
 refused (400). A last assistant message is a prefill: the reply continues it, as Anthropic's API does. ``tools``
-(``name``, ``description``, ``input_schema``) go to the template as function tools; tools Anthropic runs on its
-own servers (``web_search_...``, ``code_execution_...``, MCP servers) are left out and named in the request's
-notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and ``tool`` reach the template as its ``tool_choice``
+(``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in tools
+(``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
+schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and ``tool`` reach the template as its ``tool_choice``
 variable. ``thinking`` is the template's thinking switch (``bodies.thinking``), ``output_config.format`` a
 structured output; ``cache_control``, ``metadata``, ``context_management``, ``service_tier`` and the rest of what
 Claude Code sends are accepted (the prompt cache needs no marks: it keeps every prefix). Every error names the
@@ -225,14 +225,14 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
 
 
 def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[dict[str, Any]] | None:
-    hosted: list[str] = []
+    built_ins: list[str] = []
 
     def convert(tool: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(tool, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where)
         kind = _kind(tool, "custom")
-        if kind != "custom" and bodies.hosted(kind):
-            hosted.append(str(tool.get("name") or kind))
+        if kind != "custom" and bodies.built_in(kind):
+            built_ins.append(str(tool.get("name") or kind))
             return []
         if kind != "custom" or "input_schema" not in tool:
             raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema', got type "
@@ -240,7 +240,7 @@ def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[dict[str, Any]] | 
         return [bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)]
 
     tools = bodies.tool_list(body, convert)
-    bodies.left_out(notes, hosted)
+    bodies.left_out(notes, built_ins)
     return tools or None
 
 

@@ -135,23 +135,24 @@ def tool_list(body: dict[str, Any], convert: Callable[[Any, str], list[dict[str,
     return out
 
 
-# Tools an API's own servers run (searching the web, running code, a remote MCP server...), by their type or
-# its start (Anthropic's carry a date: web_search_20250305): a local model cannot run them, so they are left
-# out of the prompt and named in the request's notes.
-HOSTED_TOOLS = ("web_search", "web_fetch", "file_search", "code_interpreter", "code_execution", "computer",
+# The APIs' built-in tools, by their type or its start (Anthropic's carry a date: web_search_20250305): those their
+# own servers run (searching the web, running code, a remote MCP server...) and those whose schema only their own
+# models know (a shell, a text editor, a computer). This server runs none and has no schema to give the model for
+# them, so they are left out of the prompt and named in the request's notes.
+BUILT_IN_TOOLS = ("web_search", "web_fetch", "file_search", "code_interpreter", "code_execution", "computer",
                 "image_generation", "mcp", "tool_search", "local_shell", "shell", "apply_patch", "bash",
                 "text_editor", "memory")
 
 
-def hosted(kind: str | None) -> bool:
-    """``kind`` is a tool type one of the APIs runs on its own servers (``HOSTED_TOOLS``)."""
-    return kind is not None and any(kind == h or kind.startswith(f"{h}_") for h in HOSTED_TOOLS)
+def built_in(kind: str | None) -> bool:
+    """``kind`` is one of the APIs' built-in tool types (``BUILT_IN_TOOLS``)."""
+    return kind is not None and any(kind == h or kind.startswith(f"{h}_") for h in BUILT_IN_TOOLS)
 
 
 def left_out(notes: Notes, kinds: list[str]) -> None:
-    """The hosted tools a body offered, named once in ``notes``."""
+    """The built-in tools a body offered, named once in ``notes``."""
     if kinds:
-        notes.append(f"hosted tools left out (this server runs none): {', '.join(sorted(set(kinds)))}")
+        notes.append(f"built-in tools left out (only function tools reach the model): {', '.join(sorted(set(kinds)))}")
 
 
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra:
         return _tokens(tokenizer, request, tools, param)
     try:
         tokens = _tokens(tokenizer, request, tools, param)
-        shown = tokenizer.decode(tokens)
+        shown = tokenizer.decode(tokens, clean_up_tokenization_spaces=False)  # the text as the template wrote it
         if all(_text(messages[i]).strip() in shown for i in systems):
             return tokens
     except ApiError:

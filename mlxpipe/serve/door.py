@@ -51,8 +51,8 @@ class ServerSettings:
     served_names: tuple[str, ...] = ()  # --served-model-name: more names the model answers to, listed with it
     any_model_name: bool = False  # --any-model-name: every name a body gives is this model
     # The names seen under --any-model-name, each said once in the server's output.
-    _seen: set[str] = field(default_factory=set, compare=False, repr=False)
-    _seen_lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    _seen: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    _seen_lock: threading.Lock = field(default_factory=threading.Lock, init=False, compare=False, repr=False)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -6,8 +6,9 @@ messages a template reads, after the conversation of ``previous_response_id`` (f
 turns where they stand. Function ``tools`` go to the template, and so do the functions of a ``namespace`` (flattened:
 ``namespace__name``, the name a call comes back under, split again) and ``custom`` tools (a function of one string,
 ``input``; its call comes back as a ``custom_tool_call``), whether in ``tools`` or in an ``additional_tools`` input
-item (Codex sends both). Tools OpenAI runs on its own servers (``web_search``, ``file_search``, ``code_interpreter``,
-``computer_use``, MCP connectors...) are left out, and their earlier calls dropped, named in the request's notes.
+item (Codex sends both). OpenAI's built-in tools (``web_search``, ``file_search``, ``code_interpreter``,
+``computer_use``, MCP connectors, ``local_shell``...) are left out, and their earlier calls dropped, named in the
+request's notes.
 ``tool_choice`` ``none`` withholds the tools, ``required`` and a named function reach the template as its
 ``tool_choice`` variable. ``reasoning.effort`` is the template's thinking switch (``bodies.thinking``);
 ``prompt_cache_key``, ``include``, ``store``, ``client_metadata``, ``text.verbosity`` and the like are accepted.
@@ -69,11 +70,11 @@ class Toolbox:
 
     tools: list[dict[str, Any]] = dc_field(default_factory=list)
     origins: dict[str, Origin] = dc_field(default_factory=dict)  # the template's name -> the body's
-    hosted: list[str] = dc_field(default_factory=list)  # left out
+    built_ins: list[str] = dc_field(default_factory=list)  # left out
     unknown: list[str] = dc_field(default_factory=list)  # tool types this server does not know: left out
 
     def add(self, tool: Any, where: str, namespace: str | None = None) -> list[dict[str, Any]]:
-        """``tool`` (a function, a custom tool, a namespace of them, or a hosted tool) as function tools."""
+        """``tool`` (a function, a custom tool, a namespace of them, or a built-in tool) as function tools."""
         kind = _kind(tool)
         if not isinstance(tool, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where)
@@ -97,15 +98,15 @@ class Toolbox:
             self.origins[flat] = Origin(name, namespace, custom)
             self.tools.append(made)
             return [made]
-        if bodies.hosted(kind):
-            self.hosted.append(str(kind))
+        if bodies.built_in(kind):
+            self.built_ins.append(str(kind))
         else:
             self.unknown.append(str(kind)[:40])
         return []
 
     def say(self, notes: bodies.Notes) -> None:
         """What was left out, and what was mapped, in the request's notes."""
-        bodies.left_out(notes, self.hosted)
+        bodies.left_out(notes, self.built_ins)
         if self.unknown:
             notes.append(f"tools of unknown types left out: {', '.join(sorted(set(self.unknown)))}")
         spaces = sorted({o.namespace for o in self.origins.values() if o.namespace not in (None, "", "functions")})

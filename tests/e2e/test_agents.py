@@ -73,10 +73,9 @@ def test_claude_code_finishes_a_turn(agent_clis: AgentClis, recording_proxy: Rec
     assert f"max_tokens {body['max_tokens']} -> " in line and "thinking adaptive" in line
 
 
-def _codex_config(home: Path, base: str) -> None:
+def _codex_config(home: Path, base: str, model: str | None = ALIAS) -> None:
     home.mkdir()
-    (home / "config.toml").write_text(f'''model = "{ALIAS}"
-model_provider = "mlxpipe"
+    (home / "config.toml").write_text((f'model = "{model}"\n' if model else "") + f'''model_provider = "mlxpipe"
 check_for_update_on_startup = false
 
 [analytics]
@@ -113,7 +112,27 @@ def test_codex_finishes_a_turn(agent_clis: AgentClis, recording_proxy: Recording
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert text == AGENT_REPLY == last.read_text().strip() and AGENT_REPLY in result.stdout, result.stdout
-    assert _request_line(agents_server, "responses", "hosted tools left out (this server runs none): web_search")
+    assert _request_line(agents_server, "responses", "built-in tools left out (only function tools reach the model): "
+                                                     "web_search")
+
+
+def test_codex_with_its_own_default_model_finishes_a_turn(agent_clis: AgentClis, recording_proxy: RecordingProxy,
+                                                           agents_server: ServeProcess, tmp_path: Path) -> None:
+    """No ``model`` line: Codex asks for its default model, in that model's shape (its tools in an
+    ``additional_tools`` input item, ``custom`` tools with a grammar), which ``--any-model-name`` answers."""
+    home, codex_home, work = tmp_path / "codex-user", tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    _codex_config(codex_home, recording_proxy.base, model=None)
+    env = {"HOME": str(home), "CODEX_HOME": str(codex_home), "MLXPIPE_API_KEY": KEY}
+    result = _run([str(agent_clis.codex), "exec", "--skip-git-repo-check", "Say hello."], env, work)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{agents_server.stderr[-3000:]}"
+    [turn] = recording_proxy.posts("/v1/responses")
+    assert turn.body["model"] != ALIAS and turn.status == 200, turn.answer[-2000:]
+    tools = [t for i in turn.body["input"] if i.get("type") == "additional_tools" for t in i["tools"]]
+    assert any(sub["type"] == "custom" for t in tools for sub in t.get("tools", [])), tools
+    assert AGENT_REPLY in result.stdout, result.stdout
+    assert _request_line(agents_server, "responses", "custom tools offered as functions of one string")
 
 
 def _request_line(server: ServeProcess, door: str, saying: str) -> str:

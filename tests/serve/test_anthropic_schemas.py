@@ -100,7 +100,7 @@ def test_what_claude_code_sends_is_taken_and_what_cannot_be_honoured_said(tokeni
     assert parsed.request.max_tokens == 4096 - len(parsed.request.tokens)  # clamped to what the context leaves
     assert parsed.notes == [
         "thinking adaptive -> the template's thinking switch on",
-        "hosted tools left out (this server runs none): web_search",
+        "built-in tools left out (only function tools reach the model): web_search",
         "context_management not applied: this server edits no context",
         "mcp_servers left out: this server connects to none",
         "output_config.effort high not applied",

@@ -77,13 +77,13 @@ def test_chat_template_kwargs_that_set_thinking_win() -> None:
     assert request.chat_template_config == {"enable_thinking": True}
 
 
-@pytest.mark.parametrize(("kind", "is_hosted"), [
+@pytest.mark.parametrize(("kind", "is_built_in"), [
     ("web_search", True), ("web_search_20250305", True), ("web_search_preview", True), ("file_search", True),
     ("code_interpreter", True), ("code_execution_20250825", True), ("computer_use_preview", True), ("mcp", True),
     ("function", False), ("custom", False), ("namespace", False), (None, False), ("websearch", False),
 ])
-def test_hosted_tools_are_known_by_type(kind: str | None, is_hosted: bool) -> None:
-    assert bodies.hosted(kind) is is_hosted
+def test_built_in_tools_are_known_by_type(kind: str | None, is_built_in: bool) -> None:
+    assert bodies.built_in(kind) is is_built_in
 
 
 def test_max_tokens_beyond_what_the_context_leaves_is_clamped_and_said() -> None:

@@ -128,7 +128,7 @@ def test_what_codex_sends_is_taken_and_what_cannot_be_honoured_said(tokenizer: A
     assert parsed.conversation[0] == {"role": "system", "content": "Be safe."}
     assert parsed.notes == [
         "reasoning.effort low -> the template's thinking switch on",
-        "hosted tools left out (this server runs none): image_generation, web_search",
+        "built-in tools left out (only function tools reach the model): image_generation, web_search",
         "tools of unknown types left out: telepathy",
         "namespaces flattened to namespace__name: clock, multi_agent_v1",
     ]
