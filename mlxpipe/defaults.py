@@ -16,6 +16,11 @@ DEFAULT_HOSTFILE = Path("hostfiles/local-2.json")  # two ranks on this machine, 
 DEFAULT_BACKEND = "ring"  # mlx.launch's ring over TCP: works on any network
 DEFAULT_CONTEXT = 4096  # tokens the fit check reserves KV cache for
 
+# --- mlxpipe cluster ------------------------------------------------------------------------
+
+DEFAULT_DISCOVER_TIMEOUT = 3.0  # seconds `cluster discover` listens for Bonjour answers (Macs answer within one)
+DEFAULT_HOSTFILE_OUT = Path("cluster.json")  # where `cluster init` writes the hostfile
+
 # --- a launch ------------------------------------------------------------------------------
 
 DEFAULT_PORT = 32323  # mlx.launch's first ring port on real clusters (a free one when every rank is local)

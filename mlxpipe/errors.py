@@ -60,5 +60,9 @@ class LaunchError(MlxpipeError):
     """The distributed run could not start or a rank failed."""
 
 
+class SetupError(MlxpipeError):
+    """A machine could not be found, surveyed or set up (``mlxpipe cluster``): which host, and what to do."""
+
+
 class RequestFailed(MlxpipeError):
     """One request failed on a rank (its options, its sampler): that request ends, the pipeline goes on."""

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 WIDTH = 100
 PROG = "mlxpipe"
@@ -27,14 +28,25 @@ _TERMINAL_ENV = (
 
 
 def commands() -> list[list[str]]:
-    """The argument lists whose help the reference shows: the app, then each command in the app's order."""
+    """The argument lists whose help the reference shows: the app, then each command in the app's order
+    (a group such as ``cluster``, then each of its commands)."""
     from typer.main import get_command
 
     from mlxpipe.cli import app
 
     root = get_command(app)
-    names = root.list_commands(root.make_context(PROG, [], resilient_parsing=True))  # type: ignore[attr-defined]
-    return [[]] + [[name] for name in names]
+    found: list[list[str]] = [[]]
+
+    def walk(group: Any, path: list[str]) -> None:
+        ctx = group.make_context(" ".join([PROG, *path]), [], resilient_parsing=True)
+        for name in group.list_commands(ctx):
+            found.append([*path, name])
+            sub = group.get_command(ctx, name)
+            if hasattr(sub, "list_commands"):
+                walk(sub, [*path, name])
+
+    walk(root, [])
+    return found
 
 
 def help_pages(width: int = WIDTH) -> dict[str, str]:

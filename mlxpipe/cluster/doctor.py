@@ -224,11 +224,12 @@ def _ssh_check(p: _Probe) -> CheckResult:
         return p.result("ssh", OK, "this machine (no ssh)")
     if p.returncode == 255 or (p.returncode == -1 and p.facts is None):
         reason = _last_line(p.stderr) or "ssh failed"
-        return p.result("ssh", FAIL, f"cannot connect: {reason}", _ssh_fix(p.host.ssh, reason))
+        return p.result("ssh", FAIL, f"cannot connect: {reason}", ssh_fix(p.host.ssh, reason))
     return p.result("ssh", OK, "key login works (BatchMode)")
 
 
-def _ssh_fix(host: str, reason: str) -> str:
+def ssh_fix(host: str, reason: str) -> str:
+    """What to do about an ssh failure, from ssh's last line (``mlxpipe cluster`` says the same)."""
     text = reason.lower()
     if "permission denied" in text:
         return f"install your key there: ssh-copy-id {host}"

@@ -68,11 +68,18 @@ def wide_pages() -> dict[str, str]:
     return cli_reference.help_pages(width=400)
 
 
+def command_of(command: list[str]) -> tuple[Any, Any]:
+    """``mlxpipe COMMAND`` (``["cluster", "init"]`` inside its group) and a context to read it with."""
+    cmd = get_command(app)
+    ctx = cmd.make_context("mlxpipe", [], resilient_parsing=True)
+    for name in command:
+        cmd = cmd.get_command(ctx, name)  # type: ignore[attr-defined]
+    return cmd, ctx
+
+
 def options_with_values(command: list[str]) -> list[Any]:
     """The options of ``mlxpipe COMMAND`` that take a value (flags are off unless given: no default to show)."""
-    root = get_command(app)
-    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
-    cmd = root.get_command(ctx, command[0]) if command else root  # type: ignore[attr-defined]
+    cmd, _ = command_of(command)
     return [p for p in cmd.params if p.param_type_name == "option" and not p.is_flag]
 
 
@@ -124,9 +131,7 @@ def test_backend_help_names_every_backend(wide_pages: dict[str, str], command: s
 
 def flags(command: list[str]) -> list[Any]:
     """The boolean flags of ``mlxpipe COMMAND`` (``--help`` included)."""
-    root = get_command(app)
-    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
-    cmd = root.get_command(ctx, command[0]) if command else root  # type: ignore[attr-defined]
+    cmd, ctx = command_of(command)
     return [p for p in cmd.get_params(ctx) if p.param_type_name == "option" and p.is_flag]
 
 
@@ -146,9 +151,7 @@ def test_flags_show_no_type(wide_pages: dict[str, str]) -> None:
 
 def help_examples() -> list[tuple[str, list[str]]]:
     """``(where, argv)`` for every ``Example:`` line in the app's and each command's help."""
-    root = get_command(app)
-    ctx = root.make_context("mlxpipe", [], resilient_parsing=True)
-    commands = [("mlxpipe", root)] + [(name, root.get_command(ctx, name)) for name in root.list_commands(ctx)]  # type: ignore[attr-defined]
+    commands = [(" ".join(names) or "mlxpipe", command_of(names)[0]) for names in cli_reference.commands()]
     found = []
     for name, cmd in commands:
         for line in (cmd.help or "").splitlines():
@@ -198,13 +201,17 @@ def command_argv(line: str) -> list[str]:
 
 
 def parse(argv: list[str]) -> Any:
-    """Parse ``mlxpipe ARGV`` with the real app, converting and checking every value, running nothing."""
-    root = get_command(app)
-    at = next(i for i, word in enumerate(argv) if not word.startswith("-"))
-    root_ctx = root.make_context("mlxpipe", argv[: at + 1])
-    cmd = root.get_command(root_ctx, argv[at])  # type: ignore[attr-defined]
-    assert cmd is not None, f"no command {argv[at]!r}"
-    return cmd.make_context(argv[at], argv[at + 1:], parent=root_ctx)
+    """Parse ``mlxpipe ARGV`` with the real app, converting and checking every value, running nothing
+    (through a group such as ``cluster`` to its command)."""
+    group = get_command(app)
+    ctx = group.make_context("mlxpipe", [], resilient_parsing=True)
+    while True:
+        at = next(i for i, word in enumerate(argv) if not word.startswith("-"))
+        cmd = group.get_command(ctx, argv[at])  # type: ignore[attr-defined]
+        assert cmd is not None, f"no command {argv[at]!r}"
+        if not hasattr(cmd, "list_commands"):
+            return cmd.make_context(argv[at], argv[at + 1:], parent=ctx)
+        group, ctx, argv = cmd, cmd.make_context(argv[at], [], parent=ctx, resilient_parsing=True), argv[at + 1:]
 
 
 def docs_examples() -> list[tuple[str, list[str]]]:
@@ -220,6 +227,7 @@ def test_the_examples_are_found() -> None:
     # a redirection dropped, an inline span; each page named in `where`.
     assert {where for where, _ in help_examples()} == {
         "plan --help", "download --help", "generate --help", "serve --help", "lora --help", "doctor --help",
+        "cluster discover --help", "cluster init --help", "cluster install --help",
     }
     names = [page.relative_to(REPO).as_posix() for page in PAGES]
     assert "README.md" in names and "docs/serve.md" in names and "docs/cli.md" not in names
@@ -242,7 +250,7 @@ def test_the_examples_are_found() -> None:
 @pytest.mark.parametrize(("where", "argv"), EXAMPLES, ids=[f"{w}:{' '.join(a[:1])}" for w, a in EXAMPLES])
 def test_example_parses_and_names_files_that_exist(where: str, argv: list[str]) -> None:
     with parse(argv) as ctx:
-        assert ctx.command.name == argv[0]
+        assert (shlex.join(["mlxpipe", *argv]) + " ").startswith(ctx.command_path + " ")  # "mlxpipe cluster init ..."
         if ctx.params.get("config") is not None:
             load_preset(REPO / ctx.params["config"])  # a preset an example names must load, not just exist
     missing = [word for word in argv if REPO_FILE.match(word) and not (REPO / word).is_file()]
@@ -434,7 +442,8 @@ def test_reference_is_up_to_date() -> None:
 def test_reference_has_every_command_plain_and_at_its_width(pages: dict[str, str]) -> None:
     text = REFERENCE.read_text()
     assert list(pages) == ["mlxpipe", "mlxpipe plan", "mlxpipe download", "mlxpipe generate", "mlxpipe chat",
-                           "mlxpipe serve", "mlxpipe lora", "mlxpipe demo-model", "mlxpipe doctor"]
+                           "mlxpipe serve", "mlxpipe lora", "mlxpipe demo-model", "mlxpipe doctor", "mlxpipe cluster",
+                           "mlxpipe cluster discover", "mlxpipe cluster init", "mlxpipe cluster install"]
     assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == list(pages)
     assert "\x1b" not in text  # no colour or style codes
     assert max(len(line) for page in pages.values() for line in page.splitlines()) == cli_reference.WIDTH

@@ -1,0 +1,155 @@
+"""Wheels of what this machine has installed: mlxpipe's own, and the packages its environment runs on.
+
+``cluster install`` gives each host the controller's versions. Where a host cannot reach a package
+registry, the wheels come from here: ``pack`` writes an installed distribution back into a wheel
+(its files as installed, its own ``WHEEL`` tags, a fresh ``RECORD``), so nothing needs a network or a
+build backend; mlxpipe itself, installed editable from its source tree, is packed from that tree.
+``closure`` is the set of distributions a requirement pulls in on this machine (markers evaluated here).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import zipfile
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from mlxpipe.errors import SetupError
+
+_SKIP_DIST_INFO = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+
+
+def normalize(name: str) -> str:
+    """PEP 503's name: ``mlx_lm`` and ``MLX-LM`` are ``mlx-lm``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(requirements: Iterable[str]) -> list[metadata.Distribution]:
+    """The installed distributions ``requirements`` need here, each once, dependencies included
+    (extras followed, markers evaluated for this machine); ``SetupError`` when one is missing."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, metadata.Distribution] = {}
+    todo = [(Requirement(r), "") for r in requirements]
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        key = normalize(req.name)
+        try:
+            dist = found.get(key) or metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            raise SetupError(f"{req.name} is not installed on this machine, so it has no wheel of it to give",
+                             "pass --wheelhouse with the hosts' wheels, or install it here") from None
+        new = key not in found
+        found[key] = dist
+        for wanted in [""] * new + sorted(req.extras):
+            for line in dist.requires or []:
+                todo.append((Requirement(line), wanted))
+    return sorted(found.values(), key=lambda d: normalize(d.metadata["Name"]))
+
+
+def pack(dist: metadata.Distribution, out_dir: Path) -> Path:
+    """Write ``dist`` as a wheel into ``out_dir`` (kept when one of that name is there) and return its path."""
+    name, version = dist.metadata["Name"], dist.version
+    files = dict(_editable_files(dist) or _installed_files(dist))
+    wheel_text = _wheel_text(dist, editable=_editable_root(dist) is not None)
+    tag = _tag(wheel_text)
+    stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
+    path = out_dir / f"{stem}-{tag}.whl"
+    if path.exists():
+        return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = f"{stem}.dist-info"
+    extra = {f"{info}/WHEEL": wheel_text.encode()}
+    for rel in _dist_info_files(dist):
+        if Path(rel).name not in _SKIP_DIST_INFO and Path(rel).name != "WHEEL":
+            text = dist.read_text(Path(rel).name)
+            if text is not None:
+                extra[f"{info}/{Path(rel).name}"] = text.encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    record = []
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as whl:
+            for arcname, source in sorted(files.items()):
+                data = source.read_bytes()
+                whl.writestr(arcname, data)
+                record.append((arcname, _hash(data), str(len(data))))
+            for arcname, data in extra.items():
+                whl.writestr(arcname, data)
+                record.append((arcname, _hash(data), str(len(data))))
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerows([*record, (f"{info}/RECORD", "", "")])
+            whl.writestr(f"{info}/RECORD", buf.getvalue())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _editable_root(dist: metadata.Distribution) -> Path | None:
+    """The source tree of an editable install (``pip install -e``), else None."""
+    text = dist.read_text("direct_url.json")
+    if not text:
+        return None
+    data = json.loads(text)
+    if not data.get("dir_info", {}).get("editable") or not str(data.get("url", "")).startswith("file://"):
+        return None
+    return Path(data["url"][len("file://"):])
+
+
+def _editable_files(dist: metadata.Distribution) -> list[tuple[str, Path]]:
+    """An editable install's package, from its source tree: ``<root>/<name>/**`` without caches."""
+    root = _editable_root(dist)
+    if root is None:
+        return []
+    package = root / normalize(dist.metadata["Name"]).replace("-", "_")
+    if not package.is_dir():
+        raise SetupError(f"cannot pack {dist.metadata['Name']}: no package directory at {package}",
+                         "install it without -e, or pass --wheelhouse with its wheel")
+    return [(str(p.relative_to(root)), p) for p in sorted(package.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
+
+
+def _installed_files(dist: metadata.Distribution) -> Iterator[tuple[str, Path]]:
+    """What an installed distribution put in site-packages (scripts outside it are remade by pip from its entry points)."""
+    for f in dist.files or []:
+        rel = str(f)
+        if rel.startswith("..") or "__pycache__" in f.parts or rel.endswith(".pyc") or ".dist-info/" in rel:
+            continue
+        path = Path(str(f.locate()))
+        if path.is_file():
+            yield rel, path
+
+
+def _dist_info_files(dist: metadata.Distribution) -> list[str]:
+    base = getattr(dist, "_path", None)
+    if base is not None and Path(base).is_dir():
+        return sorted(p.name for p in Path(base).iterdir() if p.is_file())
+    return ["METADATA", "entry_points.txt"]
+
+
+def _wheel_text(dist: metadata.Distribution, editable: bool) -> str:
+    text = None if editable else dist.read_text("WHEEL")
+    if text and "Tag:" in text:
+        return text
+    # An editable install's WHEEL describes the editable stub, not the package: a pure-Python wheel.
+    return "Wheel-Version: 1.0\nGenerator: mlxpipe\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+
+
+def _tag(wheel_text: str) -> str:
+    """The filename's tag from a WHEEL file's ``Tag:`` lines (several: each field's values joined by dots)."""
+    tags = [line.split(":", 1)[1].strip() for line in wheel_text.splitlines() if line.startswith("Tag:")]
+    fields = [list(dict.fromkeys(t.split("-")[i] for t in tags)) for i in range(3)]
+    return "-".join(".".join(values) for values in fields)

@@ -1,0 +1,67 @@
+"""Wheels packed from this machine's installed packages: what install sends hosts without a registry."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from mlxpipe.cluster import wheels
+from mlxpipe.errors import SetupError
+
+
+def test_closure_follows_requirements_extras_and_markers() -> None:
+    names = {wheels.normalize(d.metadata["Name"]) for d in wheels.closure(["mlxpipe"])}
+    assert {"mlxpipe", "mlx", "mlx-lm", "transformers", "zeroconf", "ifaddr", "typer"} <= names
+    if sys.platform != "darwin":
+        assert "mlx-cpu" in names  # mlx[cpu] off macOS: the extra is followed
+    assert not names & {"pytest", "openai", "selenium"}  # the test extra is not asked for
+
+
+def test_closure_names_a_missing_package() -> None:
+    with pytest.raises(SetupError) as e:
+        wheels.closure(["no-such-package-here"])
+    assert e.value.message.startswith("no-such-package-here is not installed on this machine")
+
+
+def test_mlxpipe_packs_from_its_source_tree_and_installs(tmp_path: Path) -> None:
+    path = wheels.pack(metadata.distribution("mlxpipe"), tmp_path / "w")
+    assert path.name == f"mlxpipe-{metadata.version('mlxpipe')}-py3-none-any.whl"
+    with zipfile.ZipFile(path) as whl:
+        names = set(whl.namelist())
+        record = list(csv.reader(io.StringIO(whl.read(f"mlxpipe-{metadata.version('mlxpipe')}.dist-info/RECORD").decode())))
+        for name, digest, size in record:
+            if digest:  # every file's hash and size as RECORD says
+                data = whl.read(name)
+                assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                assert int(size) == len(data)
+    assert "mlxpipe/cluster/wheels.py" in names and "mlxpipe/serve/page/index.html" in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                           str(target), str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (target / "mlxpipe" / "cluster" / "wheels.py").read_text() == Path(wheels.__file__).read_text()
+    assert metadata.Distribution.at(next(target.glob("mlxpipe-*.dist-info"))).entry_points.select(name="mlxpipe")
+
+
+def test_an_installed_binary_package_keeps_its_platform_tag(tmp_path: Path) -> None:
+    dist = metadata.distribution("PyYAML")
+    path = wheels.pack(dist, tmp_path)
+    tags = [line.split(":", 1)[1].strip() for line in (dist.read_text("WHEEL") or "").splitlines() if line.startswith("Tag:")]
+    assert path.name.startswith(f"PyYAML-{dist.version}-") and tags
+    assert all(tag.split("-")[2] in path.name for tag in tags)
+    assert wheels.pack(dist, tmp_path) == path  # already there: kept
+
+
+def test_tags_of_several_lines_join_per_field() -> None:
+    text = "Tag: cp311-cp311-manylinux_2_17_x86_64\nTag: cp311-cp311-manylinux2014_x86_64\n"
+    assert wheels._tag(text) == "cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64"
