@@ -8,11 +8,11 @@ where they stand (``bodies.tokens_for`` merges them where the template takes one
 refused (400). A last assistant message is a prefill: the reply continues it, as Anthropic's API does. ``tools``
 (``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in tools
 (``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
-schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and ``tool`` reach the template as its ``tool_choice``
-variable. ``thinking`` is the template's thinking switch (``bodies.thinking``), ``output_config.format`` a
-structured output; ``cache_control``, ``metadata``, ``context_management``, ``service_tier`` and the rest of what
-Claude Code sends are accepted (the prompt cache needs no marks: it keeps every prefix). Every error names the
-field (``messages[1].content[0].tool_use_id``).
+schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and
+``tool`` reach the template as its ``tool_choice`` variable. ``thinking`` is the template's thinking switch
+(``bodies.thinking``), ``output_config.format`` a structured output; ``cache_control``, ``metadata``,
+``context_management``, ``service_tier`` and the rest of what Claude Code sends are accepted (the prompt cache
+needs no marks: it keeps every prefix). Every error names the field (``messages[1].content[0].tool_use_id``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
     _unhonoured(body, notes)
     tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
-    ranked = bodies.for_ranks(request, tokens, settings, "messages", new_id, {"response_format": "output_config.format"},
-                              notes)
+    ranked = bodies.for_ranks(request, tokens, settings, "messages", new_id,
+                              {"response_format": "output_config.format"}, notes)
     return Parsed(ranked, field(body, "stream", bool, False), bodies.stops(body, "stop_sequences"), offered, model,
                   notes)
 
@@ -98,7 +98,8 @@ def _with_format(request: Request, body: dict[str, Any], settings: ServerSetting
         return request
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ApiError(400, f"'{name}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=name)
-    response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
     try:
         request = replace(request, response_format=response_format).check(lambda key: f"'{name}'",
                                                                              settings.vocab_size)

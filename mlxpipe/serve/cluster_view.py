@@ -5,8 +5,9 @@ The page is static files shipped in the package (``serve/page/``): no build step
 elsewhere. It asks ``/v1/cluster`` every second or so for what it shows: each rank (``/health``'s ranks, with
 their memory against the host's budget), the live figures (a bounded history of tok/s and requests in flight,
 sampled here every ``SAMPLE_SECONDS`` by a thread, so that a page opened late still draws the last minutes),
-where each rank's time goes, the prompt cache's hits and the recent requests (refused ones too, with why). ``/v1/cluster`` is behind the
-API key like the API (the page asks for the key); the page and its files hold no data and are open.
+where each rank's time goes, the prompt cache's hits and the recent requests (refused ones too, with why).
+``/v1/cluster`` is behind the API key like the API (the page asks for the key); the page and its files hold no
+data and are open.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def test_what_codex_sends_is_taken_and_what_cannot_be_honoured_said(tokenizer: Any) -> None:
     body = {"model": "local-model", "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
-            "reasoning": {"effort": "low", "summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
+            "reasoning": {"effort": "low", "summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"],
             "prompt_cache_key": "thread-1", "client_metadata": {"thread_id": "t"}, "text": {"verbosity": "low"},
             "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be safe."}]},
                       {"type": "additional_tools", "role": "developer",
