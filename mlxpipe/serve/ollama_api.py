@@ -98,7 +98,7 @@ class OllamaApi:
                                      "done": True, "done_reason": "load"})
             parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
             generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
-                                     DOOR)
+                                     DOOR, parsed.notes)
         except ApiError as e:
             return error_response(refused(self.log, request, DOOR, e))
         except (ClientDisconnect, ClientGone):

@@ -2,13 +2,16 @@
 
 Sampling comes in ``options`` under Ollama's names (``num_predict``, ``repeat_penalty``, ``stop``...), messages as
 Ollama sends them (an assistant's ``tool_calls`` with object arguments, ``tool`` messages with ``tool_name``), and
-``/api/generate``'s prompt goes through the chat template unless ``raw``. Images and ``format`` (structured output)
-are refused with a 400; options that tune Ollama's own runtime (``num_ctx``, ``num_thread``...) are ignored.
+``/api/generate``'s prompt goes through the chat template unless ``raw``; ``think`` is the template's thinking switch.
+Images and ``format`` (structured output) are refused with a 400; options that tune Ollama's own runtime
+(``num_ctx``, ``num_thread``...) are ignored.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import Any, Callable
 
 from mlxpipe.request import Request
@@ -31,6 +34,7 @@ class Parsed:
     stops: list[str]
     tools: list[dict[str, Any]] | None
     model: str  # the name the client used, echoed back
+    notes: bodies.Notes = dc_field(default_factory=list)  # what was dropped or mapped
 
 
 def served_name(settings: ServerSettings) -> str:
@@ -63,6 +67,8 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     stops = bodies.stops(options, "stop")
     tools = _tools(body) if chat else None
     param = "messages" if chat else "prompt"
+    notes: bodies.Notes = []
+    request = bodies.thinking(request, body, _think(body, notes))
     if chat:
         request = replace(request, messages=_messages(field(body, "messages", list)))
     else:
@@ -73,9 +79,20 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         system = field(body, "system", str)
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
-    tokens = bodies.tokens_for(tokenizer, request, tools, None, param)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), field(body, "stream", bool, True), stops,
-                  tools, model)
+    tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
+    ranked = bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"}, notes)
+    return Parsed(ranked, field(body, "stream", bool, True), stops, tools, model, notes)
+
+
+def _think(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
+    """Ollama's ``think`` (true, false, or a level: ``low``, ``medium``, ``high``) as the template's switch."""
+    think = body.get("think")
+    if think is None:
+        return None
+    if not isinstance(think, (bool, str)):
+        raise ApiError(400, "'think' must be true, false, or low, medium or high", param="think")
+    notes.append(f"think {json.dumps(think)} -> the template's thinking switch {'on' if think else 'off'}")
+    return bool(think)
 
 
 def _options(options: dict[str, Any], settings: ServerSettings) -> Any:

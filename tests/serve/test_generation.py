@@ -2,8 +2,9 @@
 
 A template that opens the reply's think block (``THINKING_TEMPLATE``, as Qwen3's and DeepSeek-R1's do) makes the
 reply start in the model's reasoning, as ``mlx_lm.server`` decides it; each door then gives it back its own way:
-Anthropic's ``thinking`` blocks, a Responses ``reasoning`` item, chat's ``reasoning_content``. The body's own
-thinking switch (Anthropic's ``thinking``, ``reasoning.effort``, ``reasoning_effort``) reaches the template.
+Anthropic's ``thinking`` blocks, a Responses ``reasoning`` item, chat's ``reasoning_content``, Ollama's
+``thinking``. The body's own thinking switch (Anthropic's ``thinking``, ``reasoning.effort``, ``reasoning_effort``,
+Ollama's ``think``) reaches the template.
 """
 
 from __future__ import annotations
@@ -77,3 +78,13 @@ def test_thinking_turned_off_by_the_body_reaches_the_template(thinking: tuple[Te
     assert client.post(path, json=body, headers=_AUTH).status_code == 200
     tokenizer = queue.tokenizer
     assert tokenizer.decode(queue.requests[-1].tokens).endswith("<|im_start|>assistant\n")  # no think block opened
+
+
+@pytest.mark.parametrize(("think", "opened"), [(True, True), ("high", True), (False, False)])
+def test_ollamas_think_is_the_templates_thinking_switch(thinking: tuple[TestClient, ScriptedQueue], think: Any,
+                                                        opened: bool) -> None:
+    client, queue = thinking
+    reply = client.post("/api/chat", json={"messages": _HI, "think": think, "stream": False}, headers=_AUTH).json()
+    assert queue.tokenizer.decode(queue.requests[-1].tokens).endswith("<think>\n") is opened
+    if opened:
+        assert (reply["message"]["thinking"], reply["message"]["content"]) == ("The user greets me.", "Hello!")
