@@ -120,14 +120,15 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
     the pipe, the metadata, the plan, the datasets and the step requests of the training data."""
     from mlxpipe.lora import run as lora
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.launch.run import PipelineConfig, launch, prepare
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.run import PipelineConfig, launch, prepare
+    from mlxpipe.protocol.messages import Step
 
     target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     config = PipelineConfig(target, quiet=True, timeout=600)
     meta, the_plan = prepare(config)
     datasets = lora.load_datasets(options, controller_model_dir(meta))
-    steps = [r for r in lora.requests(options, datasets, None) if r["type"] == "step"]
+    steps = [r for r in lora.requests(options, datasets, None) if isinstance(r, Step)]
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
     try:
         if pinned:
@@ -141,13 +142,15 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
 
 def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     """Every setup, ``steps`` steps each, on one launch of 2 pinned ranks."""
+    from dataclasses import replace
+
     from mlxpipe.lora import run as lora
 
     options = options_for(model, data, out, steps * len(SETUPS))
     rows = []
     with training_launch(model, options, pinned=True) as run:
         for i, (schedule, micro) in enumerate(SETUPS):
-            todo = [{**b, "micro_batches": micro, "schedule": schedule} for b in run.steps[i * steps:(i + 1) * steps]]
+            todo = [replace(b, micro_batches=micro, schedule=schedule) for b in run.steps[i * steps:(i + 1) * steps]]
             result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
             later = result.steps[1:]
             how = "naive (one micro-batch)" if micro == 1 else schedule
@@ -172,7 +175,7 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
     for schedule, micro in MEMORY_SETUPS:
         options = replace(options_for(model, data, out, 2), micro_batches=micro, schedule=schedule)
         with training_launch(model, options, pinned=False) as run:
-            todo = [{**r, "micro_batches": micro, "schedule": schedule} for r in run.steps]
+            todo = [replace(r, micro_batches=micro, schedule=schedule) for r in run.steps]
             result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
         estimate = training_memory(run.meta, run.plan, options, lora.longest_sequence(run.datasets.train))
         peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}

@@ -55,19 +55,20 @@ def _rank_main(spec: dict[str, Any]) -> None:
     _pin_self(spec["ranks"])
     import mlx.core as mx
 
-    from mlxpipe.request import Request
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
+    from mlxpipe.protocol.messages import Batch
+    from mlxpipe.protocol.request import Request
     from mlxpipe.worker.load import barrier, load_rank
-    from mlxpipe.worker.requests import Server, init_group
+    from mlxpipe.worker.loop import RankLoop, init_group
 
     job = JobSpec(**spec["job"])
     group = init_group(job.world_size)
-    server = Server(load_rank(job, group), group, job, emit=lambda event, **fields: None)
+    server = RankLoop(load_rank(job, group), group, job, emit=lambda event: None)
     request = Request(prompt=PROMPT, max_tokens=spec["max_tokens"])
 
     def mlxpipe_stream() -> dict[str, float]:
         done = server.generate(request)
-        return {"ttft": done.get("ttft") or 0.0, "tps": done.get("generation_tps") or 0.0}
+        return {"ttft": done.ttft or 0.0, "tps": done.generation_tps}
 
     streams = {"single": mlxpipe_stream}
     if spec.get("with_shard"):
@@ -93,9 +94,9 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 runs[name].append(figures)
     out: dict[str, Any] = {name: _median(figures) for name, figures in runs.items()}
     for k in spec["concurrency"]:
-        wire = [{"prompt": f"{PROMPT} ({i})", "max_tokens": spec["max_tokens"]} for i in range(k)]
-        result = server.generate_batch({"type": "batch", "requests": wire, "concurrency": k, "decode_batch": k})
-        out[f"k{k}"] = result["generation_tokens"] / result["seconds"]
+        requests = tuple(Request(prompt=f"{PROMPT} ({i})", max_tokens=spec["max_tokens"]) for i in range(k))
+        result = server.generate_batch(Batch(requests, concurrency=k, decode_batch=k))
+        out[f"k{k}"] = result.generation_tokens / result.seconds
     barrier(group)
     if group.rank() == 0:
         print("BENCH " + json.dumps(out), flush=True)
@@ -143,7 +144,7 @@ def _job(model: Path, tmp: Path, split: list[int], tp: int) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from fixtures.ranks import rank_dirs
 
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
 
     dirs = rank_dirs(model, split, tmp / f"dirs-{'-'.join(map(str, split))}-tp{tp}")
     return asdict(JobSpec([str(d) for d in dirs for _ in range(tp)], split, tp=tp))

@@ -2,8 +2,8 @@
 
 A leaf: it imports nothing of mlxpipe and nothing heavy, so ``mlxpipe --help`` shows every
 default without loading the launch, plan or serve code that uses them; those modules import
-them from here. A request's defaults (max tokens, sampling, KV cache) live with ``Request`` in ``request.py``,
-itself a leaf.
+them from here. A request's defaults (max tokens, sampling, KV cache) live with ``Request`` in
+``protocol/request.py``, itself a leaf.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ DEFAULT_PORT = 32323  # mlx.launch's first ring port on real clusters (a free on
 DEFAULT_LOAD_TIMEOUT = 600.0  # seconds the ranks may take to load their shares
 DEFAULT_STEP_TIMEOUT = 120.0  # the watchdog (--timeout): seconds without progress before a run is ended
 DEFAULT_DECODE_BATCH = 4  # requests per decode micro-batch (--decode-batch); docs/generate.md, "Many prompts at once"
+# How the model is cut into stages (``--pipeline``): mlxpipe's own cut of any mlx-lm model with a layers
+# list, or the model's own ``pipeline()``.
+PIPELINE_MODES = ("generic", "native")
+MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate's --prefill-step-size
+# A prompt's chunks flow through the stages one behind the other (the engine's pipelined prefill).
+# Measured (docs/benchmarks.md, "Prefill"): a 600-token prompt on 2 ranks prefills at 21.8 tok/s in one 2048-token
+# chunk, 33.8 in chunks of 256 and 39.7 in chunks of 128 (single process: 24.1).
+PIPELINE_PREFILL_STEP = 128
 
 # --- mlxpipe serve -------------------------------------------------------------------------
 

@@ -25,6 +25,11 @@ class UsageError(MlxpipeError):
     """Flags that contradict each other or are out of range (exit 2)."""
 
 
+class WireError(UsageError):
+    """A message or event that is not what this side's contract says (a field it does not know or lacks, an
+    unknown kind): refused, never guessed at. Between two mlxpipe versions, or a bug."""
+
+
 class HostfileError(MlxpipeError):
     """The hostfile cannot be read or describes an impossible cluster."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 
 
 def prompt_tokens(tokenizer: Any, request: Request, tools: list[Any] | None = None) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 
 # ---------------------------------------------------------------- prompts, as mlx_lm.generate makes them
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+
+if TYPE_CHECKING:
+    from mlxpipe.cluster.target import Target
+    from mlxpipe.launch.run import PipelineConfig
 
 # The flags a --config preset may give too (the flag wins, then the preset, then mlx_lm.generate's default).
 _FROM_PRESET = ("max_tokens", "temp", "top_p", "min_p", "seed", "system_prompt")
@@ -51,7 +55,7 @@ class RequestFlags:
         """The generation options every request gets: the flags, then ``preset``'s, then mlx_lm.generate's
         defaults; a value out of range is refused naming its flag."""
         from mlxpipe.cluster.presets import pick
-        from mlxpipe.request import parse_chat_template_config
+        from mlxpipe.protocol.request import parse_chat_template_config
 
         given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _FROM_PRESET}
         given = {k: v for k, v in given.items() if v is not None}
@@ -72,10 +76,11 @@ class RequestFlags:
         return request.check(lambda field: "--" + field.replace("_", "-"))
 
 
-def pipeline_config(target: Any, *, backend: str | None, mode: str = "generic", prefill_step_size: int | None = None,
-                    port: int | None, timeout: float, trust_remote_code: bool, quiet: bool,
-                    from_controller: bool = False, context: int | None = None, adapter_path: Path | None = None,
-                    draft_model: str | None = None, num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> Any:
+def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic",
+                    prefill_step_size: int | None = None, port: int | None, timeout: float, trust_remote_code: bool,
+                    quiet: bool, from_controller: bool = False, context: int | None = None,
+                    adapter_path: Path | None = None, draft_model: str | None = None,
+                    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> PipelineConfig:
     """The typed config of the pipeline the flags describe (``PipelineConfig`` checks them on construction)."""
     from mlxpipe.launch.run import PipelineConfig
 

@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_HOSTFILE, DEFAULT_PORT
+from mlxpipe.defaults import (
+    DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_HOSTFILE, DEFAULT_PORT, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP,
+)
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_MAX_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, Request
 
 FROM_PRESET = "or the --config preset's"
 
@@ -183,7 +185,7 @@ PrefillStepSize = Annotated[Optional[int], typer.Option(
     "--prefill-step-size",
     help="Prompt tokens per prefill chunk. On a pipeline a prompt's chunks flow through the stages one behind "
     "the other, so every host prefills at once: smaller chunks pipeline better, larger ones use each host better.",
-    show_default="128 on a pipeline of 2 or more ranks, else mlx-lm's 2048",
+    show_default=f"{PIPELINE_PREFILL_STEP} on a pipeline of 2 or more ranks, else mlx-lm's {MLX_LM_PREFILL_STEP}",
 )]
 RingPort = Annotated[Optional[int], typer.Option(
     "--port", help="First ring port.", show_default=f"{DEFAULT_PORT}; a free one when every rank is local",
@@ -202,6 +204,6 @@ FromController = Annotated[bool, typer.Option(
 )]
 DecodeBatch = Annotated[int, typer.Option(
     "--decode-batch",
-    help="Requests whose decode steps share one micro-batch (batched KV caches), so ranks x this many requests "
-    "are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
+    help="Requests whose decode steps share one micro-batch (batched KV caches), so pipeline stages x this many "
+    "requests are in flight. 1: one request per micro-batch. Models whose caches cannot be batched (quantized) use 1.",
 )]

@@ -18,7 +18,7 @@ from mlxpipe.cli._options import (
 )
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Prompt = Annotated[Optional[str], typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
@@ -31,7 +31,8 @@ PromptsFile = Annotated[Optional[Path], typer.Option(
     show_default="none: one --prompt",
 )]
 Concurrency = Annotated[Optional[int], typer.Option(
-    "--concurrency", help="With --prompts-file: requests in flight at once.", show_default="ranks x --decode-batch",
+    "--concurrency", help="With --prompts-file: requests in flight at once.",
+    show_default="pipeline stages x --decode-batch",
 )]
 Output = Annotated[Optional[Path], typer.Option(
     "--output", "-o",

@@ -17,7 +17,7 @@ from mlxpipe.defaults import (
     DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT, DEFAULT_STEP_TIMEOUT,
 )
 from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 Host = Annotated[str, typer.Option(
     "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."
@@ -31,7 +31,7 @@ ApiKey = Annotated[Optional[str], typer.Option(
 )]
 MaxConcurrency = Annotated[Optional[int], typer.Option(
     "--max-concurrency", help="Requests computed at once: --decode-batch of them at each stage.",
-    show_default="ranks x --decode-batch",
+    show_default="pipeline stages x --decode-batch",
 )]
 MaxQueue = Annotated[int, typer.Option(
     "--max-queue", help="Requests waiting for a slot, or for the ranks to load or relaunch; beyond them, 429."
@@ -131,6 +131,7 @@ def serve(
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.launch.batch import check_decode_batch
+    from mlxpipe.protocol.checks import at_least
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())
@@ -148,10 +149,13 @@ def serve(
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    check_decode_batch(decode_batch)
+    if max_concurrency is not None:
+        at_least(max_concurrency, 1, "--max-concurrency")
     options = server.ServeOptions(
-        max_concurrency=max_concurrency if max_concurrency is not None else target.hostfile.size * decode_batch,
+        max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
-        decode_batch=check_decode_batch(decode_batch), queue_timeout=queue_timeout,
+        decode_batch=decode_batch, queue_timeout=queue_timeout,
     )
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,

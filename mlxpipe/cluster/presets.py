@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from mlxpipe.errors import ConfigError
-from mlxpipe.request import RequestError, check_fields
+from mlxpipe.protocol.request import RequestError, check_fields
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,11 @@ class Target:
     def __post_init__(self) -> None:
         check_tp(self.tp, self.hostfile.size, self.tp_flag)
 
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages: a tensor-parallel group of ``tp`` hosts each (``check_tp``: they divide)."""
+        return self.hostfile.size // self.tp
+
 
 def resolve_target(
     model: str | None,

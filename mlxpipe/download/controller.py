@@ -22,17 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from mlxpipe import protocol
-
 from mlxpipe.cluster import remote
 
 from mlxpipe.cluster import storage
 from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
-from mlxpipe.download.fetch import FetchJob, FetchResult
+from mlxpipe.download.fetch import FetchJob
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.host import LOCAL_HOST, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.download import FETCH_EVENTS, Check, FetchError, FetchResult, FileDone, Fetching
+from mlxpipe.protocol.message import Event
 
 _STDERR_TAIL = 20
 CONTROLLER_LABEL = "controller (this machine)"
@@ -208,7 +209,7 @@ def run_on_hosts(tasks: Sequence[HostTask], on_update: OnUpdate | None = None) -
 
 
 def _fetch_on_host(report: HostReport, lock: threading.Lock, on_update: OnUpdate | None) -> None:
-    def on_event(event: dict) -> None:
+    def on_event(event: Event) -> None:
         with lock:
             _apply(report, event)
             if on_update:
@@ -219,7 +220,7 @@ def _fetch_on_host(report: HostReport, lock: threading.Lock, on_update: OnUpdate
         report.error = f"{report.task.label}: the fetch ended without a result"
 
 
-def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict], None]) -> None:
+def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[Event], None]) -> None:
     """Run ``python -m mlxpipe.download.fetch`` for the task on its host, feeding its events to ``on_event``."""
     task = report.task
     argv = [remote.python_for(task.host), "-m", "mlxpipe.download.fetch", *extra, "--job", task.job.encode()]
@@ -232,9 +233,9 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
     drain = threading.Thread(target=_drain, args=(proc.stderr, report.stderr), daemon=True)
     drain.start()
     for line in proc.stdout:
-        event = protocol.parse_event(line)
-        if event is not None:
-            on_event(event)
+        data = wire.parse_event(line)
+        if data is not None:
+            on_event(FETCH_EVENTS.from_wire(data))
     code = proc.wait()
     drain.join()
     if code != 0 and report.error is None:
@@ -246,25 +247,19 @@ def _run_helper(report: HostReport, extra: list[str], on_event: Callable[[dict],
             report.hint = f"install mlxpipe on {task.host.ssh}, or set 'python' for it in the hostfile"
 
 
-def _apply(report: HostReport, event: dict) -> None:
-    kind = event.get("event")
-    if kind == "progress":
-        report.done_bytes += int(event.get("bytes", 0))
-    elif kind == "file" and event.get("status") == "present":
-        report.present_bytes += int(event.get("bytes", 0))
-    elif kind == "done":
-        data = {k: event[k] for k in FetchResult.__dataclass_fields__}
-        data["fetched_files"] = tuple(data["fetched_files"])
-        data["present_files"] = tuple(data["present_files"])
-        report.result = FetchResult(**data)
-        report.done_bytes = report.result.fetched_bytes
-    elif kind == "check":
-        report.missing = tuple(event.get("missing", ()))
-        present = event.get("present", ())
-        report.present_bytes = sum(report.task.job.sizes.get(f, 0) for f in present)
-    elif kind == "error":
-        report.error = str(event.get("message"))
-        report.hint = event.get("hint")
+def _apply(report: HostReport, event: Event) -> None:
+    if isinstance(event, Fetching):
+        report.done_bytes += event.bytes
+    elif isinstance(event, FileDone) and event.status == "present":
+        report.present_bytes += event.bytes
+    elif isinstance(event, FetchResult):
+        report.result = event
+        report.done_bytes = event.fetched_bytes
+    elif isinstance(event, Check):
+        report.missing = tuple(event.missing)
+        report.present_bytes = sum(report.task.job.sizes.get(f, 0) for f in event.present)
+    elif isinstance(event, FetchError):
+        report.error, report.hint = event.message, event.hint
 
 
 def _drain(stream: IO[str], sink: deque[str]) -> None:
@@ -329,11 +324,11 @@ def distribute(tasks: Sequence[HostTask], meta: ModelMetadata, on_update: OnUpda
 
 
 def _check_host(report: HostReport) -> None:
-    events: list[dict] = []
+    events: list[Event] = []
     _run_helper(report, ["--check"], events.append)
     for event in events:
         _apply(report, event)
-    if report.error is None and not any(e.get("event") == "check" for e in events):
+    if report.error is None and not any(isinstance(e, Check) for e in events):
         report.error = f"{report.task.label}: mlxpipe.download.fetch --check ended without an answer"
 
 

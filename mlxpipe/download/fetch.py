@@ -1,7 +1,7 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
-progress as protocol events; ``--check`` only reports which files are already
+progress as events (``protocol.download``: mlxpipe is installed there, as on every rank); ``--check`` only reports which files are already
 there (``download --from-controller`` asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
 ``local_dir``). huggingface_hub writes each file to a temporary name and
@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxpipe import protocol
 from mlxpipe.errors import DownloadError, MlxpipeError
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.paths import write_atomic
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.download import Check, FetchError, FetchResult, FileDone, Fetching
 
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
@@ -84,18 +85,6 @@ class FetchJob:
     @property
     def total_bytes(self) -> int:
         return sum(self.sizes.get(f, 0) for f in self.files)
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    """What one host holds after a fetch (or a copy from the controller)."""
-
-    host: str
-    path: str
-    fetched_bytes: int
-    present_bytes: int
-    fetched_files: tuple[str, ...]
-    present_files: tuple[str, ...]
 
 
 class _Corrupt(Exception):
@@ -364,11 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = FetchJob.decode(args.job)
     except MlxpipeError as e:
-        protocol.emit("error", message=e.message, hint=e.hint)
+        wire.emit(FetchError(message=e.message, hint=e.hint))
         return 1
     if args.check:
         present, missing = check(job)
-        protocol.emit("check", present=present, missing=missing)
+        wire.emit(Check(present=present, missing=missing))
         return 0
     pending = [0.0, 0]  # last emit time, bytes not yet reported
 
@@ -376,24 +365,24 @@ def main(argv: list[str] | None = None) -> int:
         pending[1] += n
         now = time.monotonic()
         if now - pending[0] > _PROGRESS_INTERVAL:
-            protocol.emit("progress", bytes=pending[1])
+            wire.emit(Fetching(bytes=int(pending[1])))
             pending[0], pending[1] = now, 0
 
     def on_file(name: str, status: str, size: int) -> None:
         if pending[1]:
-            protocol.emit("progress", bytes=pending[1])
+            wire.emit(Fetching(bytes=int(pending[1])))
             pending[1] = 0
-        protocol.emit("file", name=name, status=status, bytes=size)
+        wire.emit(FileDone(name=name, status=status, bytes=size))
 
     try:
         result = fetch(job, on_bytes, on_file)
     except MlxpipeError as e:
-        protocol.emit("error", message=e.message, hint=e.hint)
+        wire.emit(FetchError(message=e.message, hint=e.hint))
         return 1
     except Exception as e:  # noqa: BLE001 - reported to the controller, then re-raised for the traceback
-        protocol.emit("error", message=f"{job.host}: {type(e).__name__}: {e}", hint=None)
+        wire.emit(FetchError(message=f"{job.host}: {type(e).__name__}: {e}"))
         raise
-    protocol.emit("done", **asdict(result))
+    wire.emit(result)
     return 0
 
 

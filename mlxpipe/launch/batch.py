@@ -22,14 +22,14 @@ from typing import Any, Callable
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.paths import replacing
-from mlxpipe.request import Request, parse_logit_bias
+from mlxpipe.protocol.checks import at_least
+from mlxpipe.protocol.events import Result
+from mlxpipe.protocol.request import Request, parse_logit_bias
 
 
 def check_decode_batch(decode_batch: int) -> int:
-    """``--decode-batch`` as given when it is at least 1; else ``UsageError``."""
-    if decode_batch < 1:
-        raise UsageError(f"--decode-batch must be at least 1, got {decode_batch}")
-    return decode_batch
+    """``--decode-batch`` as given when it is at least 1; else ``UsageError`` (the ranks' rule, ``at_least``)."""
+    return at_least(decode_batch, 1, "--decode-batch")
 
 _NUMBER = (int, float)
 # Per-prompt options a JSONL line may set (``Request``'s fields: mlx_lm.generate's flags without
@@ -195,19 +195,19 @@ def with_seeds(requests: list[Request]) -> list[Request]:
     return [r.with_seed(lambda: random.randrange(2**31)) for r in requests]
 
 
-def result_from_event(event: dict[str, Any]) -> RequestResult:
+def result_from_event(event: Result) -> RequestResult:
     """A ``result`` event of rank 0 as a ``RequestResult``."""
     return RequestResult(
-        id=event.get("id"),
-        text=str(event.get("text", "")),
-        tokens=[int(t) for t in event.get("tokens", [])],
-        prompt_tokens=int(event.get("prompt_tokens", 0)),
-        generation_tokens=int(event.get("generation_tokens", 0)),
-        latency=float(event.get("latency", 0.0)),
-        ttft=float(event.get("ttft", 0.0)),
-        tps=float(event.get("generation_tps", 0.0)),
-        finish_reason=event.get("finish_reason"),
-        error=event.get("error"),
+        id=event.id,
+        text=event.text,
+        tokens=list(event.tokens),
+        prompt_tokens=event.prompt_tokens,
+        generation_tokens=event.generation_tokens,
+        latency=event.latency,
+        ttft=event.ttft,
+        tps=event.generation_tps,
+        finish_reason=event.finish_reason,
+        error=event.error,
     )
 
 

@@ -21,11 +21,13 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from mlxpipe.errors import LaunchError
 from mlxpipe.cluster.hostfile import Hostfile
+from mlxpipe.errors import LaunchError
 from mlxpipe.launch.supervisor import HEARTBEAT_SECONDS
+from mlxpipe.protocol.events import CONTROL, Bye, Error, Exited, Log, Lost, Progress, Started, rank_of
+from mlxpipe.protocol.message import Event, Registry, Wire, tag_of
 
 # Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
 START_TIMEOUT_SECONDS = 45.0
@@ -44,6 +46,20 @@ COMM_ERROR = re.compile(
 _LAST_LINES = 5
 
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class NodeExit(Event):
+    """mlx.launch's own line about a rank's process ending (``Node with rank 1 exited with code 3``), read from
+    its output by ``Ranks``: ``code`` None when the rank completed or was killed."""
+
+    TAG = "_node_exit"
+    rank: int
+    line: str
+    code: int | None = None
+
+
+TRACKED: Registry[Event] = CONTROL.extended(NodeExit)  # what the tracker reads; the rest is a rank's progress
 
 
 @dataclass
@@ -71,7 +87,7 @@ class FailureTracker:
         self.root_cause: RankFailure | None = None
         self.stopped = False  # once the ranks are being stopped, what they report is no failure
         self.finished: set[int] = set()  # said bye
-        self.started: dict[int, dict[str, Any]] = {}
+        self.started: dict[int, Started] = {}
         self.started_at = clock()
         self._exited: set[int] = set()
         self._errored: set[int] = set()
@@ -90,54 +106,53 @@ class FailureTracker:
         """Something arrived from ``rank``'s host at ``when`` (not when it is read)."""
         self._seen[rank] = when
 
-    def record(self, event: dict[str, Any]) -> bool:
-        """Update the state from one event; True for the workers' own events (progress)."""
-        kind = event.get("event")
-        rank = event.get("rank")
-        if kind == "_node_exit":
+    def record(self, data: Wire) -> bool:
+        """Update the state from one event, as it arrived; True for the workers' own events (progress)."""
+        kind = tag_of(data)
+        if kind not in TRACKED:  # a worker's own event (loaded, done, result...): the rank goes on
+            if kind != "token":  # rank 0's tokens come with its progress events, which say more
+                self._last_progress[rank_of(data)] = (describe(kind), None, self.clock())
+            return True
+        event = TRACKED.from_wire(data)
+        if isinstance(event, NodeExit):
             self._on_node_exit(event)
-            return False
-        assert isinstance(rank, int)
-        if kind == "alive":
-            return False
-        if kind == "lost":  # mlx.launch garbled frames of its output that could not be put back
-            if event.get("critical"):
-                self.add(rank, f"{event.get('frames')} frame(s) of its events were garbled in mlx.launch's "
+        elif isinstance(event, Lost):  # mlx.launch garbled frames of its output that could not be put back
+            if event.critical:
+                self.add(event.rank, f"{event.frames} frame(s) of its events were garbled in mlx.launch's "
                          "merged output (a token or a result would be missing)", _LOST_HINT)
-            return False
-        if kind == "started":
-            self.started[rank] = event
-            return False
-        if kind == "log":
-            text = str(event.get("text", ""))
-            if text.strip():
-                self._last_lines[rank].append(text.strip())
-            if COMM_ERROR.search(text):
-                self._comm_errors.add(rank)
-            return False
-        if kind != "token":  # rank 0's tokens come with its progress events, which say more
-            self._last_progress[rank] = (describe_progress(event), event.get("step"), self.clock())
-        if kind == "exited":
-            self._on_exited(event)
-            return False
-        if kind == "error":
-            message = str(event.get("message"))
-            comm = bool(COMM_ERROR.search(message))
-            self._errored.add(rank)
-            if comm:
-                self._comm_errors.add(rank)
-            self.add(rank, f"{event.get('type', 'Error')}: {message}", event.get("hint"), secondary=comm)
-            return False
-        if kind == "bye":
-            self.finished.add(rank)
-        return True
+        elif isinstance(event, Started):
+            self.started[event.rank] = event
+        elif isinstance(event, Log):
+            if event.text.strip():
+                self._last_lines[event.rank].append(event.text.strip())
+            if COMM_ERROR.search(event.text):
+                self._comm_errors.add(event.rank)
+        elif isinstance(event, Progress):
+            self._last_progress[event.rank] = (event.what or describe(kind), event.step, self.clock())
+            return True
+        elif isinstance(event, Bye):
+            self._last_progress[event.rank] = (describe(kind), None, self.clock())
+            self.finished.add(event.rank)
+            return True
+        elif isinstance(event, (Exited, Error)):
+            self._last_progress[event.rank] = (describe(kind), None, self.clock())
+            if isinstance(event, Exited):
+                self._on_exited(event)
+            else:
+                self._on_error(event)
+        return False
 
-    def _on_exited(self, event: dict[str, Any]) -> None:
-        rank = int(event["rank"])
+    def _on_error(self, event: Error) -> None:
+        comm = bool(COMM_ERROR.search(event.message))
+        self._errored.add(event.rank)
+        if comm:
+            self._comm_errors.add(event.rank)
+        self.add(event.rank, f"{event.type}: {event.message}", event.hint, secondary=comm)
+
+    def _on_exited(self, event: Exited) -> None:
+        rank, code, stopped = event.rank, event.returncode, event.stopped
         self._exited.add(rank)
-        code = event.get("returncode")
-        stopped = event.get("stopped")
-        if event.get("finished") and code == 0:
+        if event.finished and code == 0:
             return
         if rank in self._errored:
             return  # its error event already says what went wrong
@@ -156,12 +171,12 @@ class FailureTracker:
         detail = f" (last output: {last[-1]})" if last and code and code > 0 else ""
         self.add(rank, f"{status}{detail}", secondary=rank in self._comm_errors)
 
-    def _on_node_exit(self, event: dict[str, Any]) -> None:
+    def _on_node_exit(self, event: NodeExit) -> None:
         """mlx.launch saw a rank's process end; its supervisor's ``exited`` normally says more."""
-        rank, code = int(event["rank"]), event.get("code")
-        if "completed" in event["line"] and rank in self.finished:
+        rank, code = event.rank, event.code
+        if "completed" in event.line and rank in self.finished:
             return
-        if "was killed" in event["line"]:
+        if "was killed" in event.line:
             what, secondary = "was stopped by mlx.launch after another rank failed", True
         elif code == 255 and not self.hostfile.hosts[rank].is_local:
             what, secondary = "its ssh connection failed (exit status 255)", False
@@ -282,13 +297,10 @@ class FailureTracker:
         return self.hostfile.hosts[rank].ssh
 
 
-def describe_progress(event: dict[str, Any]) -> str:
-    """What a worker event says the rank was doing, for the stall report."""
-    kind = event.get("event")
-    if kind == "progress" and event.get("what"):
-        return str(event["what"])
+def describe(kind: str) -> str:
+    """What a worker event of ``kind`` says the rank was doing, for the stall report."""
     return {"loaded": "loaded its layers", "done": "finished a request",
-            "result": "finished a request", "batch_done": "finished a batch"}.get(str(kind), str(kind))
+            "result": "finished a request", "batch_done": "finished a batch"}.get(kind, kind)
 
 
 def describe_status(code: int | None) -> str:

@@ -38,9 +38,10 @@ import re
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
-from mlxpipe.protocol import EVENT_PREFIX
+from mlxpipe.protocol.message import Wire, tag_of
+from mlxpipe.protocol.wire import EVENT_PREFIX
 
 FRAME_PAYLOAD = 3500  # characters of JSON per frame: a whole frame stays below PIPE_BUF (4096)
 NONCRITICAL = frozenset({"alive", "log", "progress"})  # losing one of these fails nothing
@@ -49,13 +50,13 @@ _ORPHANS = 8  # unplaced pieces kept for a frame cut inside its header
 _HEADER_START = re.compile(r"#[-0-9:cn+.a-f]{0,40}")
 _HEADER_MAX = len(EVENT_PREFIX) + 50  # characters: a header is shorter
 
-Item = Union[dict[str, Any], str]  # an event, or a line of plain text
+Item = Union[Wire, str]  # an event, or a line of plain text
 
 
-def encode(event: dict[str, Any], rank: int, seq: int) -> list[str]:
+def encode(event: Wire, rank: int, seq: int) -> list[str]:
     """The frames (lines, newline included) carrying ``event``, numbered from ``seq``."""
     payload = json.dumps(event)  # ASCII: mlx.launch drops bytes of a UTF-8 character it cuts
-    kind = "n" if event.get("event") in NONCRITICAL else "c"
+    kind = "n" if tag_of(event) in NONCRITICAL else "c"
     parts = [payload[i : i + FRAME_PAYLOAD] for i in range(0, max(len(payload), 1), FRAME_PAYLOAD)]
     lines = []
     for i, part in enumerate(parts):
@@ -74,7 +75,7 @@ class Writer:
         self._seq = 0  # frames written
         self._lock = threading.Lock()
 
-    def write(self, event: dict[str, Any]) -> None:
+    def write(self, event: Wire) -> None:
         """Write ``event``; raises ``OSError`` when nobody reads the other end any more."""
         with self._lock:
             lines = encode(event, self.rank, self._seq)

@@ -1,8 +1,10 @@
-"""``mlxpipe generate`` and ``chat``: run a model as a pipeline and stream its answer.
+"""The controller's ``Pipeline``: a loaded pipeline's ranks, and what ``generate``, ``chat`` and
+``generate --prompts-file`` ask of them.
 
-The controller plans, makes sure every host has its files, checks that the
-model can be pipelined, starts one worker per rank through ``mlx.launch``,
-and then talks to the ranks through requests (stdin) and events (stdout).
+``launch.run`` plans, makes sure every host has its files, checks that the model
+can be pipelined and starts one worker per rank through ``mlx.launch``; the
+``Pipeline`` then talks to the ranks through messages (stdin) and events (stdout),
+``protocol``'s types both.
 """
 
 from __future__ import annotations
@@ -10,21 +12,23 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from mlxpipe.cluster import storage
-from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT, DEFAULT_STEP_TIMEOUT
+from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, Request
-from mlxpipe.cluster.target import Target
+from mlxpipe.protocol.events import EVENTS, TRAIN_EVENTS, BatchDone, Done, Loaded, Result, Token
+from mlxpipe.protocol.job import TrainSpec
+from mlxpipe.protocol.message import Event
+from mlxpipe.protocol.messages import Batch, Generate
+from mlxpipe.protocol.request import Request
 
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult, RequestResult
+    from mlxpipe.launch.run import PipelineConfig
 
-PIPELINE_MODES = ("generic", "native")
 WORKER = ("-m", "mlxpipe.worker")
 
 OnText = Callable[[str], None]
@@ -62,41 +66,6 @@ class Answer:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    backend: str = "ring"
-    mode: str = "generic"
-    prefill_step_size: int = 2048
-    port: int | None = None
-    load_timeout: float = DEFAULT_LOAD_TIMEOUT
-    step_timeout: float = DEFAULT_STEP_TIMEOUT
-    trust_remote_code: bool = False
-    adapter_path: str | None = None
-    draft_paths: tuple[str, ...] | None = None  # the draft model's directory on each rank's host
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    tp: int = 1  # ranks per tensor-parallel group (the plan's split is then per stage)
-
-
-def job_spec(meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions) -> Any:
-    """The worker's JobSpec: each rank's model directory on its own host, and the split (per stage with tp > 1:
-    every member of a group runs its stage's layers, from its own host's copy of the stage's files)."""
-    from mlxpipe.worker.job import JobSpec
-
-    hosts = target.hostfile.hosts
-    return JobSpec(
-        model_paths=[storage.model_path(h, meta) for h in hosts],
-        split=list(plan.split),
-        mode=options.mode,
-        trust_remote_code=options.trust_remote_code,
-        prefill_step_size=options.prefill_step_size,
-        adapter_path=options.adapter_path,
-        draft_paths=list(options.draft_paths) if options.draft_paths is not None else None,
-        num_draft_tokens=options.num_draft_tokens,
-        # Only with groups: a job without tp stays readable by a worker without tensor parallelism.
-        **({"tp": options.tp} if options.tp != 1 else {}),
-    )
-
-
 def controller_model_dir(meta: ModelMetadata) -> Path:
     """A directory on this machine with the model's config and tokenizer (the pre-launch check, serve's tokenizer)."""
     if meta.local:
@@ -112,27 +81,26 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
 
 
 class Pipeline:
-    """A loaded pipeline on the cluster, ready for requests.
+    """The controller's handle on a loaded pipeline on the cluster, ready for requests.
 
-    ``worker`` is what each rank runs before ``--job`` (tests substitute a worker
-    that misbehaves on purpose).
+    ``config.worker`` is what each rank runs before ``--job`` (tests substitute a worker
+    that misbehaves on purpose); with ``train`` the ranks fine-tune instead of serving
+    requests (``mlxpipe.lora.run``).
     """
 
-    def __init__(self, meta: ModelMetadata, plan: Plan, target: Target, options: RunOptions,
-                 worker: Sequence[str] = WORKER, train: dict[str, Any] | None = None) -> None:
-        self.meta, self.plan, self.target, self.options = meta, plan, target, options
-        self.job = job_spec(meta, plan, target, options)
-        if train is not None:  # the ranks fine-tune instead of serving requests (mlxpipe.lora.run)
-            self.job = replace(self.job, train=train)
+    def __init__(self, meta: ModelMetadata, plan: Plan, config: PipelineConfig, train: TrainSpec | None = None) -> None:
+        self.meta, self.plan, self.config = meta, plan, config
+        self.job = config.job_spec(meta, plan, train)
+        self.registry = TRAIN_EVENTS if train is not None else EVENTS  # what its ranks say
         # Ranks get these on mlx.launch's (and ssh's) command line: never a secret here.
         env = (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
         self.spec = LaunchSpec(
-            hostfile=target.hostfile,
-            worker_args=(*worker, "--job", self.job.encode()),
-            backend=options.backend,
+            hostfile=config.target.hostfile,
+            worker_args=(*config.worker, "--job", self.job.encode()),
+            backend=config.chosen_backend,
             env=env,
-            port=options.port,
-            lease=lease_for(options.step_timeout),
+            port=config.ring_port(),
+            lease=lease_for(config.timeout),
         )
         self.ranks = Ranks(self.spec)
         self.loaded: dict[int, RankStats] = {}
@@ -141,13 +109,17 @@ class Pipeline:
     def run_dir(self) -> Path:
         return self.spec.run_dir
 
+    def events(self, timeout: float, busy: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """The ranks' events, typed (``Ranks.events``: the watchdog's ``timeout``, raising on any failure)."""
+        for data in self.ranks.events(timeout, busy):
+            yield self.registry.from_wire(data)
+
     def start(self, on_loaded: Callable[[RankStats], None] | None = None) -> None:
         """Start every rank and wait until each has loaded its layers."""
         self.ranks.start()
-        for event in self.ranks.events(self.options.load_timeout):
-            if event.get("event") == "loaded":
-                rank = int(event["rank"])
-                stats = _rank_stats(event, self.target.hostfile.hosts[rank].ssh, self.plan)
+        for event in self.events(DEFAULT_LOAD_TIMEOUT):
+            if isinstance(event, Loaded):
+                stats = _rank_stats(event, self.config.target.hostfile.hosts[event.rank].ssh, self.plan)
                 self.loaded[stats.rank] = stats
                 if on_loaded:
                     on_loaded(stats)
@@ -159,26 +131,20 @@ class Pipeline:
         """Send one request; stream rank 0's text; return once every rank is done."""
         # Every rank must sample the same token: they share one seed.
         request = request.with_seed(lambda: random.randrange(2**31))
-        self.ranks.send({"type": "generate", **request.to_wire()})
+        self.ranks.send(Generate(request))
         answer = Answer(text="")
         done: set[int] = set()
         peaks: dict[int, float] = {}
-        for event in self.ranks.events(self.options.step_timeout):
-            kind = event.get("event")
-            if kind == "token":
-                answer.text += event.get("text", "")
-                if on_text and event.get("text"):
-                    on_text(event["text"])
-            elif kind == "done":
-                rank = int(event["rank"])
-                done.add(rank)
-                peaks[rank] = float(event.get("peak_memory", 0.0))
-                if rank == 0:
-                    answer.tokens = [int(t) for t in event.get("tokens", [])]
-                    for key in ("prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "ttft", "finish_reason",
-                                "draft_tokens", "error"):
-                        if key in event:
-                            setattr(answer, key, event[key])
+        for event in self.events(self.config.timeout):
+            if isinstance(event, Token) and event.text is not None:
+                answer.text += event.text
+                if on_text and event.text:
+                    on_text(event.text)
+            elif isinstance(event, Done):
+                done.add(event.rank)
+                peaks[event.rank] = event.peak_memory
+                if event.rank == 0:
+                    _fill(answer, event)
                 if len(done) == self.ranks.size:
                     break
         else:
@@ -197,7 +163,8 @@ class Pipeline:
         decode_batch: int = 1,
     ) -> BatchResult:
         """Overlap ``requests`` across the stages, ``concurrency`` at a time, up to ``decode_batch``
-        requests per decode micro-batch (default concurrency: ``decode_batch`` per stage).
+        requests per decode micro-batch (default concurrency: ``decode_batch`` per stage,
+        ``PipelineConfig.concurrency``).
 
         ``on_result`` gets each request's result in input order, as soon as it
         and every request before it have finished; ``on_finished`` gets each
@@ -205,21 +172,18 @@ class Pipeline:
         """
         from mlxpipe.launch.batch import BatchResult, InOrder, result_from_event, with_seeds
 
-        concurrency = concurrency or self.ranks.size * decode_batch
-        wire = [r.to_wire() for r in with_seeds(list(requests))]
-        self.ranks.send({"type": "batch", "requests": wire, "concurrency": concurrency,
-                         "decode_batch": decode_batch})
+        concurrency = concurrency or self.config.concurrency(decode_batch)
+        self.ranks.send(Batch(tuple(with_seeds(list(requests))), concurrency, decode_batch))
         ordered = InOrder(on_result)
-        done: dict[int, dict[str, Any]] = {}
-        for event in self.ranks.events(self.options.step_timeout):
-            kind = event.get("event")
-            if kind == "result":
+        done: dict[int, BatchDone] = {}
+        for event in self.events(self.config.timeout):
+            if isinstance(event, Result):
                 finished = result_from_event(event)
                 if on_finished is not None:
                     on_finished(finished)
-                ordered.add(int(event["index"]), finished)
-            elif kind == "batch_done":
-                done[int(event["rank"])] = event
+                ordered.add(event.index, finished)
+            elif isinstance(event, BatchDone):
+                done[event.rank] = event
                 if len(done) == self.ranks.size:
                     break
         else:
@@ -230,11 +194,11 @@ class Pipeline:
             )
         return BatchResult(
             results=[ordered.results[i] for i in range(len(requests))],
-            seconds=float(done[0].get("seconds", 0.0)),
+            seconds=done[0].seconds,
             concurrency=concurrency,
-            ranks=self._rank_stats({r: float(e.get("peak_memory", 0.0)) for r, e in done.items()}),
-            decode_batch=int(done[0].get("decode_batch", 1)),
-            time={r: e["time"] for r, e in done.items() if "time" in e},
+            ranks=self._rank_stats({r: e.peak_memory for r, e in done.items()}),
+            decode_batch=done[0].decode_batch,
+            time={r: e.time for r, e in done.items() if e.time is not None},
         )
 
     def _rank_stats(self, peaks: dict[int, float]) -> list[RankStats]:
@@ -251,19 +215,27 @@ class Pipeline:
         self.ranks.stop()
 
 
-def _rank_stats(event: dict[str, Any], host: str, plan: Plan) -> RankStats:
-    start, end = event.get("layers", (0, 0))
-    rank = int(event["rank"])
-    planned = plan.ranks[rank] if plan.tp > 1 and 0 <= rank < len(plan.ranks) else None
+def _fill(answer: Answer, done: Done) -> None:
+    """Rank 0's ``done``: the answer's tokens and figures."""
+    answer.tokens = list(done.tokens)
+    answer.prompt_tokens, answer.prompt_tps = done.prompt_tokens, done.prompt_tps
+    answer.generation_tokens, answer.generation_tps = done.generation_tokens, done.generation_tps
+    answer.ttft, answer.finish_reason = done.ttft, done.finish_reason
+    answer.draft_tokens, answer.error = done.draft_tokens, done.error
+
+
+def _rank_stats(event: Loaded, host: str, plan: Plan) -> RankStats:
+    start, end = event.layers
+    planned = plan.ranks[event.rank] if plan.tp > 1 and 0 <= event.rank < len(plan.ranks) else None
     return RankStats(
         stage=planned.stage if planned else None,
         tp_index=planned.tp_index if planned else None,
-        rank=rank,
+        rank=event.rank,
         host=host,
-        start=int(start),
-        end=int(end),
-        peak_memory_gb=float(event.get("peak_memory", 0.0)),
-        load_seconds=event.get("load_seconds"),
+        start=start,
+        end=end,
+        peak_memory_gb=event.peak_memory,
+        load_seconds=event.load_seconds,
     )
 
 

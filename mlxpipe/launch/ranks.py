@@ -51,16 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
-from mlxpipe import protocol
-
-from mlxpipe.launch import frames
-
 from mlxpipe.cluster import remote
-from mlxpipe.errors import LaunchError
-from mlxpipe.launch.failures import FailureTracker
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.defaults import DEFAULT_PORT
+from mlxpipe.errors import LaunchError, WireError
+from mlxpipe.launch import frames
+from mlxpipe.launch.failures import FailureTracker, NodeExit
 from mlxpipe.paths import mlxpipe_home
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Log, rank_of
+from mlxpipe.protocol.message import Message, Wire, tag_of
+from mlxpipe.protocol.messages import Exit
 from mlxpipe.launch.supervisor import (
     HEARTBEAT_LINE,
     HEARTBEAT_SECONDS,
@@ -175,7 +176,7 @@ class Ranks:
         self.size = spec.hostfile.size
         self.argv = launch_argv(spec)
         self.tracker = FailureTracker(spec.hostfile, spec.lease)
-        self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._events: queue.Queue[Wire | None] = queue.Queue()
         self._proc: subprocess.Popen[bytes] | None = None
         self._logs: dict[int | None, IO[bytes]] = {}
         self._log_lock = threading.Lock()
@@ -206,11 +207,13 @@ class Ranks:
         threading.Thread(target=self._wait_end, daemon=True).start()
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
-    def send(self, request: dict[str, Any]) -> None:
-        self._write(protocol.encode_request(request))
+    def send(self, message: Message) -> None:
+        """To every rank (mlx.launch broadcasts its standard input)."""
+        self._write(wire.encode(message))
 
-    def events(self, timeout: float, busy: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
-        """Yield the workers' events; raise ``LaunchError`` (root cause first) on any failure.
+    def events(self, timeout: float, busy: Callable[[], bool] | None = None) -> Iterator[Wire]:
+        """Yield the workers' events, as they arrived (``Pipeline.events`` types them); raise ``LaunchError``
+        (root cause first) on any failure.
 
         ``timeout`` is the watchdog: the longest time without progress (any event but
         the supervisors' ``alive``) before the run is ended. With ``busy``, the clock
@@ -239,7 +242,7 @@ class Ranks:
         if self._proc is None or self._proc.poll() is not None:
             self._stopped.set()
             return
-        self.send({"type": "exit"})
+        self.send(Exit())
         deadline = time.monotonic() + timeout
         try:
             for _ in self.events(timeout=max(1.0, timeout)):
@@ -294,12 +297,14 @@ class Ranks:
     def _take(self, item: frames.Item) -> None:
         """One event, or one line of mlx.launch's own output."""
         if isinstance(item, dict):
-            rank = item.get("rank")
-            if isinstance(rank, int):
-                # When it arrived, not when it is read: a chat may leave events queued for minutes.
-                self.tracker.heard(rank, time.monotonic())
-                self._log_event(rank, item)
-                self._events.put(item)
+            try:
+                kind, rank = tag_of(item), rank_of(item)
+            except WireError:
+                return  # no supervisor's event: a frame's payload that only looked like one
+            # When it arrived, not when it is read: a chat may leave events queued for minutes.
+            self.tracker.heard(rank, time.monotonic())
+            self._log_event(rank, kind, item)
+            self._events.put(item)
             return
         line = _ANSI.sub("", item)
         if line.strip() == HEARTBEAT_LINE:
@@ -309,8 +314,8 @@ class Ranks:
         if line.strip() and not m:
             self.tracker.launcher_lines.append(line.strip())
         if m:
-            self._events.put({"event": "_node_exit", "rank": int(m.group(1)), "line": m.group(0),
-                              "code": None if m.group(2) is None else int(m.group(2))})
+            code = None if m.group(2) is None else int(m.group(2))
+            self._events.put(NodeExit(rank=int(m.group(1)), line=m.group(0), code=code).to_wire())
 
     def _wait_end(self) -> None:
         for t in self._threads:
@@ -319,12 +324,15 @@ class Ranks:
             self._proc.wait()
         self._events.put(None)
 
-    def _log_event(self, rank: int, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "log":
-            self._log_line(rank, str(event.get("text", "")))
+    def _log_event(self, rank: int, kind: str, event: Wire) -> None:
+        if kind == Log.TAG:
+            try:
+                text = Log.from_wire(event).text
+            except WireError:  # the tracker refuses it, where the events are read: this thread reads on
+                text = json.dumps(event)
+            self._log_line(rank, text)
         elif kind not in ("alive", "token"):
-            self._log_line(rank, protocol.EVENT_PREFIX + json.dumps(event))
+            self._log_line(rank, wire.EVENT_PREFIX + json.dumps(event))
 
     def _log_line(self, rank: int | None, line: str) -> None:
         with self._log_lock:
@@ -352,10 +360,10 @@ class Ranks:
 
     # --- events -> the tracker -----------------------------------------------------
 
-    def _record(self, event: dict[str, Any]) -> bool:
+    def _record(self, event: Wire) -> bool:
         """Feed one event to the tracker; True for the workers' own events (progress)."""
         progress = self.tracker.record(event)
-        if event.get("event") == "started" and len(self.tracker.started) == self.size and self._proc is not None:
+        if tag_of(event) == "started" and len(self.tracker.started) == self.size and self._proc is not None:
             lower_priority(self._proc.pid)
         return progress
 

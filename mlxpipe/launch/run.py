@@ -1,9 +1,10 @@
 """Starting a pipeline: plan, preflight, download, check, launch, load.
 
 The one launch sequence every command that runs a model goes through
-(``generate``, ``chat``, ``generate --prompts-file``, ``serve``, the benchmarks),
-as torchrun's ``run(config)``: the CLI fills a typed ``PipelineConfig``, this
-module runs it, and ``running_pipeline`` stops every rank on any way out.
+(``generate``, ``chat``, ``generate --prompts-file``, ``serve``, ``lora``, the benchmarks),
+as torchrun's ``run(config)``: the CLI fills a typed ``PipelineConfig``, which checks
+every value as it is born (naming its flag) and builds the ranks' ``JobSpec`` itself;
+this module runs it, and ``running_pipeline`` stops every rank on any way out.
 """
 
 from __future__ import annotations
@@ -14,27 +15,23 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mlxpipe import console
-from mlxpipe.cluster.presets import pick
-from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_STEP_TIMEOUT
-from mlxpipe.errors import PlanError, UsageError
-from mlxpipe.launch.pipeline import PIPELINE_MODES, WORKER, Pipeline, RankStats, RunOptions
+from mlxpipe.cluster import storage
 from mlxpipe.cluster.hostfile import check_backend, check_port
+from mlxpipe.cluster.presets import pick
+from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
+from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_STEP_TIMEOUT, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
+from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.launch.pipeline import WORKER, Pipeline, RankStats
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
-from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
-
-
-MLX_LM_PREFILL_STEP = 2048  # mlx_lm.generate's --prefill-step-size
-# A prompt's chunks flow through the stages one behind the other (the engine's pipelined prefill).
-# Measured (docs/benchmarks.md, "Prefill"): a 600-token prompt on 2 ranks prefills at 21.8 tok/s in one 2048-token
-# chunk, 33.8 in chunks of 256 and 39.7 in chunks of 128 (single process: 24.1).
-PIPELINE_PREFILL_STEP = 128
+from mlxpipe.protocol.checks import at_least, check_mode, positive
+from mlxpipe.protocol.job import JobSpec, TrainSpec
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Everything that decides how a pipeline is started; the CLI's flags, checked."""
+    """Everything that decides how a pipeline is started; the CLI's flags, each checked here, as it is born."""
 
     target: Target
     backend: str | None = None  # None: the preset's, else the hostfile's, else ring
@@ -52,16 +49,14 @@ class PipelineConfig:
     worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
 
     def __post_init__(self) -> None:
-        if self.mode not in PIPELINE_MODES:
-            raise UsageError(f"--pipeline {self.mode!r}: use one of {', '.join(PIPELINE_MODES)}")
-        if self.prefill_step_size is not None and self.prefill_step_size <= 0:
-            raise UsageError(f"--prefill-step-size must be positive, got {self.prefill_step_size}")
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout must be positive, got {self.timeout:g}")
+        check_mode(self.mode, "--pipeline")
+        if self.prefill_step_size is not None:
+            positive(self.prefill_step_size, "--prefill-step-size")
+        positive(self.timeout, "--timeout")
         check_port(self.port, "--port")
         check_backend(self.backend, "--backend")
-        if self.context is not None and self.context < 1:
-            raise UsageError(f"--context must be at least 1, got {self.context}")
+        if self.context is not None:
+            at_least(self.context, 1, "--context")
         if self.target.tp > 1 and self.mode != "generic":
             # mlx-lm's own pipeline() splits the layers over the world group, with no room for groups.
             raise UsageError(f"--tp {self.target.tp} needs the generic pipeline", "drop --pipeline native")
@@ -86,20 +81,51 @@ class PipelineConfig:
     def chosen_backend(self) -> str:
         return pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
 
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages: one per tensor-parallel group of ``--tp`` hosts (one per host without)."""
+        return self.target.stages
+
+    def concurrency(self, decode_batch: int) -> int:
+        """The requests in flight by default (``--concurrency``, serve's ``--max-concurrency``): ``decode_batch``
+        per stage, so every stage has a decode micro-batch to run at every tick."""
+        return self.stages * decode_batch
+
+    def ring_port(self) -> int:
+        """The ranks' first port: ``--port``, else mlx.launch's, or a free one when every rank is local."""
+        from mlxpipe.launch.ranks import default_port
+
+        return self.port or default_port(self.target.hostfile)
+
+    def job_spec(self, meta: ModelMetadata, plan: Plan, train: TrainSpec | None = None) -> JobSpec:
+        """The ranks' job: each rank's model directory on its own host, and the split (per stage with tp > 1:
+        every member of a group runs its stage's layers, from its own host's copy of the stage's files)."""
+        paths = draft_paths(self)
+        return JobSpec(
+            model_paths=[storage.model_path(h, meta) for h in self.target.hostfile.hosts],
+            split=list(plan.split),
+            mode=self.mode,
+            trust_remote_code=self.trust_remote_code,
+            prefill_step_size=self.prefill_step,
+            train=train,
+            adapter_path=self.adapter_path,
+            draft_paths=list(paths) if paths is not None else None,
+            num_draft_tokens=self.num_draft_tokens,
+            tp=self.target.tp,
+        )
+
 
 def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     """Metadata and a plan that fits, every host checked and holding its files; nothing launched yet."""
     from mlxpipe.cluster.doctor import preflight, require_ok
-    from mlxpipe.launch.ranks import default_port
 
     target = config.target
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
         meta = load_model_metadata(target, progress=progress)
     the_plan = plan_target(target, meta, **({"context": config.context} if config.context else {}))
     require_fit(the_plan)
-    port = config.port or default_port(target.hostfile)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
-        require_ok(preflight(target.hostfile, the_plan, meta, port=port, backend=config.chosen_backend))
+        require_ok(preflight(target.hostfile, the_plan, meta, port=config.ring_port(), backend=config.chosen_backend))
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
     check_pipelinable(meta, config.mode, config.trust_remote_code, config.target.tp, len(the_plan.split))
     if config.draft_model is not None:
@@ -203,24 +229,10 @@ def require_fit(the_plan: Plan) -> None:
 
 
 def launch(config: PipelineConfig, meta: ModelMetadata, the_plan: Plan,
-           on_loaded: Callable[[RankStats], None] | None = None, train: dict[str, Any] | None = None) -> Pipeline:
+           on_loaded: Callable[[RankStats], None] | None = None, train: TrainSpec | None = None) -> Pipeline:
     """Start one rank per host and wait until every rank has loaded its layers (and, with ``train``,
     added its LoRA adapters: ``mlxpipe lora``)."""
-    from mlxpipe.launch.ranks import default_port
-
-    options = RunOptions(
-        backend=config.chosen_backend,
-        mode=config.mode,
-        prefill_step_size=config.prefill_step,
-        port=config.port or default_port(config.target.hostfile),
-        step_timeout=config.timeout,
-        trust_remote_code=config.trust_remote_code,
-        adapter_path=config.adapter_path,
-        draft_paths=draft_paths(config),
-        num_draft_tokens=config.num_draft_tokens,
-        tp=config.target.tp,
-    )
-    pipe = Pipeline(meta, the_plan, config.target, options, worker=config.worker, train=train)
+    pipe = Pipeline(meta, the_plan, config, train=train)
     if not config.quiet:
         console.err.print(f"[dim]starting {config.target.hostfile.size} ranks{_groups_text(the_plan)}: "
                           f"{pipe.run_dir}/command.txt[/]")

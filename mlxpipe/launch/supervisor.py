@@ -25,9 +25,11 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from mlxpipe import protocol
-
+from mlxpipe.errors import WireError
 from mlxpipe.launch import frames
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Alive, Bye, Error, Exited, Log, Started
+from mlxpipe.protocol.message import Event, Wire, tag_of
 
 KILL_GRACE_SECONDS = 3.0
 HEARTBEAT_SECONDS = 1.0
@@ -64,7 +66,7 @@ class _Supervisor:
             [sys.executable, *self.worker_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        self.emit("started", pid=self.child.pid, supervisor=os.getpid())
+        self.emit(Started(rank=self.rank, pid=self.child.pid, supervisor=os.getpid()))
         pumps = [threading.Thread(target=self._pump, args=(s, n), daemon=True)
                  for s, n in ((self.child.stdout, "stdout"), (self.child.stderr, "stderr"))]
         for t in pumps:
@@ -76,7 +78,7 @@ class _Supervisor:
                 self.stop_reason = "lease"
                 break
             if time.monotonic() - last_alive >= HEARTBEAT_SECONDS:
-                self.emit("alive")
+                self.emit(Alive(rank=self.rank))
                 last_alive = time.monotonic()
             self._wake.wait(_POLL_SECONDS)
         if self.child.poll() is None:
@@ -84,14 +86,18 @@ class _Supervisor:
         code = self.child.wait()
         for t in pumps:
             t.join(timeout=2)
-        self.emit("exited", returncode=code, signal=_signal_name(code), stopped=self.stop_reason,
-                  finished=self.finished)
+        self.emit(Exited(rank=self.rank, returncode=code, signal=_signal_name(code), stopped=self.stop_reason,
+                         finished=self.finished))
         return 128 - code if code < 0 else code
 
-    def emit(self, event: str, **fields: Any) -> None:
-        """Write one event as frames that survive mlx.launch cutting them (see ``mlxpipe.launch.frames``)."""
+    def emit(self, event: Event) -> None:
+        """Write one event of the supervisor's own as frames that survive mlx.launch cutting them (see
+        ``mlxpipe.launch.frames``)."""
+        self._write(event.to_wire())
+
+    def _write(self, data: Wire) -> None:
         try:
-            self._frames.write({"event": event, "rank": self.rank, **fields})
+            self._frames.write(data)
         except OSError:
             pass  # the controller is gone (a hung-up terminal): nobody to tell
 
@@ -123,22 +129,27 @@ class _Supervisor:
             pass
 
     def _pump(self, stream: IO[bytes], name: str) -> None:
-        """Forward the worker's events with its rank, and every other line as a ``log`` event."""
+        """Forward the worker's events with its rank, and every other line as a ``log`` event.
+
+        The events go on as they came, with the rank (the controller reads them, ``protocol.events``):
+        only a ``bye`` is noted, and an ``error``'s traceback goes to the rank's log as lines of its own."""
         for raw in stream:
             line = raw.decode(errors="replace").rstrip("\r\n")
-            event = protocol.parse_event(line)
-            if event is None:
+            data = wire.parse_event(line)
+            try:
+                kind = tag_of(data) if data is not None else None
+            except WireError:
+                kind = None
+            if data is None or kind is None:
                 for i in range(0, max(len(line), 1), _MAX_LINE):
-                    self.emit("log", stream=name, text=line[i : i + _MAX_LINE])
+                    self.emit(Log(rank=self.rank, stream=name, text=line[i : i + _MAX_LINE]))
                 continue
-            kind = event.pop("event", None)
-            if kind == "bye":
+            if kind == Bye.TAG:
                 self.finished = True
-            trace = event.pop("traceback", None) if kind == "error" else None
-            for text in (trace or "").splitlines():
-                self.emit("log", stream=name, text=text[:_MAX_LINE])
-            event["rank"] = self.rank
-            self.emit(str(kind), **event)
+            if kind == Error.TAG and "traceback" in data:  # the rank's log keeps it; the controller needs none
+                for text in str(data.pop("traceback") or "").splitlines():
+                    self.emit(Log(rank=self.rank, stream=name, text=text[:_MAX_LINE]))
+            self._write({**data, "rank": self.rank})
 
 
 def _terminate(child: subprocess.Popen[bytes]) -> None:

@@ -12,19 +12,30 @@ from __future__ import annotations
 
 import base64
 import collections
+import itertools
 import time
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
-from mlxpipe.errors import ConfigError, LaunchError, UsageError
+from mlxpipe.errors import ConfigError, LaunchError, UsageError, WireError
 from mlxpipe.paths import replacing
+from mlxpipe.protocol.checks import one_of
+from mlxpipe.protocol.events import Adapter, TrainDone
+from mlxpipe.protocol.job import FINE_TUNE_TYPES, OPTIMIZERS, TrainSpec
+from mlxpipe.protocol.message import SAME_VERSION, Event
+from mlxpipe.protocol.messages import Eval, Resume, Save, Step, TrainMessage
 from mlxpipe.worker.train_schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from mlxpipe.launch.pipeline import Pipeline
+    from mlxpipe.launch.run import PipelineConfig
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
 IN_FLIGHT = 2  # requests sent ahead, so a rank never waits for the controller between steps
+N = TypeVar("N", int, float)
 
 
 @dataclass
@@ -83,8 +94,9 @@ class TrainOptions:
         if self.batch_size % self.micro_batches:
             raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
                              hint="each micro-batch gets the same number of sequences")
-        if self.fine_tune_type not in ("lora", "dora"):
+        if self.fine_tune_type not in FINE_TUNE_TYPES:
             raise UsageError(f"--fine-tune-type {self.fine_tune_type!r}: mlxpipe trains lora or dora adapters")
+        one_of(self.optimizer.lower(), OPTIMIZERS, "--optimizer")
         if not self.train and not self.test:
             raise UsageError("give --train (and/or --test)", "mlxpipe lora --model M --train --data DIR")
         if self.test and not self.train and self.resume_adapter_file is None:
@@ -97,11 +109,15 @@ class TrainOptions:
         if self.resume_adapter_file is not None and not Path(self.resume_adapter_file).is_file():
             raise UsageError(f"--resume-adapter-file {self.resume_adapter_file}: no such file")
 
-    def for_ranks(self) -> dict[str, Any]:
-        """What every rank needs to add its adapters and build its optimizer (JobSpec.train)."""
-        keys = ("seed", "num_layers", "lora_parameters", "fine_tune_type", "optimizer", "optimizer_config",
-                "learning_rate", "lr_schedule", "grad_checkpoint")
-        return {k: getattr(self, k) for k in keys}
+    def for_ranks(self) -> TrainSpec:
+        """What every rank needs to add its adapters and build its optimizer (JobSpec.train): the chosen
+        optimizer's own config, as mlx_lm.lora picks it."""
+        optimizer = self.optimizer.lower()
+        return TrainSpec(seed=int(self.seed), num_layers=int(self.num_layers), lora_parameters=self.lora_parameters,
+                         fine_tune_type=self.fine_tune_type, optimizer=optimizer,
+                         optimizer_config=(self.optimizer_config or {}).get(optimizer, {}) or {},
+                         learning_rate=float(self.learning_rate), lr_schedule=self.lr_schedule,
+                         grad_checkpoint=self.grad_checkpoint)
 
     def mlx_lm_args(self) -> types.SimpleNamespace:
         """The ``args`` mlx-lm's tuner functions read (``load_dataset``)."""
@@ -182,30 +198,31 @@ def eval_batches(dataset: Any, options: TrainOptions, num_batches: int) -> list[
     return [_wire(b) for _, b in zip(index, batches)]
 
 
-def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Iterator[dict[str, Any]]:
-    """Every request of the run, in mlx_lm.lora's order of events (so numpy's draws come in the same order)."""
+def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Iterator[TrainMessage]:
+    """Every message of the run, numbered, in mlx_lm.lora's order of events (so numpy's draws come in the same
+    order)."""
     import numpy as np
     from mlx_lm.tuner.trainer import iterate_batches
 
+    ids = itertools.count(1)
     np.random.seed(options.seed)
     if resume is not None:
-        yield {"type": "resume", "data": base64.b64encode(resume).decode()}
+        yield Resume(id=next(ids), data=base64.b64encode(resume).decode())
     if options.train:
         train = iterate_batches(dataset=data.train, batch_size=options.batch_size,
                                 max_seq_length=options.max_seq_length, loop=True)
         for it, batch in zip(range(1, options.iters + 1), train):
             if len(data.valid) and (it == 1 or it % options.steps_per_eval == 0 or it == options.iters):
-                yield {"type": "eval", "it": it, "what": "val",
-                       "batches": eval_batches(data.valid, options, options.val_batches)}
+                yield Eval(id=next(ids), it=it, what="val",
+                           batches=eval_batches(data.valid, options, options.val_batches))
             tokens, lengths = _wire(batch)
-            yield {"type": "step", "it": it, "batch": tokens, "lengths": lengths,
-                   "micro_batches": options.micro_batches, "schedule": options.schedule}
+            yield Step(id=next(ids), it=it, batch=tokens, lengths=lengths, micro_batches=options.micro_batches,
+                       schedule=options.schedule)
             if it % options.save_every == 0:
-                yield {"type": "save", "it": it, "checkpoint": True}
-        yield {"type": "save", "it": options.iters, "checkpoint": False}
+                yield Save(id=next(ids), it=it, checkpoint=True)
+        yield Save(id=next(ids), it=options.iters, checkpoint=False)
     if options.test:
-        yield {"type": "eval", "it": None, "what": "test",
-               "batches": eval_batches(data.test, options, options.test_batches)}
+        yield Eval(id=next(ids), it=None, what="test", batches=eval_batches(data.test, options, options.test_batches))
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -296,35 +313,32 @@ def save_adapters(weights: dict[str, Any], path: Path) -> None:
 
 
 class Training:
-    """Drive the ranks of a loaded pipeline through the run's requests."""
+    """Drive the ranks of a loaded pipeline through the run's messages."""
 
-    def __init__(self, pipe: Any, options: TrainOptions, reporter: Reporter) -> None:
+    def __init__(self, pipe: Pipeline, options: TrainOptions, reporter: Reporter) -> None:
         self.pipe, self.options, self.reporter = pipe, options, reporter
         self.size = pipe.ranks.size
         self.result = TrainResult()
-        self._window: collections.deque[dict[str, Any]] = collections.deque()
-        self._answers: dict[int, dict[int, dict[str, Any]]] = collections.defaultdict(dict)
+        self._window: collections.deque[TrainMessage] = collections.deque()
+        self._answers: dict[int, dict[int, TrainDone]] = collections.defaultdict(dict)  # id -> rank -> its done
         self._adapters: dict[int, dict[int, str]] = collections.defaultdict(dict)  # id -> rank -> base64
         self._peaks: dict[int, float] = {}
         self._busy: dict[int, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # rank -> compute, step s
         self._since = 0.0
         self._pending: list[StepReport] = []
 
-    def run(self, todo: Iterator[dict[str, Any]]) -> TrainResult:
+    def run(self, todo: Iterator[TrainMessage]) -> TrainResult:
         self._since = time.perf_counter()
         todo = iter(todo)
-        ident = 0
-        events = self.pipe.ranks.events(self.pipe.options.step_timeout)
+        events = self.pipe.events(self.pipe.config.timeout)
         while True:
             # Nothing is sent past a save until it is written: a rank failing later cannot lose it.
-            while len(self._window) < IN_FLIGHT and not any(r["type"] == "save" for r in self._window):
-                request = next(todo, None)
-                if request is None:
+            while len(self._window) < IN_FLIGHT and not any(isinstance(r, Save) for r in self._window):
+                message = next(todo, None)
+                if message is None:
                     break
-                ident += 1
-                request = {**request, "id": ident}
-                self.pipe.ranks.send(request)
-                self._window.append(request)
+                self.pipe.ranks.send(message)
+                self._window.append(message)
             if not self._window:
                 break
             self._wait(self._window[0], events)
@@ -336,64 +350,64 @@ class Training:
         ]
         return self.result
 
-    def _wait(self, request: dict[str, Any], events: Iterator[dict[str, Any]]) -> None:
-        ident = request["id"]
-        while len(self._answers[ident]) < self.size:
+    def _wait(self, message: TrainMessage, events: Iterator[Event]) -> None:
+        while len(self._answers[message.id]) < self.size:
             event = next(events, None)
             if event is None:
                 raise LaunchError("the ranks ended in the middle of training", f"logs: {self.pipe.run_dir}")
-            kind = event.get("event")
-            if kind == "done":
-                rank = int(event["rank"])
-                self._answers[int(event["id"])][rank] = event
-                self._peaks[rank] = max(self._peaks.get(rank, 0.0), float(event.get("peak_memory", 0.0)))
-            elif kind == "adapter":
-                self._adapters[int(event["id"])][int(event["rank"])] = str(event.get("data") or "")
+            if isinstance(event, TrainDone):
+                self._answers[event.id][event.rank] = event
+                self._peaks[event.rank] = max(self._peaks.get(event.rank, 0.0), event.peak_memory)
+            elif isinstance(event, Adapter):
+                self._adapters[event.id][event.rank] = event.data
 
-    def _finish(self, request: dict[str, Any]) -> None:
-        answers = self._answers.pop(request["id"])
+    def _finish(self, message: TrainMessage) -> None:
+        answers = self._answers.pop(message.id)
         now = time.perf_counter()
         seconds, self._since = now - self._since, now
-        kind, it = request["type"], request.get("it")
         zero = answers[0]
-        if kind == "step":
+        if isinstance(message, Step):
             for rank, a in answers.items():
-                self._busy[rank][0] += float(a.get("compute_seconds", 0.0))
-                self._busy[rank][1] += float(a.get("seconds", 0.0))
-            report = StepReport(int(it), float(zero["loss"]), int(zero["ntoks"]), float(zero["learning_rate"]), seconds)
+                self._busy[rank][0] += _found(a.compute_seconds, "compute_seconds")
+                self._busy[rank][1] += a.seconds
+            report = StepReport(message.it, _found(zero.loss, "loss"), _found(zero.ntoks, "ntoks"),
+                                _found(zero.learning_rate, "learning_rate"), seconds)
             self.result.steps.append(report)
             self.result.train_seconds += seconds
             self.reporter.step(report)
             self._pending.append(report)
-            if it % self.options.steps_per_report == 0 or it == self.options.iters:
-                self._report_train(it)
-        elif kind == "eval":
-            loss = float(zero["loss_sum"]) / max(int(zero["ntoks"]), 1)
-            if request.get("what") == "test":
+            if message.it % self.options.steps_per_report == 0 or message.it == self.options.iters:
+                self._report_train(message.it)
+        elif isinstance(message, Eval):
+            loss = _found(zero.loss_sum, "loss_sum") / max(_found(zero.ntoks, "ntoks"), 1)
+            if message.what == "test" or message.it is None:
                 self.result.test_loss = loss
                 self.reporter.test(loss)
             else:
                 # The slowest rank's own time: with requests sent ahead, completions say little about one request.
-                took = max(float(a.get("seconds", 0.0)) for a in answers.values())
-                self.result.val_losses[int(it)] = loss
-                self.reporter.val(int(it), loss, took)
-        elif kind == "save":
-            parts = self._adapters.pop(request["id"], {})
-            for rank, answer in answers.items():
-                if int(answer.get("tensors", 0)) and not parts.get(rank):
-                    # Its frames were garbled beyond repair (the run fails on that too): never
-                    # write adapters without that rank's layers.
-                    raise LaunchError(f"rank {rank}'s adapters did not reach this machine whole",
-                                      f"nothing was written; logs: {self.pipe.run_dir}")
-            weights = merge_adapters(parts)
-            folder = Path(self.options.adapter_path)
-            save_adapters(weights, folder / ADAPTER_FILE)
-            self.result.saved.append(str(folder / ADAPTER_FILE))
-            if request.get("checkpoint"):
-                checkpoint = folder / f"{int(it):07d}_{ADAPTER_FILE}"
-                save_adapters(weights, checkpoint)
-                self.result.saved.append(str(checkpoint))
-                self.reporter.saved(int(it), checkpoint)
+                took = max(a.seconds for a in answers.values())
+                self.result.val_losses[message.it] = loss
+                self.reporter.val(message.it, loss, took)
+        elif isinstance(message, Save):
+            self._save(message, answers)
+
+    def _save(self, message: Save, answers: dict[int, TrainDone]) -> None:
+        parts = self._adapters.pop(message.id, {})
+        for rank, answer in answers.items():
+            if answer.tensors and not parts.get(rank):
+                # Its frames were garbled beyond repair (the run fails on that too): never
+                # write adapters without that rank's layers.
+                raise LaunchError(f"rank {rank}'s adapters did not reach this machine whole",
+                                  f"nothing was written; logs: {self.pipe.run_dir}")
+        weights = merge_adapters(parts)
+        folder = Path(self.options.adapter_path)
+        save_adapters(weights, folder / ADAPTER_FILE)
+        self.result.saved.append(str(folder / ADAPTER_FILE))
+        if message.checkpoint:
+            checkpoint = folder / f"{message.it:07d}_{ADAPTER_FILE}"
+            save_adapters(weights, checkpoint)
+            self.result.saved.append(str(checkpoint))
+            self.reporter.saved(message.it, checkpoint)
 
     def _report_train(self, it: int) -> None:
         steps, self._pending = self._pending, []
@@ -404,7 +418,14 @@ class Training:
                             len(steps) / seconds, tokens / seconds, trained, max(self._peaks.values(), default=0.0))
 
 
-def train(config: Any, options: TrainOptions, reporter: Reporter) -> TrainResult:
+def _found(value: N | None, name: str) -> N:
+    """A figure rank 0's ``done`` carries for this kind of message; its absence is a broken contract."""
+    if value is None:
+        raise WireError(f"a training rank's 'done' event lacks its {name}", SAME_VERSION)
+    return value
+
+
+def train(config: PipelineConfig, options: TrainOptions, reporter: Reporter) -> TrainResult:
     """Plan, check, download, launch with LoRA on every rank, train, and write the adapters.
 
     ``config`` is the ``PipelineConfig``; the reporter sees the plan and the memory estimate before launch.

@@ -1,4 +1,4 @@
-"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed ``mlxpipe.request.Request``.
+"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed ``mlxpipe.protocol.request.Request``.
 
 Content blocks become the chat messages a chat template reads, as ``mlx_lm.server`` gives them to it: ``text``
 blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as an object), a user's
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import Any, Callable
 
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings

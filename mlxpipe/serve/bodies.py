@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request, RequestError, parse_logit_bias
+from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 

@@ -1,7 +1,7 @@
 """What every API door of ``mlxpipe serve`` shares: the server's settings, the gate, errors, clients that leave.
 
 A door (``openai_api``, ``anthropic_api``, ``responses_api``, ``ollama_api``) turns one HTTP dialect into
-``mlxpipe.request.Request`` and the reply back into that dialect's shapes; everything here is the same whatever
+``mlxpipe.protocol.request.Request`` and the reply back into that dialect's shapes; everything here is the same whatever
 the dialect: the API key (as a bearer token or ``x-api-key``), the body-size limit, the room for one more request
 (admission), the names the model answers to, how a failure maps to a status, and a client that goes away. Errors
 are ``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own,
@@ -25,7 +25,7 @@ from starlette.responses import Response
 from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
-from mlxpipe.request import Request as GenerationRequest
+from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.request import Request as GenerationRequest
+from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, gone, until
 from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply

@@ -1,4 +1,4 @@
-"""Ollama's request bodies (``/api/chat``, ``/api/generate``) as a typed ``mlxpipe.request.Request``.
+"""Ollama's request bodies (``/api/chat``, ``/api/generate``) as a typed ``mlxpipe.protocol.request.Request``.
 
 Sampling comes in ``options`` under Ollama's names (``num_predict``, ``repeat_penalty``, ``stop``...), messages as
 Ollama sends them (an assistant's ``tool_calls`` with object arguments, ``tool`` messages with ``tool_name``), and
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import Any, Callable
 
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings

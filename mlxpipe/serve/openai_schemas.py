@@ -1,4 +1,4 @@
-"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed ``mlxpipe.request.Request``.
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed ``mlxpipe.protocol.request.Request``.
 
 Every field is checked before anything reaches a rank, and every error names the body's own field
 (``'temperature'``, ``'max_completion_tokens'``, ``'messages[2].content'``). The options a body may set, and
@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import Any, Callable
 
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings

@@ -3,7 +3,7 @@
 The HTTP server lives in the controller's process, never in a rank, so a rank's
 death does not take the API down. A background thread launches the pipeline
 (through ``launch.run.launch``, the same sequence every command uses), puts the
-ranks into their serving loop (``worker.requests``), and pumps their events:
+ranks into their serving loop (``worker.loop``), and pumps their events:
 each token goes to its request's stream as it is sampled. When a rank fails,
 every request in flight ends at once with the root cause, ``/health`` says
 ``restarting``, and the thread launches and loads the pipeline again, up to
@@ -40,7 +40,10 @@ from mlxpipe.launch.pipeline import Pipeline, RankStats
 from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
-from mlxpipe.request import Request
+from mlxpipe.protocol.events import Finished, Serving, Time, Token
+from mlxpipe.protocol.message import Event
+from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
+from mlxpipe.protocol.request import Request
 from mlxpipe.launch.run import PipelineConfig, launch
 
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -159,7 +162,7 @@ class RequestQueue:
         self._fail_all(LaunchError("the server is shutting down"), waiting=True)
         pipe = self._pipe
         if pipe is not None:
-            pipe.ranks.send({"type": "exit"})
+            pipe.ranks.send(Exit())
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=3)
         if pipe is not None:
@@ -193,10 +196,9 @@ class RequestQueue:
         pipe = launch(self.config, self.meta, self.plan, on_loaded=self._loaded)
         self._pipe, self.run_dir = pipe, pipe.run_dir
         try:
-            pipe.ranks.send({"type": "serve", "concurrency": self.options.max_concurrency,
-                             "prompt_cache_size": self.options.prompt_cache_size,
-                             "decode_batch": self.options.decode_batch})
-            for event in pipe.ranks.events(self.config.timeout, busy=lambda: bool(self._streams)):
+            pipe.ranks.send(Serve(concurrency=self.options.max_concurrency, decode_batch=self.options.decode_batch,
+                                  prompt_cache_size=self.options.prompt_cache_size))
+            for event in pipe.events(self.config.timeout, busy=lambda: bool(self._streams)):
                 self._dispatch(event)
         finally:
             self._pipe = None
@@ -206,40 +208,38 @@ class RequestQueue:
         rank = self.ranks[stats.rank]
         rank.state, rank.peak_memory_gb, rank.memory_gb = "loaded", stats.peak_memory_gb, None
 
-    def _dispatch(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "time":
-            rank = self.ranks[int(event["rank"])]
-            rank.memory_gb = _gb(event.pop("memory", None), rank.memory_gb)
-            rank.peak_memory_gb = _gb(event.pop("peak_memory", None), rank.peak_memory_gb)
-            self.time[rank.rank] = {k: float(v) for k, v in event.items() if k not in ("event", "rank")}
+    def _dispatch(self, event: Event) -> None:
+        if isinstance(event, Time):
+            rank = self.ranks[event.rank]
+            rank.memory_gb, rank.peak_memory_gb = event.memory, event.peak_memory
+            self.time[rank.rank] = event.spent()
             return
-        if kind == "serving":
-            self.ranks[int(event["rank"])].state = "ready"
+        if isinstance(event, Serving):
+            self.ranks[event.rank].state = "ready"
             if all(r.state == "ready" for r in self.ranks):
                 with self._lock:
                     self._set_state("ready", None)
                     while self._waiting:
                         self._send(self._waiting.popleft())
             return
-        stream = self._streams.get(str(event.get("id")))
+        if not isinstance(event, (Token, Finished)):
+            return
+        stream = self._streams.get(str(event.id))
         if stream is None:
             return  # a request already ended here (cancelled, failed)
-        if kind == "token":
-            token = int(event["token"])
-            logprob = event.get("logprob")
+        if isinstance(event, Token):
+            assert event.token is not None  # served tokens are ids, never a text's end
             self.tokens_out += 1
-            stream.put(token if logprob is None else Sampled(token, float(logprob), event.get("top") or []))
-        elif kind == "finished":
+            stream.put(event.token if event.logprob is None else Sampled(event.token, event.logprob, event.top or []))
+        else:
             with self._lock:
                 self._streams.pop(stream.request.id, None)
-            error = event.get("error")
             stream.put(Outcome(
-                finish_reason=event.get("finish_reason"),
-                prompt_tokens=int(event.get("prompt_tokens", 0)),
-                cached_tokens=int(event.get("cached_tokens", 0)),
-                generation_tokens=int(event.get("generation_tokens", 0)),
-                error=RequestFailed(str(error)) if error is not None else None,
+                finish_reason=event.finish_reason,
+                prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens,
+                generation_tokens=event.generation_tokens,
+                error=RequestFailed(event.error) if event.error is not None else None,
             ))
 
     def _set_state(self, state: str, detail: str | None) -> None:
@@ -284,7 +284,7 @@ class RequestQueue:
     def _send(self, stream: Stream) -> None:
         """To every rank (under the lock, so that the ranks see requests in the order they came)."""
         assert self._pipe is not None
-        self._pipe.ranks.send({"type": "submit", **stream.request.with_seed(lambda: random.randrange(2**31)).to_wire()})
+        self._pipe.ranks.send(Submit(stream.request.with_seed(lambda: random.randrange(2**31))))
 
     def cancel(self, request_id: str) -> None:
         """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
@@ -295,7 +295,7 @@ class RequestQueue:
                 return
         pipe = self._pipe
         if stream is not None and pipe is not None:
-            pipe.ranks.send({"type": "cancel", "id": request_id})
+            pipe.ranks.send(Cancel(request_id))
 
     def _fail_all(self, error: MlxpipeError, waiting: bool = False) -> None:
         """End the requests the ranks had with ``error``; with ``waiting``, the waiting ones too."""
@@ -342,11 +342,6 @@ class RequestQueue:
         if self.error is not None:
             out["error"] = self.error.message
         return out
-
-
-def _gb(value: Any, before: float | None) -> float | None:
-    """A rank's memory figure from an event (older ranks send none: the figure before stays)."""
-    return float(value) if isinstance(value, (int, float)) else before
 
 
 RECENT_REQUESTS = 50  # the requests the page lists

@@ -1,4 +1,4 @@
-"""OpenAI Responses bodies (``/v1/responses``) as a typed ``mlxpipe.request.Request``.
+"""OpenAI Responses bodies (``/v1/responses``) as a typed ``mlxpipe.protocol.request.Request``.
 
 ``input`` (a string, or a list of message, ``function_call`` and ``function_call_output`` items) becomes the chat
 messages a template reads, after the conversation of ``previous_response_id`` (from ``responses_store``) and after
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import Any, Callable
 
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings

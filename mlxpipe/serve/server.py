@@ -23,7 +23,7 @@ from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.launch.run import PipelineConfig, prepare
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
 
 __all__ = ["ServeOptions", "serve"]

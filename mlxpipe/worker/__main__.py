@@ -9,7 +9,8 @@ import sys
 import time
 import traceback
 
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,17 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
         # Imported here so that an import failure is reported as an event too.
-        from mlxpipe.worker.job import JobSpec
+        from mlxpipe.protocol.job import JobSpec
 
         if JobSpec.decode(args.job).train is not None:
             from mlxpipe.worker.train import run
         else:
-            from mlxpipe.worker.requests import run
+            from mlxpipe.worker.loop import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller
-        protocol.emit(
-            "error",
+        wire.emit(Error(
             rank=rank,
             host=socket.gethostname(),
             type=type(e).__name__,
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             hint=getattr(e, "hint", None),
             traceback=traceback.format_exc(),
             time=time.time(),
-        )
+        ))
         return 1
 
 

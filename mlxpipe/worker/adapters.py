@@ -12,13 +12,15 @@ from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 from mlx_lm.utils import _get_classes
 
 from mlxpipe.errors import UsageError
-from mlxpipe.worker.pipeline.layers import find_layers
+from mlxpipe.protocol.job import TrainSpec
+from mlxpipe.worker.stages.layers import find_layers
 
+# By the names TrainSpec takes (protocol.job.OPTIMIZERS).
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "muon": optim.Muon, "sgd": optim.SGD,
               "adafactor": optim.Adafactor}
 
 
-def add_lora(model: nn.Module, config: dict[str, Any], options: dict[str, Any]) -> None:
+def add_lora(model: nn.Module, config: dict[str, Any], options: TrainSpec) -> None:
     """Give this rank's layers the LoRA parameters single-process mlx_lm.lora would give them.
 
     mlx_lm.lora seeds, then converts the last ``num_layers`` layers in order; every
@@ -26,11 +28,11 @@ def add_lora(model: nn.Module, config: dict[str, Any], options: dict[str, Any]) 
     weightless copy of the whole model (lazy, never evaluated but for this rank's
     part), then this rank's own layers are converted and take the copy's values.
     """
-    num_layers, params = int(options["num_layers"]), options["lora_parameters"]
-    use_dora = options.get("fine_tune_type", "lora") == "dora"
+    num_layers, params = options.num_layers, options.lora_parameters
+    use_dora = options.fine_tune_type == "dora"
     model_class, args_class = _get_classes(config)
     whole = model_class(args_class.from_dict(config))
-    mx.random.seed(int(options["seed"]))
+    mx.random.seed(options.seed)
     whole.freeze()
     if num_layers > len(whole.layers):
         raise UsageError(
@@ -78,12 +80,8 @@ def checkpoint_layers(model: nn.Module) -> None:
     grad_checkpoint(base.__new__(base))  # it reads only type(layer); no constructor needed
 
 
-def build_optimizer(options: dict[str, Any]) -> optim.Optimizer:
-    """The optimizer exactly as mlx_lm.lora builds it."""
-    schedule = options.get("lr_schedule")
-    lr = build_schedule(schedule) if schedule else float(options["learning_rate"])
-    name = str(options.get("optimizer", "adam")).lower()
-    if name not in OPTIMIZERS:
-        raise UsageError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    config = (options.get("optimizer_config") or {}).get(name, {}) or {}
-    return OPTIMIZERS[name](learning_rate=lr, **config)
+def build_optimizer(options: TrainSpec) -> optim.Optimizer:
+    """The optimizer exactly as mlx_lm.lora builds it (``TrainSpec`` checked its name)."""
+    schedule = options.lr_schedule
+    lr = build_schedule(schedule) if schedule else options.learning_rate
+    return OPTIMIZERS[options.optimizer](learning_rate=lr, **options.optimizer_config)

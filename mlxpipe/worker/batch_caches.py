@@ -8,11 +8,12 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxpipe.errors import UsageError
+from mlxpipe.protocol.checks import at_least
+from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 
-def decode_batch_for(model: Any, job: Any, requested: int) -> int:
+def decode_batch_for(model: Any, job: JobSpec, requested: int) -> int:
     """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
 
     mlx-lm's own test (its server's ``is_batchable``): every cache has
@@ -20,9 +21,7 @@ def decode_batch_for(model: Any, job: Any, requested: int) -> int:
     then serves one request at a time, and the engine one request per decode
     micro-batch.
     """
-    if requested < 1:
-        raise UsageError(f"decode_batch must be at least 1, got {requested}")
-    if requested == 1:
+    if at_least(requested, 1, "decode_batch") == 1:
         return 1
     caches = make_prompt_cache(model, max_kv_size=job.max_kv_size)
     return requested if all(hasattr(c, "merge") for c in caches) else 1

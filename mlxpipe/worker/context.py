@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.load import LoadedModel
 from mlxpipe.worker.progress import Progress
 

@@ -1,4 +1,4 @@
-"""The request loop of one rank: requests overlapped across the stages, joining and leaving at any tick.
+"""The engine of one rank: requests overlapped across the stages, joining and leaving at any tick.
 
 With one request, a pipeline of N ranks has one rank busy at a time. Here
 requests run in lockstep ticks (see ``schedule.Schedule``): at each tick every
@@ -26,7 +26,7 @@ messages out of turn:
 A send can only block on its receiver's step 2, which never waits on the
 sender's own later steps, so the ring cannot deadlock, even with prefill
 chunks too large for the sockets' buffers. The stand-ins of the generic
-pipeline (``pipeline.stage.Exchange``) keep every model's own masks and cache
+pipeline (``stages.stage.Exchange``) keep every model's own masks and cache
 bookkeeping; each request has its own caches on every rank, made with mlx-lm's
 ``make_prompt_cache`` or taken from mlx-lm's ``LRUPromptCache`` (the longest
 cached prefix of its prompt: every rank makes the same choice, since every rank
@@ -48,15 +48,18 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
-from mlxpipe.request import Request
+from mlxpipe.protocol.events import BatchDone
+from mlxpipe.protocol.message import Message
+from mlxpipe.protocol.messages import Cancel, Exit, RequestId, Submit
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.pipeline.cut import find_exchange
-from mlxpipe.worker.pipeline.stage import Exchange
+from mlxpipe.worker.stages.cut import find_exchange
+from mlxpipe.worker.stages.stage import Exchange
 from mlxpipe.worker.constraints import Constraint
 from mlxpipe.worker.sampling import (LogitsProcessor, Sampler, TokenLogprobs, extra_eos_ids, keyed_sampler,
                                      logits_processors, token_logprobs)
@@ -126,7 +129,7 @@ class Engine:
         if prompt_cache is None and prompt_cache_size > 0:
             prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
         self.prompt_cache = prompt_cache  # kept by the caller when it outlives the engine (chat turns)
-        self._by_id: dict[Any, int] = {}
+        self._by_id: dict[RequestId, int] = {}
         self._exit = False
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (see worker.ahead).
@@ -181,24 +184,22 @@ class Engine:
                 return cache, len(prompt) - len(rest)
         return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.context.job.max_kv_size), 0
 
-    def apply(self, message: dict[str, Any] | None) -> None:
+    def apply(self, message: Message | None) -> None:
         """A message every rank applies at the same tick: submit, cancel or exit (None: end of input)."""
-        kind = "exit" if message is None else message.get("type")
-        if kind == "submit":
-            request = Request.from_wire(message)
-            self.add(request, [int(t) for t in request.tokens or ()])
-        elif kind == "cancel":
-            index = self._by_id.get(message.get("id"))
+        if isinstance(message, Submit):
+            self.add(message.request, [int(t) for t in message.request.tokens or ()])
+        elif isinstance(message, Cancel):
+            index = self._by_id.get(message.id)
             if index is not None and self.schedule.cancel(index):
                 self._finish(index)
-        elif kind == "exit":
+        elif message is None or isinstance(message, Exit):
             self._exit = True
         else:
-            raise UsageError(f"unknown message {kind!r} while serving")
+            raise UsageError(f"a {message.TAG!r} message while serving: only submit, cancel and exit")
 
     # --- the loop ------------------------------------------------------------------
 
-    def run(self, inbox: Inbox | None = None) -> dict[str, Any]:
+    def run(self, inbox: Inbox | None = None) -> BatchDone:
         """Run until every request has ended (no ``inbox``), or until an agreed ``exit`` (with one)."""
         if self.exchange is not None:
             self.exchange.explicit = True
@@ -209,7 +210,7 @@ class Engine:
                 self.exchange.explicit = False
                 self.exchange.hidden_in = self.exchange.hidden_out = None
 
-    def _run(self, inbox: Inbox | None) -> dict[str, Any]:
+    def _run(self, inbox: Inbox | None) -> BatchDone:
         tic = self._tic = time.perf_counter()
         self._probe_incoming()
         hidden_in = None
@@ -228,18 +229,18 @@ class Engine:
                 self._finish(state.index)
         mx.synchronize()
         seconds = time.perf_counter() - tic
-        return {
-            "rank": self.rank,
-            "requests": len(self.requests),
-            "concurrency": len(self.schedule.slots),
-            "ticks": self.schedule.tick + 1,
-            "generation_tokens": sum(len(r.generated) for r in self.schedule.requests),
-            "seconds": seconds,
-            "peak_memory": mx.get_peak_memory() / 1e9,
-            "decode_batch": self.decode_batch,
-            "run_ahead": dict(self.run_ahead),
-            "time": self.spent.report(seconds),
-        }
+        return BatchDone(
+            rank=self.rank,
+            requests=len(self.requests),
+            concurrency=len(self.schedule.slots),
+            ticks=self.schedule.tick + 1,
+            generation_tokens=sum(len(r.generated) for r in self.schedule.requests),
+            seconds=seconds,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            decode_batch=self.decode_batch,
+            run_ahead=dict(self.run_ahead),
+            time=self.spent.report(seconds),
+        )
 
     def _tick(self, hidden_in: mx.array | None, inbox: Inbox | None) -> mx.array | None:
         """Steps 1 to 3 of the module docstring; returns the hidden state the next tick starts from."""

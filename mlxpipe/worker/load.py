@@ -23,9 +23,9 @@ from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
 from mlxpipe.worker.groups import Topology
-from mlxpipe.worker.job import JobSpec
-from mlxpipe.worker.pipeline.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native
-from mlxpipe.worker.pipeline.layers import check_supported, find_layers
+from mlxpipe.protocol.job import JobSpec
+from mlxpipe.worker.stages.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.stages.layers import check_supported, find_layers
 from mlxpipe.worker.tensor import check_shardable, shard_model
 from mlxpipe.worker.tensor.vocab import follow_exchange
 

@@ -6,8 +6,11 @@ import threading
 import time
 from typing import Callable
 
+from mlxpipe.protocol import events
+from mlxpipe.protocol.message import Event
+
 PROGRESS_SECONDS = 1.0  # the most often a rank reports decode progress: the controller's stall watchdog
-Emit = Callable[..., None]
+Emit = Callable[[Event], None]  # where a rank's events go (``wire.emit``; tests keep them)
 
 
 class Progress:
@@ -58,4 +61,4 @@ class Progress:
                 if due:
                     self._sent, self._sent_at = current, now
             if due:
-                self._emit("progress", rank=self.rank, what=current[1], step=current[0])
+                self._emit(events.Progress(rank=self.rank, what=current[1], step=current[0]))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
-from mlxpipe.request import Request
+from mlxpipe.protocol.events import Finished, Result, Token
+from mlxpipe.protocol.messages import RequestId
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.progress import Emit
 from mlxpipe.worker.schedule import Schedule
 
 
@@ -50,19 +53,19 @@ def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) 
     return detokenizer.text
 
 
-def _error(engine: EngineView, index: int) -> dict[str, str]:
-    """A failed request's ``error`` field, for its event."""
+def _error(engine: EngineView, index: int) -> str | None:
+    """Why a request failed, for its event (None when it did not)."""
     state = engine.schedule.requests[index]
     if state.finish_reason != "error":
-        return {}
-    return {"error": engine.errors.get(index, "the request failed on another rank")}
+        return None
+    return engine.errors.get(index, "the request failed on another rank")
 
 
 @dataclass
 class BatchReporter:
     """``generate --prompts-file``: one ``result`` event per request, with its text and figures."""
 
-    emit: Callable[..., None]
+    emit: Emit
 
     def token(self, engine: EngineView, index: int, token: int) -> None:
         pass
@@ -73,8 +76,7 @@ class BatchReporter:
         tokens = state.generated
         first = timing.first_token or now
         after_first = now - first
-        self.emit(
-            "result",
+        self.emit(Result(
             rank=engine.rank,
             index=index,
             id=request.id if request.id is not None else index,
@@ -89,33 +91,32 @@ class BatchReporter:
             generation_tps=len(tokens) / after_first if after_first > 0 else 0.0,
             slot=state.slot,
             ticks=[state.admitted_tick, state.finished_tick],
-            **_error(engine, index),
-        )
+            error=_error(engine, index),
+        ))
 
 
 @dataclass
 class StreamReporter:
     """``serve``: every token as it is sampled, then ``finished`` (the controller makes the text)."""
 
-    emit: Callable[..., None]
+    emit: Emit
 
     def token(self, engine: EngineView, index: int, token: int) -> None:
         logprobs = engine.logprobs.pop(index, None)
-        extra = {"logprob": logprobs[0], "top": logprobs[1]} if logprobs is not None else {}
-        self.emit("token", rank=0, id=engine.requests[index].id, token=token, **extra)
+        logprob, top = logprobs if logprobs is not None else (None, None)
+        self.emit(Token(rank=0, id=engine.requests[index].id, token=token, logprob=logprob, top=top))
 
     def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None:
         state = engine.schedule.requests[index]
-        self.emit(
-            "finished",
+        self.emit(Finished(
             rank=0,
             id=engine.requests[index].id,
             finish_reason=state.finish_reason,
             prompt_tokens=len(state.prompt),
             cached_tokens=state.cached,
             generation_tokens=len(state.generated),
-            **_error(engine, index),
-        )
+            error=_error(engine, index),
+        ))
 
 
 class TextReporter:
@@ -126,12 +127,12 @@ class TextReporter:
     the one request are kept for the ``done`` event.
     """
 
-    def __init__(self, emit: Callable[..., None], tokenizer: Any, request_id: Any = None) -> None:
+    def __init__(self, emit: Emit, tokenizer: Any, request_id: RequestId = None) -> None:
         self.emit, self.request_id = emit, request_id
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
-        self.figures: dict[str, Any] = {}
+        self.figures: dict[str, Any] = {}  # ``Done``'s fields of rank 0's clock
 
     def token(self, engine: EngineView, index: int, token: int) -> None:
         if token in engine.eos.get(index, self.eos_ids):  # the request's own, --extra-eos-token included
@@ -151,13 +152,10 @@ class TextReporter:
             "prompt_tps": fed / (first - timing.admitted) if first > timing.admitted else 0.0,
             "generation_tps": len(state.generated) / (now - first) if now > first else 0.0,
             "ttft": first - timing.admitted,
-            **_error(engine, index),
+            "error": _error(engine, index),
         }
 
     def _send(self, text: str, token: int | None) -> None:
         if not text and token is None:
             return  # every shown token gets its event; the end only when text is left
-        fields: dict[str, Any] = {"text": text, "token": token}
-        if self.request_id is not None:
-            fields["id"] = self.request_id
-        self.emit("token", **fields)
+        self.emit(Token(rank=0, text=text, token=token, id=self.request_id))

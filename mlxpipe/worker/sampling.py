@@ -2,7 +2,7 @@
 
 ``make_sampler`` and ``make_logits_processors`` from ``mlx_lm.sample_utils``,
 with the arguments ``mlx_lm.generate`` gives them, so a new mlx-lm option is one
-field in ``mlxpipe.request.Request``. Overlapped requests sample in turns, so
+field in ``mlxpipe.protocol.request.Request``. Overlapped requests sample in turns, so
 they cannot share MLX's global random key: each request keeps its own, which is
 made the global key around each call of mlx-lm's sampler (``mx.random.seed``
 takes any 64-bit key) and read back after, so a seeded request samples exactly
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

@@ -19,7 +19,9 @@ from mlx_lm.utils import common_prefix_len
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request
+from mlxpipe.protocol.events import BatchDone, Done, Finished, Result, Serving, Token
+from mlxpipe.protocol.messages import Cancel, Exit, Submit
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import agreed_min, all_agree, seed_sampling
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.inbox import Inbox
@@ -50,7 +52,7 @@ class Streamed:
         self._prompt_cache = None
 
     def generate(self, request: Request, tokens: list[int], tic: float,
-                 on_response: Callable[[Any], None] | None = None) -> dict[str, Any]:
+                 on_response: Callable[[Any], None] | None = None) -> Done:
         """One request through mlx-lm's ``stream_generate`` (one rank, ``--pipeline native``, a draft model);
         each response goes to ``on_response`` (default: rank 0 streams its text)."""
         tokenizer = self.context.loaded.tokenizer
@@ -105,19 +107,22 @@ class Streamed:
         # Every token stream_generate yields has been fed to the cache (speculative decoding:
         # perhaps not the last ones, and rejected drafts' positions: _speculative_cache_for trims).
         self._prompt_cache = _PromptCache(cache, tokens + generated) if keep else None
-        return {
-            "prompt_tokens": response.prompt_tokens,
-            "cached_tokens": cached,
-            "prompt_tps": response.prompt_tps,
-            "generation_tokens": response.generation_tokens,
-            "generation_tps": response.generation_tps,
-            "ttft": ttft,
-            "finish_reason": response.finish_reason,
-            "tokens": generated,
-            **({"draft_tokens": drafted} if draft else {}),
-        }
+        return Done(
+            rank=self.rank,
+            prompt_tokens=response.prompt_tokens,
+            cached_tokens=cached,
+            prompt_tps=response.prompt_tps,
+            generation_tokens=response.generation_tokens,
+            generation_tps=response.generation_tps,
+            ttft=ttft,
+            finish_reason=response.finish_reason,
+            tokens=generated,
+            draft_tokens=drafted if draft else None,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            id=request.id,
+        )
 
-    def serve(self, inbox: Inbox) -> dict[str, Any]:
+    def serve(self, inbox: Inbox) -> None:
         """With a draft model, requests run one after another, as mlx_lm.server runs them (speculative
         decoding is not batched), each continuing the last one's caches where their tokens agree.
 
@@ -126,23 +131,21 @@ class Streamed:
         (the controller has dropped its stream already).
         """
         self._prompt_cache = None
-        self._emit("serving", rank=self.rank, concurrency=1, decode_batch=1)
+        self._emit(Serving(rank=self.rank, concurrency=1, decode_batch=1))
         queue: list[Request] = []
         while True:
             if not queue:
                 inbox.wait_beyond(inbox.consumed)
             for message in inbox.take(agreed_min(self.context.group, inbox.received)):
-                kind = "exit" if message is None else message.get("type")
-                if kind == "exit":
-                    return {}
-                if kind == "submit":
-                    queue.append(Request.from_wire(message))
-                    if self._refused(queue[-1]):
-                        queue.pop()
-                elif kind == "cancel":
-                    queue = [r for r in queue if r.id != message.get("id")]
+                if message is None or isinstance(message, Exit):
+                    return
+                if isinstance(message, Submit):
+                    if not self._refused(message.request):
+                        queue.append(message.request)
+                elif isinstance(message, Cancel):
+                    queue = [r for r in queue if r.id != message.id]
                 else:
-                    raise UsageError(f"unknown message {kind!r} while serving")
+                    raise UsageError(f"a {message.TAG!r} message while serving: only submit, cancel and exit")
             if queue:
                 self._speculate(queue.pop(0))
 
@@ -152,8 +155,9 @@ class Streamed:
         if request.response_format is None and not request.logprobs:
             return False
         if self.rank == 0:
-            self._emit("finished", rank=0, id=request.id, finish_reason="error", prompt_tokens=0, cached_tokens=0,
-                       generation_tokens=0, error="response_format and logprobs are not supported with a draft model")
+            self._emit(Finished(rank=0, id=request.id, finish_reason="error", prompt_tokens=0, cached_tokens=0,
+                                generation_tokens=0,
+                                error="response_format and logprobs are not supported with a draft model"))
         return True
 
     def _speculate(self, request: Request) -> None:
@@ -163,15 +167,14 @@ class Streamed:
 
         def stream(response: Any) -> None:
             if self.rank == 0:
-                self._emit("token", rank=0, id=request.id, token=response.token)
+                self._emit(Token(rank=0, id=request.id, token=response.token))
 
         done = self.generate(replace(request, keep_cache=True), tokens, time.perf_counter(), stream)
         if self.rank == 0:
-            self._emit("finished", rank=0, id=request.id, finish_reason=done["finish_reason"],
-                       prompt_tokens=len(tokens), cached_tokens=done["cached_tokens"],
-                       generation_tokens=done["generation_tokens"])
+            self._emit(Finished(rank=0, id=request.id, finish_reason=done.finish_reason, prompt_tokens=len(tokens),
+                                cached_tokens=done.cached_tokens, generation_tokens=done.generation_tokens))
 
-    def batch(self, requests: list[Request]) -> dict[str, Any]:
+    def batch(self, requests: tuple[Request, ...]) -> BatchDone:
         """``--prompts-file`` with a draft model: one prompt after another through speculative decoding
         (it is not batched); rank 0 emits each ``result``, every rank ``batch_done``."""
         tic = time.perf_counter()
@@ -182,20 +185,20 @@ class Streamed:
             started = time.perf_counter()
             self.context.progress.reset()
             done = self.generate(replace(request, keep_cache=False), tokens, started, lambda r: None)
-            generated += done["generation_tokens"]
+            generated += done.generation_tokens
             if self.rank == 0:
-                eos = set(self.context.loaded.tokenizer.eos_token_ids) | extra_eos_ids(self.context.loaded.tokenizer,
-                                                                               request.extra_eos_token)
-                self._emit("result", rank=0, index=index, id=request.id if request.id is not None else index,
-                           tokens=done["tokens"], text=text_of(self.context.loaded.tokenizer, done["tokens"], eos),
-                           prompt_tokens=len(tokens), generation_tokens=done["generation_tokens"],
-                           finish_reason=done["finish_reason"], ttft=done["ttft"],
-                           latency=time.perf_counter() - started, generation_tps=done["generation_tps"],
-                           draft_tokens=done["draft_tokens"])
-        done = {"rank": self.rank, "requests": len(requests), "concurrency": 1, "generation_tokens": generated,
-                "seconds": time.perf_counter() - tic, "peak_memory": mx.get_peak_memory() / 1e9, "decode_batch": 1}
-        self._emit("batch_done", **done)
-        return done
+                tokenizer = self.context.loaded.tokenizer
+                eos = set(tokenizer.eos_token_ids) | extra_eos_ids(tokenizer, request.extra_eos_token)
+                self._emit(Result(rank=0, index=index, id=request.id if request.id is not None else index,
+                                  tokens=done.tokens, text=text_of(tokenizer, done.tokens, eos),
+                                  prompt_tokens=len(tokens), generation_tokens=done.generation_tokens,
+                                  finish_reason=done.finish_reason, ttft=done.ttft or 0.0,
+                                  latency=time.perf_counter() - started, generation_tps=done.generation_tps,
+                                  draft_tokens=done.draft_tokens))
+        summary = BatchDone(rank=self.rank, requests=len(requests), concurrency=1, generation_tokens=generated,
+                            seconds=time.perf_counter() - tic, peak_memory=mx.get_peak_memory() / 1e9, decode_batch=1)
+        self._emit(summary)
+        return summary
 
     def _emit_token(self, request: Request, response: Any) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""
@@ -204,10 +207,7 @@ class Streamed:
         stop = response.finish_reason == "stop"
         if stop and not response.text:
             return
-        fields = {"text": response.text, "token": None if stop else response.token}
-        if request.id is not None:
-            fields["id"] = request.id
-        self._emit("token", **fields)
+        self._emit(Token(rank=0, text=response.text, token=None if stop else response.token, id=request.id))
 
     def _cache_for(self, tokens: list[int], keep: bool, max_kv_size: int | None = None) -> tuple[list[Any], int]:
         """A cache for ``tokens`` and how many of them it already holds."""

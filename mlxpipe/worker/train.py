@@ -38,28 +38,29 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlxpipe import protocol
 from mlxpipe.errors import UsageError
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Adapter, Bye, Progress, TrainDone
+from mlxpipe.protocol.job import JobSpec, TrainSpec
+from mlxpipe.protocol.messages import Eval, Exit, Resume, Save, Step, TrainMessage
 from mlxpipe.worker.adapters import add_lora, build_optimizer, checkpoint_layers
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
-from mlxpipe.worker.pipeline.cut import find_exchange
-from mlxpipe.worker.progress import PROGRESS_SECONDS
-from mlxpipe.worker.requests import init_group, loaded_fields
+from mlxpipe.worker.loop import init_group, loaded_event
+from mlxpipe.worker.progress import PROGRESS_SECONDS, Emit
+from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.train_schedule import Action, stage_actions
 
-Emit = Callable[..., None]
 
-
-def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit) -> None:
+def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
     """Join the group, load this rank's layers with their LoRA adapters, then train on requests."""
     job = JobSpec.decode(job_text)
+    assert job.train is not None  # worker.__main__ runs this for a training job only
     group = init_group(job.world_size)
     loaded = load_rank(job, group)
-    stage = Stage(loaded, group, job.train or {})
-    emit("loaded", **loaded_fields(job, group, loaded), trainable=stage.trainable_count, frozen=stage.frozen_count)
-    Trainer(stage, emit).serve(stream or sys.stdin)
+    stage = Stage(loaded, group, job.train)
+    emit(loaded_event(job, group, loaded, trainable=stage.trainable_count, frozen=stage.frozen_count))
+    Trainer(stage, emit).run(stream or sys.stdin)
 
 
 def masked_loss_sum(logits: mx.array, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
@@ -93,16 +94,14 @@ class _InFlight:
 class Stage:
     """This rank's part of the model, its LoRA parameters and optimizer, and the sends and receives."""
 
-    def __init__(self, loaded: LoadedModel, group: Any, options: dict[str, Any]) -> None:
+    def __init__(self, loaded: LoadedModel, group: Any, options: TrainSpec) -> None:
         self.loaded, self.group, self.options = loaded, group, options
         self.model = loaded.model
         self.rank, self.size = group.rank(), group.size()
         self.index = self.size - 1 - self.rank  # stage 0 runs the first layers
         self.first, self.last = self.index == 0, self.rank == 0
-        if options.get("fine_tune_type", "lora") not in ("lora", "dora"):
-            raise UsageError("mlxpipe lora trains LoRA or DoRA adapters, not --fine-tune-type full")
         add_lora(self.model, loaded.config, options)
-        if options.get("grad_checkpoint"):
+        if options.grad_checkpoint:
             checkpoint_layers(self.model)
         self.exchange = find_exchange(self.model)
         if self.exchange is not None:
@@ -297,9 +296,9 @@ class Stage:
 
 
 class Trainer:
-    """The request loop of one training rank."""
+    """The loop of one training rank: each message answered by a ``done`` event, until ``exit``."""
 
-    def __init__(self, stage: Stage, emit: Emit = protocol.emit) -> None:
+    def __init__(self, stage: Stage, emit: Emit = wire.emit) -> None:
         self.stage, self._emit = stage, emit
         self.rank, self.host = stage.rank, socket.gethostname()
         self._actions, self._reported = 0, time.monotonic()
@@ -312,47 +311,45 @@ class Trainer:
         now = time.monotonic()
         if now - self._reported >= PROGRESS_SECONDS:
             self._reported = now
-            self._emit("progress", rank=self.rank, what=f"{self._request}: {what}", step=self._actions)
+            self._emit(Progress(rank=self.rank, what=f"{self._request}: {what}", step=self._actions))
 
-    def serve(self, stream: IO[str]) -> None:
+    def run(self, stream: IO[str]) -> None:
+        """Answer the messages from ``stream`` until ``exit`` or end of input."""
         inbox = Inbox(stream)
         while True:
-            request = inbox.next()
-            kind = "exit" if request is None else request.get("type")
-            if kind == "exit":
+            message = inbox.next()
+            if message is None or isinstance(message, Exit):
                 barrier(self.stage.group)
-                self._emit("bye", rank=self.rank, host=self.host)
+                self._emit(Bye(rank=self.rank, host=self.host))
                 return
-            assert request is not None
-            handler = {"step": self._step, "eval": self._eval, "save": self._save, "resume": self._resume}.get(kind)
-            if handler is None:
-                raise UsageError(f"unknown request type {kind!r} for a training rank")
+            if not isinstance(message, (Resume, Step, Eval, Save)):
+                raise UsageError(f"a {message.TAG!r} message to a training rank")
             tic = time.perf_counter()
-            self._request = f"{kind} {request.get('it') or ''}".strip()
-            fields = handler(request)
-            self._emit("done", id=request.get("id"), kind=kind, rank=self.rank, host=self.host,
-                       seconds=time.perf_counter() - tic, peak_memory=mx.get_peak_memory() / 1e9, **fields)
+            it = message.it if isinstance(message, (Step, Eval, Save)) else None
+            self._request = f"{message.TAG} {it or ''}".strip()
+            found = self._answer(message)
+            self._emit(TrainDone(id=message.id, kind=message.TAG, rank=self.rank, host=self.host,
+                                 seconds=time.perf_counter() - tic, peak_memory=mx.get_peak_memory() / 1e9, **found))
 
-    def _step(self, request: dict[str, Any]) -> dict[str, Any]:
-        batch, lengths = mx.array(request["batch"], mx.int32), mx.array(request["lengths"], mx.int32)
-        micro = int(request.get("micro_batches", 1))
-        if batch.shape[0] % micro:
-            raise UsageError(f"a batch of {batch.shape[0]} cannot be cut into {micro} micro-batches")
+    def _answer(self, message: TrainMessage) -> dict[str, Any]:
+        """Do what ``message`` asks; what it found, as ``TrainDone``'s fields."""
+        if isinstance(message, Step):
+            return self._step(message)
+        if isinstance(message, Eval):
+            return self.stage.evaluate([(mx.array(b, mx.int32), mx.array(n, mx.int32)) for b, n in message.batches])
+        if isinstance(message, Save):
+            weights = self.stage.adapter_weights()
+            self._emit(Adapter(id=message.id, rank=self.rank, data=encode_weights(weights)))
+            return {"tensors": len(weights)}
+        return {"loaded": self.stage.load_adapters(decode_weights(message.data))}
+
+    def _step(self, message: Step) -> dict[str, Any]:
+        batch, lengths = mx.array(message.batch, mx.int32), mx.array(message.lengths, mx.int32)
+        if batch.shape[0] % message.micro_batches:
+            raise UsageError(f"a batch of {batch.shape[0]} cannot be cut into {message.micro_batches} micro-batches")
         before = self.stage.compute_seconds
-        fields = self.stage.train_step(batch, lengths, micro, request.get("schedule", "1f1b"))
-        return {"it": request.get("it"), "compute_seconds": self.stage.compute_seconds - before, **fields}
-
-    def _eval(self, request: dict[str, Any]) -> dict[str, Any]:
-        batches = [(mx.array(b, mx.int32), mx.array(n, mx.int32)) for b, n in request["batches"]]
-        return self.stage.evaluate(batches)
-
-    def _save(self, request: dict[str, Any]) -> dict[str, Any]:
-        weights = self.stage.adapter_weights()
-        self._emit("adapter", id=request.get("id"), rank=self.rank, data=encode_weights(weights))
-        return {"tensors": len(weights)}
-
-    def _resume(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {"loaded": self.stage.load_adapters(decode_weights(request["data"]))}
+        found = self.stage.train_step(batch, lengths, message.micro_batches, message.schedule)
+        return {"it": message.it, "compute_seconds": self.stage.compute_seconds - before, **found}
 
 
 def encode_weights(weights: dict[str, mx.array]) -> str:

@@ -28,7 +28,7 @@ from mlxpipe.cluster.presets import load_preset
 from mlxpipe.cluster.hostfile import BACKENDS
 from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.host import GB
-from mlxpipe.request import DEFAULT_MAX_TOKENS
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

@@ -19,7 +19,7 @@ from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.tiny_models import make_tiny_checkpoint
 
 from mlxpipe.download import fetch as fetch_mod
-from mlxpipe import protocol
+from mlxpipe.protocol import wire
 from mlxpipe.errors import DownloadError, HubError, ModelError
 from mlxpipe.download.fetch import FetchJob, check, fetch, is_present
 
@@ -88,7 +88,7 @@ def test_host_refuses_a_tampered_job_before_any_request(hub_env: FakeHub, tiny_r
     good = json.loads(base64.b64decode(FetchJob(tiny_repo, "a" * 40, ("config.json",)).encode()))
     bad = base64.b64encode(json.dumps({**good, "files": ["../../.ssh/authorized_keys"]}).encode()).decode()
     proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad], capture_output=True, text=True)
-    events = list(protocol.iter_events(iter(proc.stdout.splitlines())))
+    events = list(wire.iter_events(iter(proc.stdout.splitlines())))
     assert proc.returncode == 1
     assert [e["event"] for e in events] == ["error"]
     assert "escapes the model directory" in events[0]["message"]
@@ -213,7 +213,7 @@ def test_check_mode_reports_present_and_missing_without_network(hub_env: FakeHub
         [sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    assert list(protocol.iter_events(iter(proc.stdout.splitlines()))) == [
+    assert list(wire.iter_events(iter(proc.stdout.splitlines()))) == [
         {"event": "check", "present": ["config.json"], "missing": [SHARD]}
     ]
     assert hub_env.requests == []

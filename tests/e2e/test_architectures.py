@@ -87,7 +87,7 @@ def test_status_covers_installed_mlx_lm() -> None:
 
 def test_refusals_match_the_pipeline() -> None:
     """The status file's refusals are exactly the pipeline's, with the same reasons."""
-    from mlxpipe.worker.pipeline.layers import UNSUPPORTED_MODEL_TYPES
+    from mlxpipe.worker.stages.layers import UNSUPPORTED_MODEL_TYPES
 
     refused = {t: s["reason"] for t, s in STATUS.items() if s["status"] == "refused"}
     assert refused == UNSUPPORTED_MODEL_TYPES

@@ -21,7 +21,7 @@ from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import make_tiny_checkpoint
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
 SPLIT = [2, 4]

@@ -184,7 +184,7 @@ def generate_args(site: Site, model: Path, *extra: str) -> list[str]:
 
 
 def event_lines(path: Path) -> list[dict[str, Any]]:
-    from mlxpipe.protocol import parse_event
+    from mlxpipe.protocol.wire import parse_event
 
     return [e for e in map(parse_event, path.read_text().splitlines()) if e is not None]
 

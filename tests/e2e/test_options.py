@@ -20,7 +20,7 @@ from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.tiny_models import make_tiny_checkpoint
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
 SPLIT = [2, 4]  # rank 0 runs layers 4-5, rank 1 layers 0-3

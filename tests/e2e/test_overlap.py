@@ -20,7 +20,7 @@ import pytest
 from fixtures.ranks import PYTHON, LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
 QUESTION = "Tell me about pipelines across several machines, please."

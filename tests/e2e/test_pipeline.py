@@ -18,7 +18,7 @@ import pytest
 from fixtures.ranks import LaunchResult, PYTHON, launch, launch_cases, local_hostfile, rank_dirs
 from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 pytestmark = pytest.mark.ranks
 

@@ -179,7 +179,7 @@ def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub:
     assert any("ssh" in line for line in ours) and any("mlx.launch" in line for line in ours)
     assert any("mlxpipe.worker" in line for line in command_lines.seen.values())
     assert not [line for line in ours + list(command_lines.seen.values()) if SECRET in line]
-    from mlxpipe.worker.job import JobSpec
+    from mlxpipe.protocol.job import JobSpec
 
     argv = shlex.split((Path(answer["run_dir"]) / "command.txt").read_text())
     assert SECRET not in shlex.join(argv)

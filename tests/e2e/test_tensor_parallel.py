@@ -36,7 +36,7 @@ from tests.e2e.test_draft import first_layers_draft
 from tests.e2e.test_overlap import _reference
 from tests.e2e.test_pipeline import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]

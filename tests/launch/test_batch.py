@@ -11,7 +11,7 @@ import pytest
 
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from tests.e2e.test_options import OPTIONS
 
 

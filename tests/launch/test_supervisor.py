@@ -51,12 +51,12 @@ def events(items: list[frames.Item], kind: str | None = None) -> list[dict[str, 
 def test_the_workers_lines_become_events_with_its_rank_and_requests_reach_it() -> None:
     code, items = supervise("""
         import sys
-        from mlxpipe import protocol
+        from mlxpipe.protocol import wire
         print("loading the share", flush=True)
-        protocol.emit("token", id="a", token=7)
+        wire.emit_wire({"event": "token", "id": "a", "token": 7})
         line = sys.stdin.readline()
-        protocol.emit("echo", line=line.strip())
-        protocol.emit("bye")
+        wire.emit_wire({"event": "echo", "line": line.strip()})
+        wire.emit_wire({"event": "bye"})
     """, stdin=f"{HEARTBEAT_LINE}\n{{\"type\": \"generate\"}}\n")
     assert code == 0
     started, *_ = events(items, "started")
@@ -71,8 +71,9 @@ def test_the_workers_lines_become_events_with_its_rank_and_requests_reach_it() -
 
 def test_an_error_events_traceback_becomes_log_lines_before_it() -> None:
     code, items = supervise("""
-        from mlxpipe import protocol
-        protocol.emit("error", type="ModelError", message="no config.json", traceback="Traceback:\\n  line 1")
+        from mlxpipe.protocol import wire
+        wire.emit_wire({"event": "error", "type": "ModelError", "message": "no config.json",
+                        "traceback": "Traceback:\\n  line 1"})
         raise SystemExit(3)
     """)
     assert code == 3

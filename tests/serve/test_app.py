@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from mlxpipe.errors import LaunchError, RequestFailed
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import Outcome, RequestLog, Stream

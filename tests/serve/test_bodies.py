@@ -10,7 +10,7 @@ import pytest
 from fixtures.tiny_models import CHAT_TEMPLATE, write_tokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxpipe.request import Request
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
 

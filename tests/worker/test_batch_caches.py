@@ -8,7 +8,7 @@ import pytest
 from fixtures.tiny_models import TinyModels
 
 from mlxpipe.errors import UsageError
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 
 
 def test_models_whose_caches_cannot_be_batched_decode_one_request_per_micro_batch(tiny_models: TinyModels) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fixtures.tiny_models import TinyModels
 
-from mlxpipe.worker.job import JobSpec
+from mlxpipe.protocol.job import JobSpec
 from tests.e2e.test_overlap import PREFILL_STEP, TINY_SPLITS, _reference
 
 
@@ -17,7 +17,8 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     from mlx_lm.models.cache import KVCache
 
     from mlxpipe.worker.load import load_rank
-    from mlxpipe.worker.requests import Server
+    from mlxpipe.protocol.messages import Batch
+    from mlxpipe.worker.loop import RankLoop
 
     class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
         def __getattribute__(self, name: str) -> Any:
@@ -30,10 +31,11 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     loaded = load_rank(job, mx.distributed.init())
     loaded.model.make_cache = lambda: [Unmergeable() for _ in loaded.model.layers]
     events: list[dict[str, Any]] = []
-    server = Server(loaded, mx.distributed.init(), job, emit=lambda event, **fields: events.append({"event": event, **fields}))
+    server = RankLoop(loaded, mx.distributed.init(), job, emit=lambda event: events.append(event.to_wire()))
     requests = [{"id": text, "prompt": text, "ignore_chat_template": True, "max_tokens": 4} for text in ("Hi", "Go", "Up")]
-    done = server.generate_batch({"type": "batch", "requests": requests, "concurrency": 3, "decode_batch": 3})
-    assert done["decode_batch"] == 1
+    done = server.generate_batch(Batch.from_wire({"type": "batch", "requests": requests, "concurrency": 3,
+                                                  "decode_batch": 3}))
+    assert done.decode_batch == 1
     results = {e["id"]: e for e in events if e["event"] == "result"}
     for request in requests:
         assert results[request["id"]]["tokens"] == _reference(str(path), json.dumps(request, sort_keys=True))[0]

@@ -17,7 +17,7 @@ def test_a_rank_loads_only_its_own_layers_adapters(option_model: tuple[Path, Pat
     from mlx_lm import load
 
     from mlxpipe.worker.load import load_local_adapters
-    from mlxpipe.worker.pipeline.cut import pipeline_generic
+    from mlxpipe.worker.stages.cut import pipeline_generic
 
     checkpoint, adapters = option_model
     own = tmp_path / "rank0-adapters"

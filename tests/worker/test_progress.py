@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+from mlxpipe.protocol.message import Event
 from mlxpipe.worker.progress import PROGRESS_SECONDS, Progress
 
 
@@ -16,9 +17,9 @@ class Events:
         self.seen: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
-    def __call__(self, event: str, **fields: Any) -> None:
+    def __call__(self, event: Event) -> None:
         with self._lock:
-            self.seen.append({"event": event, **fields})
+            self.seen.append(event.to_wire())
 
     def wait_for(self, expected: dict[str, Any], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

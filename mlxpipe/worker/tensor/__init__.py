@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.groups import Topology
-from mlxpipe.worker.pipeline.layers import blocks_of, model_type_of
+from mlxpipe.worker.stages.layers import blocks_of, model_type_of
 from mlxpipe.worker.tensor.blocks import shard_block
 from mlxpipe.worker.tensor.reduce import group_reductions, hand_world_to, stray_group_users
 from mlxpipe.worker.tensor.vocab import shard_vocab

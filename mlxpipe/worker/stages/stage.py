@@ -17,8 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from mlxpipe.errors import ModelError
-from mlxpipe.worker.pipeline.caches import advance_cache, tie_into_cache
-from mlxpipe.worker.pipeline.layout import (
+from mlxpipe.worker.stages.caches import advance_cache, tie_into_cache
+from mlxpipe.worker.stages.layout import (
     _PROBE_TOKENS, Layout, _layout_of, _made_up_extras, _pack, _packed_like, _unpack,
 )
 

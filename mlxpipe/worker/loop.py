@@ -1,15 +1,15 @@
-"""The request loop of one rank: generate with mlx-lm, report through events.
+"""The rank loop: one rank's answers to the controller's messages, until ``exit``.
 
-Every rank reads the same requests (``mlx.launch`` broadcasts standard input)
-and runs the same generation, so every collective lines up. Rank 0 alone
-streams ``token`` events; every rank ends a request with ``done``. A ``batch``
-request overlaps many requests across the stages (``engine``): rank 0 emits
-a ``result`` per request, every rank ends with ``batch_done``. A ``serve``
-request hands the rest of standard input to the engine (``mlxpipe serve``):
-``submit`` and ``cancel`` messages, applied by every rank at the same tick, until
-``exit``; rank 0 emits every sampled ``token`` and a ``finished`` per request.
-One rank, ``--pipeline native`` and a draft model run requests one at a time
-through mlx-lm's ``stream_generate`` instead (``streamed``).
+Every rank reads the same messages (``mlx.launch`` broadcasts standard input)
+and runs the same generation, so every collective lines up. ``generate``: rank 0
+alone streams ``token`` events; every rank ends the request with ``done``.
+``batch``: the requests overlap across the stages in the ``engine``; rank 0 emits
+a ``result`` per request, every rank ends with ``batch_done``. ``serve`` hands the
+rest of standard input to the engine (``mlxpipe serve``): ``submit`` and
+``cancel`` messages, applied by every rank at the same tick, until ``exit``; rank 0
+emits every sampled ``token`` and a ``finished`` per request. One rank,
+``--pipeline native`` and a draft model run requests one at a time through
+mlx-lm's ``stream_generate`` instead (``streamed``).
 """
 
 from __future__ import annotations
@@ -25,41 +25,48 @@ from typing import IO, Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from mlxpipe import protocol
 from mlxpipe.errors import LaunchError, MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.request import Request
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import BatchDone, Bye, Done, Loaded, Serving, Time
+from mlxpipe.protocol.job import JobSpec
+from mlxpipe.protocol.message import Event
+from mlxpipe.protocol.messages import Batch, Exit, Generate, Serve
+from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import shared_seed
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.engine import Engine
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.job import JobSpec
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
 from mlxpipe.worker.progress import Emit, Progress
 from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
 from mlxpipe.worker.streamed import Streamed
 
-def run(job_text: str, stream: IO[str] | None = None, emit: Emit = protocol.emit) -> None:
-    """Join the group, load this rank's layers, then serve requests from ``stream``."""
+
+def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
+    """Join the group, load this rank's layers, then answer the messages from ``stream``."""
     job = JobSpec.decode(job_text)
     group = init_group(job.world_size)
     loaded = load_rank(job, group)
-    emit("loaded", **loaded_fields(job, group, loaded))
-    Server(loaded, group, job, emit).serve(stream or sys.stdin)
+    emit(loaded_event(job, group, loaded))
+    RankLoop(loaded, group, job, emit).run(stream or sys.stdin)
 
 
-def loaded_fields(job: JobSpec, group: Any, loaded: LoadedModel) -> dict[str, Any]:
+def loaded_event(job: JobSpec, group: Any, loaded: LoadedModel, trainable: int | None = None,
+                 frozen: int | None = None) -> Loaded:
     """What a rank's ``loaded`` event says (serving and training ranks alike)."""
-    return {
-        "rank": group.rank(),
-        "host": socket.gethostname(),
-        "layers": [loaded.start, loaded.end],
-        "num_layers": sum(job.split),
-        "mode": job.mode,
-        "peak_memory": mx.get_peak_memory() / 1e9,
-        "load_seconds": loaded.load_seconds,
-    }
+    return Loaded(
+        rank=group.rank(),
+        host=socket.gethostname(),
+        layers=[loaded.start, loaded.end],
+        num_layers=sum(job.split),
+        mode=job.mode,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        load_seconds=loaded.load_seconds,
+        trainable=trainable,
+        frozen=frozen,
+    )
 
 
 def init_group(world_size: int) -> Any:
@@ -77,12 +84,10 @@ def init_group(world_size: int) -> Any:
     return group
 
 
-class Server:
-    """Answers ``generate`` and ``exit`` requests on one rank."""
+class RankLoop:
+    """Answers ``generate``, ``batch``, ``serve`` and ``exit`` on one rank (see the module docstring)."""
 
-    def __init__(
-        self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = protocol.emit
-    ) -> None:
+    def __init__(self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = wire.emit) -> None:
         self.loaded = loaded
         self.group = group
         self.job = job
@@ -94,33 +99,32 @@ class Server:
         self.context = RankContext(loaded, group, job, self.progress)
         self.streamed = Streamed(self.context, emit)  # stream_generate's requests, and its chat turns
 
-    def serve(self, stream: IO[str]) -> None:
-        """Handle requests from ``stream`` until ``exit`` or end of input."""
+    def run(self, stream: IO[str]) -> None:
+        """Answer the messages from ``stream`` until ``exit`` or end of input."""
         inbox = Inbox(stream)
         while True:
-            request = inbox.next()
-            kind = "exit" if request is None else request.get("type")
-            if kind == "exit":
+            message = inbox.next()
+            if message is None or isinstance(message, Exit):
                 self.exit()
                 return
-            if kind == "batch":
-                self.generate_batch(request)
-            elif kind == "generate":
-                self.generate(Request.from_wire(request))
-            elif kind == "serve":
-                self.serve_requests(request, inbox)
+            if isinstance(message, Batch):
+                self.generate_batch(message)
+            elif isinstance(message, Generate):
+                self.generate(message.request)
+            elif isinstance(message, Serve):
+                self.serve(message, inbox)
                 self.exit()
                 return
             else:
-                raise UsageError(f"unknown request type {kind!r}")
+                raise UsageError(f"a {message.TAG!r} message to a rank that serves requests")
 
     def exit(self) -> None:
         """Wait for every rank, so no rank sees its peer vanish, then say bye."""
         barrier(self.group)
-        self._emit("bye", rank=self.rank, host=self.host)
+        self._emit(Bye(rank=self.rank, host=self.host))
 
-    def generate(self, request: Request) -> dict[str, Any]:
-        """Run one generation; emit its events and return the ``done`` fields.
+    def generate(self, request: Request) -> Done:
+        """Run one generation; emit its events and return its ``done``.
 
         A generic pipeline runs it through the engine, so the prompt's prefill
         chunks flow through the stages one behind the other and every host
@@ -133,19 +137,17 @@ class Server:
             request = request.check(vocab_size=text_config_of(self.loaded.config).get("vocab_size"))
             tokens = self.prompt_tokens(request)
         except Exception as e:  # noqa: BLE001 - its options, or a chat template that throws on its messages
-            done = {"finish_reason": "error", "error": _reason(e), "tokens": [], "generation_tokens": 0}
+            done = Done(rank=self.rank, finish_reason="error", error=_reason(e), tokens=[], generation_tokens=0,
+                        peak_memory=mx.get_peak_memory() / 1e9, id=request.id)
         else:
             if self.job.mode == "generic" and self.group.size() > 1 and self.loaded.draft is None:
                 done = self._generate_in_engine(request, tokens)
             else:
                 done = self.streamed.generate(request, tokens, tic)
-        done = {"rank": self.rank, **done, "peak_memory": mx.get_peak_memory() / 1e9}
-        if request.id is not None:
-            done["id"] = request.id
-        self._emit("done", **done)
+        self._emit(done)
         return done
 
-    def _generate_in_engine(self, request: Request, tokens: list[int]) -> dict[str, Any]:
+    def _generate_in_engine(self, request: Request, tokens: list[int]) -> Done:
         """One request through the engine; a chat keeps its caches for the next turn."""
         if not request.keep_cache:
             self._chat_cache = None
@@ -158,31 +160,30 @@ class Server:
         engine.add(request, tokens)
         engine.run()
         state = engine.schedule.requests[0]  # the same on every rank; rank 0 adds its clock's figures
-        done = {
-            "prompt_tokens": len(state.prompt) - state.cached,  # as stream_generate: the tokens fed
-            "cached_tokens": state.cached,
-            "generation_tokens": len(state.generated),
-            "finish_reason": state.finish_reason,
-            "tokens": list(state.generated),
-        }
-        return {**done, **reporter.figures}
+        return Done(
+            rank=self.rank,
+            prompt_tokens=len(state.prompt) - state.cached,  # as stream_generate: the tokens fed
+            cached_tokens=state.cached,
+            generation_tokens=len(state.generated),
+            finish_reason=state.finish_reason,
+            tokens=list(state.generated),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            id=request.id,
+            **reporter.figures,
+        )
 
-    def generate_batch(self, request: dict[str, Any]) -> dict[str, Any]:
+    def generate_batch(self, batch: Batch) -> BatchDone:
         """Overlap a batch of requests across the stages (see ``engine``); emit ``batch_done``.
 
         Rank 0 emits a ``result`` for each request as it ends; every rank ends
         with ``batch_done``.
         """
-        requests = [Request.from_wire(r) for r in request.get("requests") or []]
-        if not requests:
-            raise UsageError("a batch request needs at least one request")
         if self.loaded.draft is not None:
             self._chat_cache = None
-            return self.streamed.batch(requests)
-        concurrency, decode_batch = self._concurrency(request)
+            return self.streamed.batch(batch.requests)
         self._forget_chats()
-        engine = Engine(self.context, concurrency, BatchReporter(self._emit), decode_batch=decode_batch)
-        for r in requests:
+        engine = Engine(self.context, batch.concurrency, BatchReporter(self._emit), decode_batch=batch.decode_batch)
+        for r in batch.requests:
             try:  # a chat template that throws on one prompt's messages fails that prompt alone, on every rank
                 tokens = self.prompt_tokens(r)
             except Exception as e:  # noqa: BLE001
@@ -190,30 +191,33 @@ class Server:
                 continue
             engine.add(r, tokens)
         done = engine.run()
-        self._emit("batch_done", **done)
+        self._emit(done)
         return done
 
-    def serve_requests(self, request: dict[str, Any], inbox: Inbox) -> dict[str, Any]:
+    def serve(self, message: Serve, inbox: Inbox) -> None:
         """Serve the requests that follow in ``inbox`` as they come (``mlxpipe serve``), until ``exit``.
 
         Requests arrive as token ids (the controller applies the chat template);
-        rank 0 streams each sampled token. Up to ``concurrency`` run at once, the
+        rank 0 streams each sampled token. Up to ``message.concurrency`` run at once, the
         rest wait for a slot.
         """
         if self.loaded.draft is not None:
             self._chat_cache = None
-            return self.streamed.serve(inbox)
-        concurrency, decode_batch = self._concurrency(request)
+            self.streamed.serve(inbox)
+            return
         self._forget_chats()
-        engine = Engine(self.context, concurrency, StreamReporter(self._emit), int(request.get("prompt_cache_size", 0)),
-                        decode_batch=decode_batch)
-        # With the rank's memory, for the server's page (figures in GB, as in ``loaded``).
-        engine.on_time = lambda spent: self._emit("time", rank=self.rank, memory=mx.get_active_memory() / 1e9,
-                                                  peak_memory=mx.get_peak_memory() / 1e9, **spent)
+        engine = Engine(self.context, message.concurrency, StreamReporter(self._emit), message.prompt_cache_size,
+                        decode_batch=message.decode_batch)
+        engine.on_time = self._report_time
         if self.rank == 0 and engine.vocab_size:
             self._warm_constraints(engine.vocab_size)
-        self._emit("serving", rank=self.rank, concurrency=concurrency, decode_batch=engine.decode_batch)
-        return engine.run(inbox)
+        self._emit(Serving(rank=self.rank, concurrency=message.concurrency, decode_batch=engine.decode_batch))
+        engine.run(inbox)
+
+    def _report_time(self, spent: dict[str, float]) -> None:
+        """Where the time went, with the rank's memory, for the server's page (figures in GB, as in ``loaded``)."""
+        self._emit(Time(rank=self.rank, memory=mx.get_active_memory() / 1e9, peak_memory=mx.get_peak_memory() / 1e9,
+                        **spent))
 
     def _warm_constraints(self, vocab_size: int) -> None:
         """llguidance's tokenizer takes a second or two to build: built aside now, not at the first
@@ -223,14 +227,6 @@ class Server:
         tokenizer = self.loaded.tokenizer
         threading.Thread(target=_quietly, args=(warm, tokenizer, vocab_size, set(tokenizer.eos_token_ids)),
                          daemon=True, name="mlxpipe-grammar-warm").start()
-
-    def _concurrency(self, request: dict[str, Any]) -> tuple[int, int]:
-        """A batch or serve request's concurrency and requests per decode micro-batch."""
-        decode_batch = int(request.get("decode_batch") or 1)
-        concurrency = int(request.get("concurrency") or len(self.job.split) * decode_batch)  # one per stage
-        if concurrency < 1 or decode_batch < 1:
-            raise UsageError(f"concurrency and decode_batch must be at least 1, got {concurrency} and {decode_batch}")
-        return concurrency, decode_batch
 
     def prompt_tokens(self, request: Request) -> list[int]:
         """The request's prompt as token ids, through the chat template if any."""
@@ -255,5 +251,5 @@ def _quietly(work: Any, *args: Any) -> None:
         pass
 
 
-def _no_emit(*args: Any, **kwargs: Any) -> None:
+def _no_emit(event: Event) -> None:
     """Only rank 0 streams text."""

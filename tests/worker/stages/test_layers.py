@@ -1,4 +1,4 @@
-"""worker/pipeline/layers.py: finding a model's list of blocks."""
+"""worker/stages/layers.py: finding a model's list of blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from mlxpipe.errors import ModelError
 def test_a_model_without_layers_is_refused() -> None:
     import mlx.nn as nn
 
-    from mlxpipe.worker.pipeline.layers import find_layers
+    from mlxpipe.worker.stages.layers import find_layers
 
     class Flat(nn.Module):
         def __init__(self) -> None:

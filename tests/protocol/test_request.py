@@ -1,4 +1,4 @@
-"""request.py: one typed request, the same validation everywhere (its exact tokens on
+"""protocol/request.py: one typed request, the same validation everywhere (its exact tokens on
 real ranks: ``e2e/test_options.py``).
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mlxpipe.errors import UsageError
-from mlxpipe.request import Request, RequestError
+from mlxpipe.protocol.request import Request, RequestError
 
 
 # ---------------------------------------------------------------- the typed request

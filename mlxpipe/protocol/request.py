@@ -4,7 +4,7 @@ Command-line flags, prompts-file lines and HTTP bodies all become a ``Request``,
 each naming a field its own way (``--max-tokens``, ``'max_tokens'``,
 ``'max_completion_tokens'``): ``Request.check`` says what is wrong with a field,
 the caller says how its user spells it. The ranks read the same ``Request``
-back from the JSON the controller sends (``to_wire`` / ``from_wire``), and
+back from the JSON the controller sends (``to_wire`` / ``from_wire``, inside the messages of ``protocol.messages``), and
 turn it into mlx-lm's own sampler, logits processors and KV-cache settings.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Mapping
 
 from mlxpipe.errors import UsageError
+from mlxpipe.protocol.message import strict_fields
 
 # mlx_lm.generate's defaults (mlx_lm/generate.py), except max_tokens (mlxpipe's).
 DEFAULT_MAX_TOKENS = 256
@@ -100,14 +101,10 @@ class Request:
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> "Request":
-        """``to_wire``'s output back (a message's ``type`` is ignored); refuses fields it does not know."""
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k != "type"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise UsageError(f"the request has fields this worker does not know: {', '.join(unknown)}",
-                             hint="install the same mlxpipe version on every host")
-        if values.get("logit_bias") is not None:
+        """``to_wire``'s output back (the ``type`` of the message carrying it is left out); refuses fields it
+        does not know."""
+        values = strict_fields(cls, data, "the request", "worker", skip=("type",))
+        if "logit_bias" in values and values["logit_bias"] is not None:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
         if "extra_eos_token" in values:
             values["extra_eos_token"] = tuple(values["extra_eos_token"])

@@ -1,8 +1,10 @@
-"""The job a rank runs: which model files, which layers, which pipeline.
+"""The job a rank runs: which model files, which layers, how they are cut into stages.
 
-The controller builds one ``JobSpec`` for the whole run and passes it to
+The controller's ``PipelineConfig`` builds one ``JobSpec`` for the whole run and passes it to
 every rank on the command line (``--job <base64 JSON>``); each rank picks its
-own entries by rank.
+own entries by rank. The config checked every value, naming its flag; what a rank
+checks here is its guard (refuse alike): a job of fields it does not know or lacks,
+or of an impossible shape, by the same checks.
 """
 
 from __future__ import annotations
@@ -10,12 +12,38 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from mlxpipe.errors import UsageError
-from mlxpipe.request import DEFAULT_NUM_DRAFT_TOKENS
+from mlxpipe.defaults import MLX_LM_PREFILL_STEP
+from mlxpipe.errors import UsageError, WireError
+from mlxpipe.protocol.checks import at_least, check_mode, one_of, positive
+from mlxpipe.protocol.message import strict_fields
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
 
-MODES = ("generic", "native")
+
+FINE_TUNE_TYPES = ("lora", "dora")  # mlx_lm.lora's --fine-tune-type but full (a rank holds its layers frozen)
+OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")  # mlx_lm.lora's --optimizer
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What a training rank (``mlxpipe lora``) needs to add its LoRA adapters and build its optimizer:
+    mlx_lm.lora's options by its names, as ``mlxpipe.lora.run.TrainOptions.for_ranks`` writes them."""
+
+    seed: int
+    num_layers: int  # layers fine-tuned, from the last (-1: all)
+    lora_parameters: dict[str, Any]  # linear_to_lora_layers' config: rank, scale, dropout...
+    fine_tune_type: str  # lora or dora
+    optimizer: str  # adam, adamw, muon, sgd or adafactor
+    optimizer_config: dict[str, Any]  # that optimizer's own keyword arguments
+    learning_rate: float
+    lr_schedule: dict[str, Any] | None  # mlx-lm's build_schedule config; None: a constant rate
+    grad_checkpoint: bool
+
+    def __post_init__(self) -> None:
+        one_of(self.fine_tune_type, FINE_TUNE_TYPES, "fine_tune_type")
+        one_of(self.optimizer, OPTIMIZERS, "optimizer")
 
 
 @dataclass(frozen=True)
@@ -34,11 +62,9 @@ class JobSpec:
     split: list[int]
     mode: str = "generic"
     trust_remote_code: bool = False
-    prefill_step_size: int = 2048
+    prefill_step_size: int = MLX_LM_PREFILL_STEP
     max_kv_size: int | None = None
-    # LoRA fine-tuning instead of serving requests (``mlxpipe lora``): mlx_lm.lora's
-    # options as ``mlxpipe.lora.run.TrainOptions.for_ranks`` writes them.
-    train: dict | None = None
+    train: TrainSpec | None = None  # LoRA fine-tuning instead of serving requests (``mlxpipe lora``)
     adapter_path: str | None = None  # LoRA adapters (mlx-lm's adapter_config.json + adapters.safetensors)
     # Speculative decoding (mlx_lm.generate's --draft-model): every rank loads this whole model,
     # from its own host's copy (rank r: draft_paths[r]).
@@ -47,13 +73,13 @@ class JobSpec:
     tp: int = 1  # ranks per tensor-parallel group (one pipeline stage each)
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise UsageError(f"tp must be at least 1, got {self.tp}")
+        at_least(self.tp, 1, "tp")
         if len(self.model_paths) != len(self.split) * self.tp:
             raise UsageError(
                 f"job has {len(self.model_paths)} model paths for {len(self.split)} stages of {self.tp} ranks"
                 if self.tp > 1 else f"job has {len(self.model_paths)} model paths for {len(self.split)} ranks"
             )
+        # The native pipeline and training have no tensor-parallel groups: no rank could run these.
         if self.tp > 1 and self.mode != "generic":
             raise UsageError("tensor parallelism (--tp) runs with the generic pipeline only",
                              hint="run without --pipeline native")
@@ -61,12 +87,9 @@ class JobSpec:
             raise UsageError("LoRA training does not run with --tp yet", hint="train without --tp (a pipeline)")
         if not self.split or any(n <= 0 for n in self.split):
             raise UsageError(f"every rank needs at least one layer, got split {self.split}")
-        if self.mode not in MODES:
-            raise UsageError(f"unknown pipeline mode {self.mode!r}; use one of {', '.join(MODES)}")
-        if self.prefill_step_size <= 0:
-            raise UsageError("prefill_step_size must be positive")
-        if self.num_draft_tokens < 1:
-            raise UsageError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
+        check_mode(self.mode, "mode")
+        positive(self.prefill_step_size, "prefill_step_size")
+        check_fields({"num_draft_tokens": self.num_draft_tokens}, lambda _: "num_draft_tokens")  # Request's range
         if self.draft_paths is not None and len(self.draft_paths) != self.world_size:
             raise UsageError(f"job has {len(self.draft_paths)} draft model paths for {self.world_size} ranks")
 
@@ -74,6 +97,11 @@ class JobSpec:
     def world_size(self) -> int:
         """The number of ranks the job runs on."""
         return len(self.model_paths)
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages (a tensor-parallel group each)."""
+        return len(self.split)
 
     def layer_range(self, rank: int) -> tuple[int, int]:
         """The layers ``[start, end)`` that ``rank`` runs (its stage's, with ``tp`` > 1)."""
@@ -85,20 +113,18 @@ class JobSpec:
 
     @classmethod
     def decode(cls, text: str) -> "JobSpec":
-        """Parse ``encode()``'s output."""
+        """Parse ``encode()``'s output; refuses fields this worker does not know (a controller newer than it)
+        or lacks."""
         try:
             data = json.loads(base64.urlsafe_b64decode(text.encode()))
         except (binascii.Error, ValueError) as e:
             raise UsageError(f"the --job argument is not a base64 JSON job: {e}") from e
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            # A controller newer than this worker; refuse rather than ignore.
-            raise UsageError(
-                f"the job has fields this worker does not know: {', '.join(unknown)}",
-                hint="install the same mlxpipe version on every host",
-            )
-        return cls(**data)
+        if not isinstance(data, dict):
+            raise WireError("the --job argument is not a JSON object")
+        values = strict_fields(cls, data, "the job", "worker")
+        if "train" in values and values["train"] is not None:
+            values["train"] = TrainSpec(**strict_fields(TrainSpec, values["train"], "the job's train", "worker"))
+        return cls(**values)
 
 
 def layer_range(split: list[int], stage: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""worker/pipeline/cut.py: cutting a model for one rank's stage (the rank's place only; no rank starts)."""
+"""worker/stages/cut.py: cutting a model for one rank's stage (the rank's place only; no rank starts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxpipe.errors import ModelError
-from mlxpipe.worker.pipeline.cut import check_split, pipeline_generic
+from mlxpipe.worker.stages.cut import check_split, pipeline_generic
 
 
 @dataclass(frozen=True)

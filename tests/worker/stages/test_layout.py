@@ -1,4 +1,4 @@
-"""worker/pipeline/layout.py: what crosses a cut, packed with the hidden state."""
+"""worker/stages/layout.py: what crosses a cut, packed with the hidden state."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def test_extras_cross_a_cut_packed_with_the_hidden_state() -> None:
     the cut (any dtype, alone or in tuples), the rest does not; one message holds them all."""
     import mlx.core as mx
 
-    from mlxpipe.worker.pipeline.layout import (
+    from mlxpipe.worker.stages.layout import (
         _layout_of,
         _made_up_extras,
         _pack,

@@ -1,4 +1,4 @@
-"""worker/pipeline/caches.py: a send tied into the cache state, and stand-in caches that keep the real bookkeeping."""
+"""worker/stages/caches.py: a send tied into the cache state, and stand-in caches that keep the real bookkeeping."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_tie_puts_the_send_into_the_cache_state(kind: str, tmp_path: Path) -> No
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxpipe.worker.pipeline.caches import tie_into_cache
+    from mlxpipe.worker.stages.caches import tie_into_cache
 
     c = _make_cache(kind)
     _feed(c, 5)
@@ -65,7 +65,7 @@ def test_stand_in_caches_keep_the_real_bookkeeping(kind: str) -> None:
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
-    from mlxpipe.worker.pipeline.caches import advance_cache
+    from mlxpipe.worker.stages.caches import advance_cache
 
     real, stand_in = _make_cache(kind), _make_cache(kind)
     for step in [5, 8, 1, 1, 1, 1, 1, 1, 1, 1, 3]:

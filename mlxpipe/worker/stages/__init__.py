@@ -1,4 +1,4 @@
-"""Pipeline parallelism for any mlx-lm text model that keeps its blocks in a list.
+"""The model cut into stages: pipeline parallelism for any mlx-lm text model that keeps its blocks in a list.
 
 mlx-lm pipelines a model only when the architecture's own ``__call__`` was
 written for it (``PipelineMixin``). The generic wrapper here leaves the model

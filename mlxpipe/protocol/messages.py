@@ -1,0 +1,165 @@
+"""What the controller sends every rank, through ``mlx.launch``'s standard input (``wire.encode``).
+
+A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
+(``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
+``cancel`` as requests come and go); a training rank (``worker.train``, ``mlxpipe lora``) takes ``resume``,
+``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank. ``exit`` ends either.
+
+A request travels flat, its fields beside the message's ``type`` (``{"type": "generate", "prompt": ...}``).
+The batch and serve messages say their concurrency: the controller decides it (``PipelineConfig.concurrency``),
+the ranks never guess it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
+
+from mlxpipe.errors import UsageError
+from mlxpipe.protocol.checks import at_least
+from mlxpipe.protocol.message import Message, Registry, Wire, check_tag
+from mlxpipe.protocol.request import Request
+
+RequestId = str | int | None  # a request's ``id``: serve's ``req-N``, a prompts file's id or line number
+C = TypeVar("C", bound="_Carrying")
+
+
+@dataclass(frozen=True)
+class _Carrying(Message):
+    """A message that carries one request, its fields beside the ``type``."""
+
+    request: Request
+
+    def wire_fields(self) -> Wire:
+        return self.request.to_wire()
+
+    @classmethod
+    def from_wire(cls: type[C], data: Mapping[str, Any]) -> C:
+        check_tag(cls, data)
+        return cls(Request.from_wire(data))
+
+
+@dataclass(frozen=True)
+class Generate(_Carrying):
+    """One request: rank 0 streams its ``token`` events, every rank ends it with ``done``."""
+
+    TAG = "generate"
+
+
+@dataclass(frozen=True)
+class Batch(Message):
+    """Many requests overlapped across the stages, ``concurrency`` at a time, up to ``decode_batch`` per decode
+    micro-batch: rank 0 emits a ``result`` per request, every rank ends with ``batch_done``."""
+
+    TAG = "batch"
+    requests: tuple[Request, ...]
+    concurrency: int
+    decode_batch: int = 1  # one request per decode micro-batch, as mlx-lm decodes
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise UsageError("a batch request needs at least one request")
+        at_least(self.concurrency, 1, "concurrency")
+        at_least(self.decode_batch, 1, "decode_batch")
+
+    def wire_fields(self) -> Wire:
+        return {"requests": [r.to_wire() for r in self.requests], "concurrency": self.concurrency,
+                "decode_batch": self.decode_batch}
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> "Batch":
+        return cls(**{**values, "requests": tuple(Request.from_wire(r) for r in values["requests"])})
+
+
+@dataclass(frozen=True)
+class Serve(Message):
+    """``mlxpipe serve``: the ranks serve the ``submit`` and ``cancel`` messages that follow, until ``exit``;
+    every rank says ``serving``, rank 0 streams each request's tokens and its ``finished``."""
+
+    TAG = "serve"
+    concurrency: int
+    decode_batch: int = 1
+    prompt_cache_size: int = 0  # finished requests whose caches are kept for prefix reuse; 0: none
+
+    def __post_init__(self) -> None:
+        at_least(self.concurrency, 1, "concurrency")
+        at_least(self.decode_batch, 1, "decode_batch")
+        at_least(self.prompt_cache_size, 0, "prompt_cache_size")
+
+
+@dataclass(frozen=True)
+class Submit(_Carrying):
+    """A served request, as token ids (the controller applied the chat template), with every option."""
+
+    TAG = "submit"
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """A served request's client is gone or its stop string came: free its slot on every rank."""
+
+    TAG = "cancel"
+    id: RequestId
+
+
+@dataclass(frozen=True)
+class Exit(Message):
+    """Every rank waits for the others, says ``bye`` and exits."""
+
+    TAG = "exit"
+
+
+# --- mlxpipe lora: a training rank's messages, each numbered by ``id`` for its ``done`` events ---------------
+
+
+@dataclass(frozen=True)
+class Resume(Message):
+    """``--resume-adapter-file``: each rank takes its layers' adapter weights (base64 safetensors)."""
+
+    TAG = "resume"
+    id: int
+    data: str
+
+
+@dataclass(frozen=True)
+class Step(Message):
+    """One optimizer step over ``batch`` (token rows and their ``[start, end]`` loss spans), cut into
+    ``micro_batches`` that flow through the stages as ``schedule`` orders them."""
+
+    TAG = "step"
+    id: int
+    it: int
+    batch: list[list[int]]
+    lengths: list[list[int]]
+    micro_batches: int
+    schedule: str  # 1f1b or gpipe (worker.train_schedule)
+
+
+@dataclass(frozen=True)
+class Eval(Message):
+    """The loss over ``batches`` (forward only): the validation set's at iteration ``it``, or the test set's."""
+
+    TAG = "eval"
+    id: int
+    it: int | None  # None: the test set, after training
+    what: str  # val or test
+    batches: list[tuple[list[list[int]], list[list[int]]]]  # (token rows, loss spans) per batch
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> "Eval":
+        return cls(**{**values, "batches": [(rows, spans) for rows, spans in values["batches"]]})
+
+
+@dataclass(frozen=True)
+class Save(Message):
+    """Each rank sends its adapter weights (``adapter`` events); the controller writes them at ``it``."""
+
+    TAG = "save"
+    id: int
+    it: int
+    checkpoint: bool  # also kept as the iteration's checkpoint file
+
+
+TrainMessage = Resume | Step | Eval | Save
+
+MESSAGES: Registry[Message] = Registry(Generate, Batch, Serve, Submit, Cancel, Exit, Resume, Step, Eval, Save)
