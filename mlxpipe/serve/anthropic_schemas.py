@@ -17,9 +17,10 @@ needs no marks: it keeps every prefix). Every error names the field (``messages[
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies

@@ -16,8 +16,9 @@ import hmac
 import json
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -64,11 +65,9 @@ def initial_state(tokenizer: Any, prompt: list[int]) -> str:
     """Where the reply's text starts, as ``mlx_lm.server`` decides it: in the model's reasoning when the prompt
     ends inside an open think block (templates that open one for the reply), or in the state the tokenizer's
     response format names; else in plain text."""
-    state = "normal"
-    if getattr(tokenizer, "has_thinking", False) and prompt:
-        if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
-            state = "reasoning"
-    return getattr(tokenizer, "response_initial_state", None) or state
+    opened = (getattr(tokenizer, "has_thinking", False) and bool(prompt)
+              and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt))
+    return getattr(tokenizer, "response_initial_state", None) or ("reasoning" if opened else "normal")
 
 
 class ReplyShapes(Protocol):

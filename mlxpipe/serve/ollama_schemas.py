@@ -10,9 +10,10 @@ Images and ``format`` (structured output) are refused with a 400; options that t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies

@@ -18,9 +18,10 @@ Images and files are refused (400). Every error names the field (``input[2].call
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
@@ -92,7 +93,8 @@ class Toolbox:
             if custom and isinstance((fmt := tool.get("format")), dict) and fmt.get("type") == "grammar":
                 description = f"{description or ''}\n(input: text in the {fmt.get('syntax', '')} grammar: " \
                               f"{str(fmt.get('definition', ''))[:2000]})".strip()
-            made = bodies.function_tool(name, description, parameters, where)
+            made = bodies.function_tool(name, description, parameters, where)  # checks the name is a string
+            name = made["function"]["name"]
             flat = flat_name(namespace, name)
             made["function"]["name"] = flat
             self.origins[flat] = Origin(name, namespace, custom)

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from fixtures.agents import (  # noqa: F401 - fixtures
-    AGENT_REPLY, AgentClis, RecordingProxy, agent_clis, agent_model, recording_proxy,
+    AGENT_REPLY,
+    AgentClis,
+    RecordingProxy,
+    agent_clis,
+    agent_model,
+    recording_proxy,
 )
 from fixtures.serve_process import KEY, ServeProcess, ready_server
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.tiny_models import write_tokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from fixtures.tiny_models import write_tokenizer
 from mlxpipe.serve.anthropic_schemas import Parsed, chat_messages, parse
 from mlxpipe.serve.door import ApiError, ServerSettings
 

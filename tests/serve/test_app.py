@@ -8,15 +8,16 @@ every refusal said in the server's output and the request log, the names the mod
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from fixtures.chat_reference import ScriptedQueue
-from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
+from fixtures.chat_reference import ScriptedQueue
+from fixtures.serve_process import KEY
 from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.app import build_app

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.tiny_models import CHAT_TEMPLATE, write_tokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from fixtures.tiny_models import CHAT_TEMPLATE, write_tokenizer
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings

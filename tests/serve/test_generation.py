@@ -9,14 +9,15 @@ Ollama's ``think``) reaches the template.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from fixtures.chat_reference import ScriptedQueue, thinking_tokenizer
-from fixtures.serve_process import KEY
 from starlette.testclient import TestClient
 
+from fixtures.chat_reference import ScriptedQueue, thinking_tokenizer
+from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.generation import initial_state
