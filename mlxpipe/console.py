@@ -44,6 +44,11 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {_escape(message)}", soft_wrap=True)
 
 
+def note(message: str, style: str = "dim") -> None:
+    """One line of a server's log (a request's outcome), never wrapped, so that it can be grepped."""
+    err.print(f"[{style}]{_escape(message)}[/]", soft_wrap=True)
+
+
 def human_bytes(n: int | float | None, *, compact: bool = False) -> str:
     """Binary sizes: ``1536`` -> ``"1.5 KiB"``; compact for tables: ``"2K"``, ``"47.6G"``; None -> ``"-"``."""
     if n is None:

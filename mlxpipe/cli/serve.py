@@ -91,6 +91,17 @@ ServeDraftModel = Annotated[str | None, typer.Option(
     "A hub repo id (fetched to every host) or a model directory at this path on every host.",
     show_default="none: no draft model",
 )]
+ServedModelName = Annotated[list[str] | None, typer.Option(
+    "--served-model-name",
+    help="Another name the model answers to (as vLLM's flag; repeat it for more), listed by /v1/models "
+    "and Ollama's tags: the name an agent is configured with.",
+    show_default="none: only the --model value",
+)]
+AnyModelName = Annotated[bool, typer.Option(
+    "--any-model-name",
+    help="Answer every model name with this model (agents ask for their own: a default, a small fast model "
+    "for titles); each new name is said once in the output.",
+)]
 RingPort = Annotated[int | None, typer.Option(
     "--ring-port", help="First port of the ranks' ring.",
     show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=tcp_port,
@@ -108,6 +119,8 @@ def serve(
     host: Host = "127.0.0.1",
     port: HttpPort = 8080,
     api_key: ApiKey = None,
+    served_model_name: ServedModelName = None,
+    any_model_name: AnyModelName = False,
     max_concurrency: MaxConcurrency = None,
     decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH,
     max_queue: MaxQueue = DEFAULT_MAX_QUEUE,
@@ -176,5 +189,6 @@ def serve(
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,
         defaults=defaults, context=context, max_body_bytes=max_body_size,
+        served_names=tuple(served_model_name or ()), any_model_name=any_model_name,
     )
     raise typer.Exit(code)

@@ -4,7 +4,8 @@ Streaming with Anthropic's event sequence, or one ``message`` body (``anthropic_
 package and Claude-style agents work unchanged; the key comes as ``x-api-key`` (or ``Authorization: Bearer``);
 every error is in Anthropic's error shape, naming the field at fault (``anthropic_schemas`` checks every field
 before anything reaches a rank). Tool calls the model writes come back as ``tool_use`` blocks, parsed with
-mlx-lm's tool parser as the OpenAI door parses them.
+mlx-lm's tool parser as the OpenAI door parses them. A query string (Claude Code's ``?beta=true``) and Anthropic's
+headers (``anthropic-version``, ``anthropic-beta``) change nothing here. Every refusal is said by ``door.refused``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from starlette.routing import Route
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import anthropic_shapes as shapes
 from mlxpipe.serve.anthropic_schemas import Parsed, parse
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+DOOR = "anthropic"  # this door's name in the server's output and request log
 
 
 class AnthropicApi:
@@ -48,7 +51,7 @@ class AnthropicApi:
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, counting=True)
         except ApiError as e:
-            return shapes.error_response(e)
+            return shapes.error_response(refused(self.log, request, DOOR, e))
         except ClientDisconnect:
             return gone(request)
         tokens = parsed.request.tokens
@@ -60,9 +63,10 @@ class AnthropicApi:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id)
-            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
+                                     DOOR, parsed.notes)
         except ApiError as e:
-            return shapes.error_response(e)
+            return shapes.error_response(refused(self.log, request, DOOR, e))
         except (ClientDisconnect, ClientGone):
             return gone(request)
         return await respond(generation, _Run(self, parsed, generation), request, parsed.stream)
@@ -73,7 +77,8 @@ class _Run:
 
     def __init__(self, api: AnthropicApi, parsed: Parsed, generation: Generation) -> None:
         self.api, self.parsed, self.generation = api, parsed, generation
-        self.message = shapes.Message(f"msg_{uuid.uuid4().hex[:24]}", api.settings.model_id, generation.prompt_tokens)
+        self.message = shapes.Message(f"msg_{uuid.uuid4().hex[:24]}", parsed.model or api.settings.model_id,
+                                      generation.prompt_tokens)
 
     def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
         if not texts:

@@ -4,20 +4,26 @@
 Content blocks become the chat messages a chat template reads, as ``mlx_lm.server`` gives them to it: ``text``
 blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as an object), a user's
 ``tool_result`` blocks become ``tool`` messages (before the user's own text), ``thinking`` blocks of earlier turns
-are dropped; images and documents are refused (400). A last assistant message is a prefill: the reply continues
-it, as Anthropic's API does. ``tools`` (``name``, ``description``, ``input_schema``) go to the template as
-function tools; ``tool_choice`` ``none`` withholds them, ``any`` and ``tool`` reach the template as its
-``tool_choice`` variable (nothing enforces them: that would take constrained decoding). Every error names the
-field (``messages[1].content[0].tool_use_id``).
+are dropped, and ``system`` messages inside ``messages`` (Claude Code sends one mid-conversation) are system turns
+where they stand (``bodies.tokens_for`` merges them where the template takes one); images and documents are
+refused (400). A last assistant message is a prefill: the reply continues it, as Anthropic's API does. ``tools``
+(``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in tools
+(``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
+schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and
+``tool`` reach the template as its ``tool_choice`` variable. ``thinking`` is the template's thinking switch
+(``bodies.thinking``), ``output_config.format`` a structured output; ``cache_control``, ``metadata``,
+``context_management``, ``service_tier`` and the rest of what Claude Code sends are accepted (the prompt cache
+needs no marks: it keeps every prefix). Every error names the field (``messages[1].content[0].tool_use_id``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -31,6 +37,11 @@ _OPTIONS = {"max_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p",
             "chat_template_kwargs": "chat_template_config"}
 _MEDIA = {"image": "an image", "document": "a document", "search_result": "a search result",
           "container_upload": "a file"}
+# Blocks of earlier turns from tools Anthropic ran on its own servers: nothing a local model wrote, dropped.
+_HOSTED_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+                  "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "mcp_tool_use",
+                  "mcp_tool_result", "tool_search_tool_result")
+_THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 
 
 @dataclass
@@ -41,28 +52,81 @@ class Parsed:
     stream: bool
     stops: list[str]
     tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
+    model: str = ""  # the name the body gave the model, echoed back
+    notes: bodies.Notes = dc_field(default_factory=list)  # what was dropped or mapped
 
 
 def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWrapper, new_id: Callable[[], str],
           counting: bool = False) -> Parsed:
     """``body`` checked and turned into a request for the ranks; ``counting``: for ``count_tokens`` (no
     ``max_tokens`` needed). Raises ``ApiError``."""
-    bodies.check_model(body, settings)
+    model = bodies.check_model(body, settings)
     if not counting and body.get("max_tokens") is None:
         raise ApiError(400, "'max_tokens' is required: the most tokens the reply may have", param="max_tokens")
-    request = bodies.options(body, settings, _OPTIONS)
-    tools = _tools(body)
+    notes: bodies.Notes = []
+    request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
+    request = bodies.thinking(request, body, _thinking(body, notes))
+    tools = _tools(body, notes)
     choice = _tool_choice(body, tools)
-    messages, prefill = chat_messages(body)
+    messages, prefill = chat_messages(body, notes)
     request = replace(request, messages=messages, prefill_response=prefill)
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
-    tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages")
-    return Parsed(bodies.for_ranks(request, tokens, settings, "messages", new_id), field(body, "stream", bool, False),
-                  bodies.stops(body, "stop_sequences"), offered)
+    _unhonoured(body, notes)
+    tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
+    ranked = bodies.for_ranks(request, tokens, settings, "messages", new_id,
+                              {"response_format": "output_config.format"}, notes)
+    return Parsed(ranked, field(body, "stream", bool, False), bodies.stops(body, "stop_sequences"), offered, model,
+                  notes)
 
 
-def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
+    """``thinking`` (``enabled`` with a budget, ``adaptive``, ``disabled``) as the template's switch; a budget is
+    not kept (the reply's ``max_tokens`` bounds the thinking too)."""
+    thinking = field(body, "thinking", dict)
+    if thinking is None:
+        return None
+    kind = field(thinking, "type", str, None, "thinking.")
+    if kind not in _THINKING:
+        raise ApiError(400, "'thinking.type' must be enabled, adaptive or disabled", param="thinking.type")
+    notes.append(f"thinking {kind} -> the template's thinking switch {'on' if _THINKING[kind] else 'off'}")
+    return _THINKING[kind]
+
+
+def _with_format(request: Request, body: dict[str, Any], settings: ServerSettings) -> Request:
+    """``output_config.format`` (or the older ``output_format``), a JSON schema the reply must follow, as the chat
+    API's ``response_format``: constrained decoding on the ranks."""
+    config = field(body, "output_config", dict) or {}
+    fmt, name = (config.get("format"), "output_config.format") if config.get("format") is not None else \
+        (body.get("output_format"), "output_format")
+    if fmt is None:
+        return request
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, f"'{name}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=name)
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+    try:
+        request = replace(request, response_format=response_format).check(lambda key: f"'{name}'",
+                                                                             settings.vocab_size)
+    except RequestError as e:
+        raise ApiError(400, e.message, param=name) from None
+    bodies.check_schema(response_format, name)
+    return request
+
+
+def _unhonoured(body: dict[str, Any], notes: bodies.Notes) -> None:
+    """What a local server cannot do, said in the notes: Anthropic's server-side context editing and MCP
+    connectors, and a reasoning effort (the template's thinking switch is all there is)."""
+    if field(body, "context_management", dict):
+        notes.append("context_management not applied: this server edits no context")
+    if field(body, "mcp_servers", list):
+        notes.append("mcp_servers left out: this server connects to none")
+    effort = (field(body, "output_config", dict) or {}).get("effort")
+    if effort is not None:
+        notes.append(f"output_config.effort {str(effort)[:20]} not applied")
+
+
+def chat_messages(body: dict[str, Any], notes: bodies.Notes | None = None) -> tuple[list[dict[str, Any]], str | None]:
     """The chat template's messages (the system prompt first), and the prefill: a last assistant message's text."""
     messages = field(body, "messages", list)
     if not messages:
@@ -72,8 +136,11 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | Non
     if system is not None:
         out.append({"role": "system", "content": system})
     names: dict[str, str] = {}  # tool_use id -> its tool's name, for the tool messages that answer it
+    dropped: list[str] = []  # blocks of tools Anthropic ran: none of them reach the template
     for i, message in enumerate(messages):
-        out.extend(_message(message, f"messages[{i}]", names))
+        out.extend(_message(message, f"messages[{i}]", names, dropped))
+    if dropped and notes is not None:
+        notes.append(f"earlier turns' hosted tool blocks dropped: {', '.join(sorted(set(dropped)))}")
     prefill = None
     last = out[-1]
     if last["role"] == "assistant" and not last.get("tool_calls"):
@@ -103,11 +170,17 @@ def _texts(blocks: list[Any], where: str) -> str:
     return "".join(texts)
 
 
-def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: a user's tool results come first, as ``tool`` messages."""
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise ApiError(400, f"'{where}' must be an object with a 'role' of 'user' or 'assistant'", param=where)
+def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user's tool results come first, as ``tool`` messages; a system
+    (or developer) message is a system turn where it stands."""
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system", "developer"):
+        raise ApiError(400, f"'{where}' must be an object with a 'role' of 'user', 'assistant' or 'system'",
+                       param=where)
     role, content = message["role"], message.get("content")
+    if role in ("system", "developer"):
+        if isinstance(content, list):
+            return [{"role": "system", "content": _texts(content, f"{where}.content")}]
+        return [{"role": "system", "content": field(message, "content", str, "", f"{where}.")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -141,6 +214,8 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
             results.append(tool)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier turns' reasoning: templates drop it too
+        elif kind in _HOSTED_BLOCKS:
+            dropped.append(kind)
         else:
             allowed = "text, tool_use or thinking" if role == "assistant" else "text or tool_result"
             raise ApiError(400, f"'{at}' must be a {allowed} block, got type {str(kind)[:40]!r}", param=at)
@@ -155,17 +230,24 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    return bodies.tool_list(body, _tool) or None
+def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[dict[str, Any]] | None:
+    built_ins: list[str] = []
 
+    def convert(tool: Any, where: str) -> list[dict[str, Any]]:
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"'{where}' must be an object", param=where)
+        kind = _kind(tool, "custom")
+        if kind != "custom" and bodies.built_in(kind):
+            built_ins.append(str(tool.get("name") or kind))
+            return []
+        if kind != "custom" or "input_schema" not in tool:
+            raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema', got type "
+                                f"{str(tool.get('type'))[:40]!r}", param=where)
+        return [bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)]
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
-    if not isinstance(tool, dict):
-        raise ApiError(400, f"'{where}' must be an object", param=where)
-    if _kind(tool, "custom") != "custom" or "input_schema" not in tool:
-        raise ApiError(400, f"'{where}' must be a client tool with an 'input_schema'; server tools "
-                            f"({str(tool.get('type'))[:40]}) are not run by this server", param=where)
-    return bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)
+    tools = bodies.tool_list(body, convert)
+    bodies.left_out(notes, built_ins)
+    return tools or None
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from mlxpipe.serve.door import ApiError
+from mlxpipe.serve.door import ApiError, ContextTooLong
 from mlxpipe.serve.generation import Generation
 from mlxpipe.serve.text import Delta
 
@@ -27,7 +27,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 def error_body(error: ApiError) -> dict[str, Any]:
     """``error`` in Anthropic's error shape; the field at fault is named in the message, its only place there."""
     kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if isinstance(error, ContextTooLong):  # Anthropic's own words, which Claude Code acts on (it compacts)
+        message = f"prompt is too long: {error.prompt_tokens} tokens > {error.context} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(error: ApiError) -> JSONResponse:

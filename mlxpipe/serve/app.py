@@ -4,8 +4,9 @@ cluster's page (``cluster_view``), unknown routes.
 Each door is a module of its own that turns one HTTP dialect into requests for the queue and the replies back
 (``openai_api``: OpenAI's chat completions and completions; ``anthropic_api``: Anthropic's Messages;
 ``responses_api``: OpenAI's Responses; ``ollama_api``: Ollama's); what every door shares (the API key, the
-body-size limit, admission, failures, clients that go away) is ``door``. No body can break the server: a door
-checks every field before anything reaches a rank, and a failure of one request ends that request alone.
+body-size limit, admission, failures, clients that go away, the line each refusal makes) is ``door``. No body
+can break the server: a door checks every field before anything reaches a rank, and a failure of one request ends
+that request alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from mlxpipe.serve.anthropic_api import AnthropicApi
 from mlxpipe.serve.cluster_view import ClusterView, page_routes
-from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.door import ApiError, ServerSettings, refused
 from mlxpipe.serve.ollama_api import OllamaApi
 from mlxpipe.serve.openai_api import OpenAIApi
 from mlxpipe.serve.openai_shapes import error_response
@@ -45,10 +46,12 @@ def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: Server
 
     # Outside every door, errors take OpenAI's shape: the dialect every client of this server speaks.
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+        error = ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        return error_response(refused(log, request, "http", error))
 
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        error = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
+        return error_response(refused(log, request, "http", error))
 
     doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]

@@ -1,9 +1,11 @@
-"""What every door's body checks share: typed fields, sampling options over the server's, chat messages for the
-template (tool calls and results as ``mlx_lm.server`` gives them to it), the prompt's tokens, the context, and
-what a server with a draft model refuses.
+"""What every door's body checks share: typed fields, sampling options over the server's, the model's name, chat
+messages for the template (tool calls and results as ``mlx_lm.server`` gives them to it, system turns wherever
+they come), the thinking switch, the prompt's tokens, the context, and what a server with a draft model refuses.
 
 Each door names the fields its own way (``messages[2].content[0]``, ``input[1].output``); every error here is an
-``ApiError`` naming that field, raised before anything reaches a rank.
+``ApiError`` naming that field, raised before anything reaches a rank. What a body asks that a local server cannot
+honour (a hosted tool, a reply longer than the context leaves) is dropped or mapped instead, and said in the
+request's ``Notes``: one line in the server's output with the request's own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
-from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 
 if TYPE_CHECKING:
@@ -54,12 +56,36 @@ def field(body: dict[str, Any], name: str, kinds: Any, default: Any = None, wher
     return value
 
 
-def check_model(body: dict[str, Any], settings: ServerSettings) -> None:
-    """A body naming another model than the one served is a 404 (as OpenAI's door answers it)."""
+# What a body asked that this server dropped or mapped ("max_tokens 64000 -> 3000: what the context leaves"):
+# said with the request's line in the server's output and its record in the request log.
+Notes = list[str]
+
+
+def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
+    """The name the body calls the model (replies echo it; ``--model``'s value when it names none). A name this
+    server does not answer to (``ServerSettings.answers_to``) is a 404, as OpenAI's API answers it."""
     model = body.get("model")
-    if model is not None and model != settings.model_id:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {settings.model_id!r}",
+    if model is None:
+        return settings.model_id
+    if not isinstance(model, str) or not settings.answers_to(model):
+        raise ApiError(404, f"the model {str(model)[:80]!r} does not exist; this server serves "
+                            f"{settings.model_id!r} (--served-model-name adds names, --any-model-name takes any)",
                        param="model", code="model_not_found")
+    return model
+
+
+def thinking(request: Request, body: dict[str, Any], enabled: bool | None) -> Request:
+    """``request`` with the chat template's thinking switch set from the body's own field (Anthropic's ``thinking``,
+    the Responses API's ``reasoning``, chat's ``reasoning_effort``; None: the body says nothing). mlx-lm's
+    ``TokenizerWrapper`` passes ``enable_thinking`` to the template under the name it takes (``thinking`` for some)
+    and turns it on by default where the model has think tokens; a body's ``chat_template_kwargs`` that sets it
+    wins."""
+    if enabled is None:
+        return request
+    given = body.get("chat_template_kwargs")
+    if isinstance(given, dict) and ("enable_thinking" in given or "thinking" in given):
+        return request
+    return replace(request, chat_template_config={**(request.chat_template_config or {}), "enable_thinking": enabled})
 
 
 def json_types(annotation: Any) -> Any:
@@ -111,13 +137,35 @@ def stops(body: dict[str, Any], name: str) -> list[str]:
     return [s for s in found if s]
 
 
-def tool_list(body: dict[str, Any], convert: Callable[[Any, str], dict[str, Any]]) -> list[dict[str, Any]]:
-    """The body's ``tools``, at most ``MAX_TOOLS``, each turned into the template's shape by ``convert(tool,
-    where)`` (which raises ``ApiError`` naming ``tools[i]``); empty when absent."""
+def tool_list(body: dict[str, Any], convert: Callable[[Any, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The body's ``tools``, at most ``MAX_TOOLS`` once ``convert(tool, where)`` has turned each into the
+    template's shape (none for a tool left out, several for a group of them; it raises ``ApiError`` naming
+    ``tools[i]``); empty when absent."""
     tools = field(body, "tools", list) or []
-    if len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    return [convert(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    out = [t for i, tool in enumerate(tools) for t in convert(tool, f"tools[{i}]")]
+    if len(out) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {MAX_TOOLS} tools, got {len(out)}", param="tools")
+    return out
+
+
+# The APIs' built-in tools, by their type or its start (Anthropic's carry a date: web_search_20250305): those their
+# own servers run (searching the web, running code, a remote MCP server...) and those whose schema only their own
+# models know (a shell, a text editor, a computer). This server runs none and has no schema to give the model for
+# them, so they are left out of the prompt and named in the request's notes.
+BUILT_IN_TOOLS = ("web_search", "web_fetch", "file_search", "code_interpreter", "code_execution", "computer",
+                "image_generation", "mcp", "tool_search", "local_shell", "shell", "apply_patch", "bash",
+                "text_editor", "memory")
+
+
+def built_in(kind: str | None) -> bool:
+    """``kind`` is one of the APIs' built-in tool types (``BUILT_IN_TOOLS``)."""
+    return kind is not None and any(kind == h or kind.startswith(f"{h}_") for h in BUILT_IN_TOOLS)
+
+
+def left_out(notes: Notes, kinds: list[str]) -> None:
+    """The built-in tools a body offered, named once in ``notes``."""
+    if kinds:
+        notes.append(f"built-in tools left out (only function tools reach the model): {', '.join(sorted(set(kinds)))}")
 
 
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
@@ -147,11 +195,45 @@ def image_refused(where: str, what: str) -> ApiError:
 
 
 def tokens_for(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,
-               param: str) -> list[int]:
+               param: str, notes: Notes | None = None) -> list[int]:
     """The prompt's token ids through the chat template (``extra``: more template variables, such as
-    ``tool_choice``); a template that refuses the messages is a 400 naming ``param``."""
+    ``tool_choice``); a template that refuses the messages is a 400 naming ``param``.
+
+    System turns stay where the conversation has them (agents send one mid-conversation) when the template takes
+    them there; a template that refuses them, or leaves one out, gets them merged into one system turn first
+    (said in ``notes``).
+    """
     if extra:
         request = replace(request, chat_template_config={**(request.chat_template_config or {}), **extra})
+    messages = request.messages or []
+    systems = [i for i, m in enumerate(messages) if m.get("role") == "system"]
+    if systems in ([], [0]):
+        return _tokens(tokenizer, request, tools, param)
+    try:
+        tokens = _tokens(tokenizer, request, tools, param)
+        shown = tokenizer.decode(tokens, clean_up_tokenization_spaces=False)  # the text as the template wrote it
+        if all(_text(messages[i]).strip() in shown for i in systems):
+            return tokens
+    except ApiError:
+        pass
+    if notes is not None:
+        notes.append(f"{len(systems)} system turns merged into the first: the chat template takes one")
+    return _tokens(tokenizer, replace(request, messages=merge_system(messages)), tools, param)
+
+
+def merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every system turn's text joined (in order) into one system turn at the start."""
+    systems = [_text(m) for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(t for t in systems if t)}, *rest]
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
+
+
+def _tokens(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None, param: str) -> list[int]:
     try:
         tokens = prompt_tokens(tokenizer, request, tools)
     except UsageError as e:
@@ -168,16 +250,19 @@ DRAFT_REFUSES = ("response_format", "logprobs")
 
 
 def for_ranks(request: Request, tokens: list[int], settings: ServerSettings, param: str, new_id: Callable[[], str],
-              spelled: Mapping[str, str] | None = None) -> Request:
-    """The request as the ranks run it: the prompt within the context (``param``: the body's field for it), the
-    reply bounded by what is left of it, nothing a draft model cannot do (``spelled``: the body's name of a
-    ``Request`` field where it differs)."""
+              spelled: Mapping[str, str] | None = None, notes: Notes | None = None) -> Request:
+    """The request as the ranks run it: the prompt within the context (``param``: the body's field for it; a
+    longer one is ``ContextTooLong``), the reply bounded by what is left of it (said in ``notes`` when that
+    shortens it), nothing a draft model cannot do (``spelled``: the body's name of a ``Request`` field where it
+    differs)."""
     if len(tokens) + 1 > settings.context:
-        raise ApiError(400, f"'{param}' makes a prompt of {len(tokens)} tokens; this server's context is "
-                            f"{settings.context} tokens", param=param, code="context_length_exceeded")
+        raise ContextTooLong(len(tokens), settings.context, param)
     if settings.draft_model:
         refuse_with_draft(request, spelled or {})
     max_tokens = min(request.max_tokens, settings.context - len(tokens))
+    if max_tokens < request.max_tokens and notes is not None:
+        name = (spelled or {}).get("max_tokens", "max_tokens")
+        notes.append(f"{name} {request.max_tokens} -> {max_tokens}: what the context ({settings.context}) leaves")
     # The ranks read token ids alone: the messages stay here.
     return replace(request, id=new_id(), tokens=tokens, max_tokens=max_tokens, messages=None, prompt=None,
                    prefill_response=None)

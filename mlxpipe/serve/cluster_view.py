@@ -5,8 +5,9 @@ The page is static files shipped in the package (``serve/page/``): no build step
 elsewhere. It asks ``/v1/cluster`` every second or so for what it shows: each rank (``/health``'s ranks, with
 their memory against the host's budget), the live figures (a bounded history of tok/s and requests in flight,
 sampled here every ``SAMPLE_SECONDS`` by a thread, so that a page opened late still draws the last minutes),
-where each rank's time goes, the prompt cache's hits and the recent requests. ``/v1/cluster`` is behind the
-API key like the API (the page asks for the key); the page and its files hold no data and are open.
+where each rank's time goes, the prompt cache's hits and the recent requests (refused ones too, with why).
+``/v1/cluster`` is behind the API key like the API (the page asks for the key); the page and its files hold no
+data and are open.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from mlxpipe.serve.door import ApiError, authorize
+from mlxpipe.serve.door import ApiError, authorize, refused
 from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 
@@ -120,11 +121,15 @@ def page_routes(view: ClusterView, api_key: str | None) -> list[BaseRoute]:
         try:
             authorize(request, api_key)
         except ApiError as e:
-            return error_response(e)
+            return error_response(refused(view.log, request, "page", e))
         return JSONResponse(view.snapshot(), headers={"Cache-Control": "no-store"})
+
+    async def no_icon(request: Request) -> Response:
+        return Response(status_code=204)  # browsers ask for one with every page: not a refusal worth a line
 
     return [
         Route("/", index, methods=["GET"]),
+        Route("/favicon.ico", no_icon, methods=["GET"]),
         Route("/v1/cluster", cluster, methods=["GET"]),
         Mount("/page", StaticFiles(directory=PAGE_DIR), name="page"),
     ]

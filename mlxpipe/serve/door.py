@@ -3,8 +3,9 @@
 A door (``openai_api``, ``anthropic_api``, ``responses_api``, ``ollama_api``) turns one HTTP dialect into
 ``mlxpipe.protocol.request.Request`` and the reply back into that dialect's shapes; everything here is the same whatever
 the dialect: the API key (as a bearer token or ``x-api-key``), the body-size limit, the room for one more request
-(admission), how a failure maps to a status, and a client that goes away. Errors are
-``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own.
+(admission), the names the model answers to, how a failure maps to a status, and a client that goes away. Errors
+are ``ApiError``: a status and the field at fault, with no shape of their own; each door writes them in its own,
+and says each one it answers with ``refused``: one line in the server's output and one in the request log.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import asyncio
 import contextlib
 import hmac
 import json
+import threading
+import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -24,7 +27,7 @@ from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
 from mlxpipe.protocol.request import Request as GenerationRequest
-from mlxpipe.serve.queue import RequestQueue
+from mlxpipe.serve.queue import RequestLog, RequestQueue
 
 T = TypeVar("T")
 
@@ -47,6 +50,33 @@ class ServerSettings:
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
+    served_names: tuple[str, ...] = ()  # --served-model-name: more names the model answers to, listed with it
+    any_model_name: bool = False  # --any-model-name: every name a body gives is this model
+    # The names seen under --any-model-name, each said once in the server's output.
+    _seen: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    _seen_lock: threading.Lock = field(default_factory=threading.Lock, init=False, compare=False, repr=False)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names ``/v1/models`` (and Ollama's tags) list: ``--model``'s value, then its aliases."""
+        return (self.model_id, *(n for n in self.served_names if n != self.model_id))
+
+    def answers_to(self, name: str) -> bool:
+        """This server serves ``name``: one of ``model_names``, or any name under ``--any-model-name`` (a name
+        seen for the first time is one line in the server's output: which clients call it what)."""
+        if name in self.model_names:
+            return True
+        if not self.any_model_name:
+            return False
+        with self._seen_lock:
+            new = name not in self._seen and len(self._seen) < _MAX_NAMES_SAID
+            self._seen.add(name)
+        if new:
+            console.note(f"model name {name!r} answered by {self.model_id} (--any-model-name)")
+        return True
+
+
+_MAX_NAMES_SAID = 256  # a client that makes up a name per request cannot fill the log
 
 
 class ClientGone(Exception):
@@ -61,6 +91,33 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
+        self.logged = False  # its request's line is written already (a request that failed at its first token)
+
+
+class ContextTooLong(ApiError):
+    """A prompt the context cannot hold: both counts, in the words agents know how to act on (OpenAI's here;
+    the Anthropic door writes Anthropic's, ``prompt is too long: N tokens > M maximum``)."""
+
+    def __init__(self, prompt_tokens: int, context: int, param: str) -> None:
+        super().__init__(400, f"This model's maximum context length is {context} tokens. However, your messages "
+                              f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
+                         param=param, code="context_length_exceeded")
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
+def refused(log: RequestLog, http: Request, door: str, error: ApiError) -> ApiError:
+    """``error``, answered by ``door`` before any reply began, said once: one line in the server's output (door,
+    status, field, reason) and a record in the request log, so that the person running the server sees why a
+    client failed. Returns ``error`` for the door to answer with."""
+    if error.logged:
+        return error
+    error.logged = True
+    at = f" '{error.param}'" if error.param else ""
+    console.note(f"refused {http.method} {http.url.path} ({door}): {error.status}{at}: {error.message[:300]}",
+                 style="yellow")
+    log.refuse({"id": None, "door": door, "method": http.method, "path": http.url.path, "status": str(error.status),
+                "param": error.param, "code": error.code, "error": error.message, "time": time.time()})
+    return error
 
 
 def authorize(request: Request, api_key: str | None) -> None:

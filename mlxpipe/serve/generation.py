@@ -35,11 +35,12 @@ SSE = "text/event-stream"
 
 
 async def start(queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, http: Request,
-                request: GenerationRequest, stops: list[str]) -> Generation:
+                request: GenerationRequest, stops: list[str], door: str, notes: list[str] | None = None) -> Generation:
     """``request`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
     503, a request a rank refused) or ``ClientGone`` (``http``'s client went away). Nothing is sent to the client
     before this returns, so a request that waited for the ranks and gave up is a plain error in its door's
-    shape."""
+    shape. ``door`` names the API in the request's log line, with ``notes``: what its body asked that was dropped
+    or mapped."""
     admit(queue)
     try:
         stream = queue.submit(request, asyncio.get_running_loop())
@@ -47,7 +48,7 @@ async def start(queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLo
         raise ApiError(400, e.message) from None
     except MlxpipeError as e:  # the pipeline gave up
         raise failure(e) from None
-    generation = Generation(queue, tokenizer, log, request, stream, stops)
+    generation = Generation(queue, tokenizer, log, request, stream, stops, door, notes)
     try:
         first = await until(stream.peek(), http)
     except ClientGone:
@@ -57,8 +58,19 @@ async def start(queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLo
     if isinstance(first, Outcome) and first.error is not None:
         generation.outcome = first
         generation.log()
-        raise failure(first.error)
+        error = failure(first.error)
+        error.logged = True  # its line is the request's own
+        raise error
     return generation
+
+
+def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
+    """Where the reply's text starts, as ``mlx_lm.server`` decides it: in the model's reasoning when the prompt
+    ends inside an open think block (templates that open one for the reply), or in the state the tokenizer's
+    response format names; else in plain text."""
+    opened = (getattr(tokenizer, "has_thinking", False) and bool(prompt)
+              and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt))
+    return getattr(tokenizer, "response_initial_state", None) or ("reasoning" if opened else "normal")
 
 
 class ReplyShapes(Protocol):
@@ -127,9 +139,10 @@ class Generation:
     """One request, from its first token to its last."""
 
     def __init__(self, queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, request: GenerationRequest,
-                 stream: Stream, stops: list[str]) -> None:
+                 stream: Stream, stops: list[str], door: str = "", notes: list[str] | None = None) -> None:
         self.queue, self.log_file, self.request, self.stream = queue, log, request, stream
-        self.reply = Reply(tokenizer, stops)
+        self.door, self.notes = door, list(notes or [])
+        self.reply = Reply(tokenizer, stops, initial_state(tokenizer, request.tokens or []))
         self.outcome: Outcome | None = None
         self._logged = False
         self.logprobs: list[Sampled] = []  # every shown token's, when the request asked for logprobs
@@ -239,11 +252,15 @@ class Generation:
         self.log_file.write(record)
         ttft_text = f"{record['ttft']:.2f} s" if record["ttft"] is not None else "-"
         busy = "/".join(f"{b:.0%}" for b in record["busy"])
-        console.err.print(
-            f"[dim]{record['id']}: {record['status']}, prompt {record['prompt_tokens']} "
-            f"({record['cached_tokens']} cached), {record['generation_tokens']} tokens, ttft {ttft_text}, "
-            f"{record['tps']:.1f} tok/s" + (f", ranks busy {busy}" if busy else "") + "[/]"
-        )
+        door = f" ({self.door})" if self.door else ""
+        line = (f"{record['id']}{door}: {record['status']}, prompt {record['prompt_tokens']} "
+                f"({record['cached_tokens']} cached), {record['generation_tokens']} tokens, ttft {ttft_text}, "
+                f"{record['tps']:.1f} tok/s" + (f", ranks busy {busy}" if busy else ""))
+        if record["error"]:
+            line += f"; error: {record['error'][:300]}"
+        if self.notes:
+            line += "; " + "; ".join(self.notes)
+        console.note(line, style="yellow" if record["error"] else "dim")
 
     def _record(self, status: str | None) -> dict[str, Any]:
         stream, outcome = self.stream, self.outcome
@@ -255,10 +272,11 @@ class Generation:
         status = status or ("error" if error else
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
-            "id": self.request.id, "status": status, "prompt_tokens": self.prompt_tokens,
+            "id": self.request.id, "door": self.door, "status": status, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
             "busy": [round(t["busy"], 3) for _, t in sorted(self.queue.time.items())],
+            **({"notes": self.notes} if self.notes else {}),
         }

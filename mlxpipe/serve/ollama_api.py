@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.ollama_schemas import Parsed, check_model, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 NDJSON = "application/x-ndjson"
+DOOR = "ollama"  # this door's name in the server's output and request log
 
 OLLAMA_VERSION = "0.6.0"  # the API version these shapes follow, for the clients that ask
 
@@ -65,17 +66,17 @@ class OllamaApi:
         try:
             authorize(request, self.settings.api_key)
         except ApiError as e:
-            return error_response(e)
-        name = self.settings.model_id
+            return error_response(refused(self.log, request, DOOR, e))
         return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0,
-                                         "digest": "", "details": self._details()}]})
+                                         "digest": "", "details": self._details()}
+                                        for name in self.settings.model_names]})
 
     async def show(self, request: Request) -> Response:
         try:
             authorize(request, self.settings.api_key)
             check_model(await read_json(request, self.settings.max_body_bytes), self.settings)
         except ApiError as e:
-            return error_response(e)
+            return error_response(refused(self.log, request, DOOR, e))
         except ClientDisconnect:
             return gone(request)
         capabilities = ["completion"] + (["tools"] if getattr(self.tokenizer, "has_tool_calling", False) else [])
@@ -101,9 +102,10 @@ class OllamaApi:
                 return JSONResponse({"model": check_model(body, self.settings), "created_at": _now(), "response": "",
                                      "done": True, "done_reason": "load"})
             parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
-            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
+                                     DOOR, parsed.notes)
         except ApiError as e:
-            return error_response(e)
+            return error_response(refused(self.log, request, DOOR, e))
         except (ClientDisconnect, ClientGone):
             return gone(request)
         return await respond(generation, _Run(self, parsed, generation, chat), request, parsed.stream, NDJSON,

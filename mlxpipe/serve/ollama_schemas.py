@@ -2,14 +2,17 @@
 
 Sampling comes in ``options`` under Ollama's names (``num_predict``, ``repeat_penalty``, ``stop``...), messages as
 Ollama sends them (an assistant's ``tool_calls`` with object arguments, ``tool`` messages with ``tool_name``), and
-``/api/generate``'s prompt goes through the chat template unless ``raw``. Images and ``format`` (structured output)
-are refused with a 400; options that tune Ollama's own runtime (``num_ctx``, ``num_thread``...) are ignored.
+``/api/generate``'s prompt goes through the chat template unless ``raw``; ``think`` is the template's thinking switch.
+Images and ``format`` (structured output) are refused with a 400; options that tune Ollama's own runtime
+(``num_ctx``, ``num_thread``...) are ignored.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
@@ -35,6 +38,7 @@ class Parsed:
     stops: list[str]
     tools: list[dict[str, Any]] | None
     model: str  # the name the client used, echoed back
+    notes: bodies.Notes = dc_field(default_factory=list)  # what was dropped or mapped
 
 
 def served_name(settings: ServerSettings) -> str:
@@ -43,10 +47,12 @@ def served_name(settings: ServerSettings) -> str:
 
 
 def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
-    """The model named (Ollama's clients add ``:latest``), which must be the one served; 404 otherwise."""
+    """The model named (Ollama's clients add ``:latest``), which must be one this server answers to
+    (``ServerSettings.answers_to``); 404 otherwise."""
     model: str = field(body, "model", str, settings.model_id)
-    if model not in (settings.model_id, f"{settings.model_id}:latest"):
-        raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r}", param="model")
+    if not settings.answers_to(model.removesuffix(":latest")):
+        raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r} "
+                            "(--served-model-name adds names, --any-model-name takes any)", param="model")
     return model
 
 
@@ -65,6 +71,8 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     stops = bodies.stops(options, "stop")
     tools = _tools(body) if chat else None
     param = "messages" if chat else "prompt"
+    notes: bodies.Notes = []
+    request = bodies.thinking(request, body, _think(body, notes))
     if chat:
         request = replace(request, messages=_messages(field(body, "messages", list)))
     else:
@@ -75,9 +83,20 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         system = field(body, "system", str)
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
-    tokens = bodies.tokens_for(tokenizer, request, tools, None, param)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), field(body, "stream", bool, True), stops,
-                  tools, model)
+    tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
+    ranked = bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"}, notes)
+    return Parsed(ranked, field(body, "stream", bool, True), stops, tools, model, notes)
+
+
+def _think(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
+    """Ollama's ``think`` (true, false, or a level: ``low``, ``medium``, ``high``) as the template's switch."""
+    think = body.get("think")
+    if think is None:
+        return None
+    if not isinstance(think, (bool, str)):
+        raise ApiError(400, "'think' must be true, false, or low, medium or high", param="think")
+    notes.append(f"think {json.dumps(think)} -> the template's thinking switch {'on' if think else 'off'}")
+    return bool(think)
 
 
 def _options(options: dict[str, Any], settings: ServerSettings) -> Any:
@@ -125,10 +144,10 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return bodies.tool_list(body, _tool) or None
 
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
+def _tool(tool: Any, where: str) -> list[dict[str, Any]]:
     function = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(function, dict):
         raise ApiError(400, f"'{where}' must be a function tool ({{\"type\": \"function\", \"function\": "
                             "...}})", param=where)
-    return bodies.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                f"{where}.function")
+    return [bodies.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                 f"{where}.function")]

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import openai_shapes as shapes
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.openai_schemas import Parsed, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
@@ -28,6 +28,8 @@ from mlxpipe.serve.text import Delta, tool_calls
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+DOOR = "openai"  # this door's name in the server's output and request log
 
 
 class OpenAIApi:
@@ -49,12 +51,14 @@ class OpenAIApi:
         ]
 
     async def models(self, request: Request) -> Response:
+        """The model, under each name it answers to (``--model``'s value, then ``--served-model-name``'s)."""
         try:
             authorize(request, self.settings.api_key)
         except ApiError as e:
-            return shapes.error_response(e)
-        model = {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "mlxpipe"}
-        return JSONResponse({"object": "list", "data": [model]})
+            return shapes.error_response(refused(self.log, request, DOOR, e))
+        models = [{"id": name, "object": "model", "created": 0, "owned_by": "mlxpipe",
+                   "max_model_len": self.settings.context} for name in self.settings.model_names]
+        return JSONResponse({"object": "list", "data": models})
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -67,9 +71,10 @@ class OpenAIApi:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
-            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops)
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
+                                     DOOR, parsed.notes)
         except ApiError as e:
-            return shapes.error_response(e)
+            return shapes.error_response(refused(self.log, request, DOOR, e))
         except (ClientDisconnect, ClientGone):
             return gone(request)
         return await respond(generation, _Run(self, parsed, generation, chat), request, parsed.stream)
@@ -81,7 +86,7 @@ class _Run:
     def __init__(self, api: OpenAIApi, parsed: Parsed, generation: Generation, chat: bool) -> None:
         self.api, self.parsed, self.generation, self.chat = api, parsed, generation, chat
         self.shapes = shapes.Shapes(("chatcmpl-" if chat else "cmpl-") + parsed.request.id, int(time.time()),
-                                    api.settings.model_id, chat)
+                                    parsed.model or api.settings.model_id, chat)
         self._text_offset = 0  # the legacy completions' text_offset of the next token
         # The reply in one body, as it grows: its text, its reasoning, its tool calls (None: the model wrote none).
         self._text, self._reasoning = "", ""

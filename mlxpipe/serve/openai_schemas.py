@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
@@ -38,6 +39,10 @@ _CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}
 _COMPLETION_LOGPROBS = {"logprobs": "top_logprobs"}
 
 
+# reasoning_effort -> the template's thinking switch.
+_EFFORT_THINKS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
 @dataclass
 class Parsed:
     """A validated request body."""
@@ -47,23 +52,65 @@ class Parsed:
     include_usage: bool
     stops: list[str]
     tools: list[Any] | None
+    model: str = ""  # the name the body gave the model, echoed back
+    notes: bodies.Notes = dc_field(default_factory=list)  # what was dropped or mapped
 
 
 def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
-    """``body`` checked and turned into a request for the ranks (its prompt as token ids); raises ``ApiError``."""
-    bodies.check_model(body, settings)
+    """``body`` checked and turned into a request for the ranks (its prompt as token ids); raises ``ApiError``.
+
+    ``developer`` messages are system turns; ``reasoning_effort`` is the template's thinking switch; tools of other
+    types than ``function`` and ``web_search_options`` are left out (said in the notes); ``user``,
+    ``service_tier``, ``store``, ``metadata``, ``parallel_tool_calls``, ``prompt_cache_key`` change nothing here.
+    """
+    model = bodies.check_model(body, settings)
     n = field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
+    notes: bodies.Notes = []
     request = _options(body, settings, chat)
+    if chat:
+        request = bodies.thinking(request, body, _thinking(body, notes))
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage", False))
     stops = bodies.stops(body, "stop")
-    tools = (bodies.tool_list(body, _tool) or None) if chat else None
+    tools = _tools(body, notes) if chat else None
     param = "messages" if chat else "prompt"
-    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), tools, None, param)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), stream, include_usage, stops, tools)
+    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), tools, None, param, notes)
+    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id, notes=notes), stream, include_usage,
+                  stops, tools, model, notes)
+
+
+def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
+    effort = field(body, "reasoning_effort", str)
+    if effort is None:
+        return None
+    if effort not in _EFFORT_THINKS:
+        raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(_EFFORT_THINKS)}", param="reasoning_effort")
+    notes.append(f"reasoning_effort {effort} -> the template's thinking switch "
+                 f"{'on' if _EFFORT_THINKS[effort] else 'off'}")
+    return _EFFORT_THINKS[effort]
+
+
+def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[Any] | None:
+    """OpenAI's function tools are the chat template's own shape: they reach it as sent; others are left out."""
+    others: list[str] = []
+
+    def keep(tool: Any, where: str) -> list[Any]:
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        if kind == "function":
+            return [tool]
+        others.append(str(kind)[:40])
+        return []
+
+    tools = bodies.tool_list(body, keep)
+    if field(body, "web_search_options", dict) is not None:
+        others.append("web_search_options")
+    if others:
+        notes.append(f"tools left out (this server runs only the model's function calls): "
+                     f"{', '.join(sorted(set(others)))}")
+    return tools or None
 
 
 def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Request:
@@ -75,11 +122,6 @@ def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Requ
     if field(body, "top_logprobs", int) is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return bodies.options(body, settings, {**_CHAT_LOGPROBS, **_OPTIONS})
-
-
-def _tool(tool: Any, where: str) -> Any:
-    """OpenAI's tools are the chat template's own shape: they reach it as sent."""
-    return tool
 
 
 def _prompt(body: dict[str, Any], chat: bool, options: Request) -> Request:
@@ -102,6 +144,8 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
+    if m["role"] == "developer":  # OpenAI's newer name for the system turn, which templates do not know
+        m = {**m, "role": "system"}
     content = m.get("content")
     if isinstance(content, list):
         texts: list[str] = [p["text"] for p in content

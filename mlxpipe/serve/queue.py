@@ -348,13 +348,20 @@ class RequestQueue:
 RECENT_REQUESTS = 50  # the requests the page lists
 
 
+# What a refused request's record holds of a generated one's: nothing was computed.
+_NOTHING_COMPUTED: dict[str, Any] = {"prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0, "ttft": None,
+                                     "tps": 0.0, "seconds": 0.0, "busy": []}
+
+
 @dataclass
 class RequestLog:
-    """One line per request in the run directory's ``requests.jsonl``; the last ones and the totals in memory."""
+    """One line per request in the run directory's ``requests.jsonl`` (refused ones too); the last ones and the
+    totals in memory."""
 
     path: Path | None = None
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     requests: int = 0
+    refused: int = 0  # requests answered with an error before anything was generated
     cache_hits: int = 0  # requests whose prompt began with tokens a kept KV cache held
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -362,18 +369,28 @@ class RequestLog:
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
-            self.recent.append(record)
             self.requests += 1
             self.cache_hits += record.get("cached_tokens", 0) > 0
             self.cached_tokens += record.get("cached_tokens", 0)
             self.prompt_tokens += record.get("prompt_tokens", 0)
-            if self.path is None:
-                return
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            self._append(record)
+
+    def refuse(self, record: dict[str, Any]) -> None:
+        """A refused request's record (``door.refused``): listed with the others, counted apart."""
+        with self._lock:
+            self.refused += 1
+            self._append({**_NOTHING_COMPUTED, **record})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self.recent.append(record)
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def figures(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
         """The recent requests, newest first, and the totals since the server started."""
         with self._lock:
-            return list(self.recent)[::-1], {"requests": self.requests, "hits": self.cache_hits,
-                                             "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
+            return list(self.recent)[::-1], {"requests": self.requests, "refused": self.refused,
+                                             "hits": self.cache_hits, "cached_tokens": self.cached_tokens,
+                                             "prompt_tokens": self.prompt_tokens}

@@ -21,16 +21,18 @@ from starlette.routing import Route
 
 from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import responses_shapes as shapes
-from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json
+from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
-from mlxpipe.serve.responses_schemas import Parsed, parse
+from mlxpipe.serve.responses_schemas import Parsed, flat_name, parse
 from mlxpipe.serve.responses_store import ResponseStore
 from mlxpipe.serve.text import Delta, tool_calls
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+DOOR = "responses"  # this door's name in the server's output and request log
 
 
 class ResponsesApi:
@@ -56,7 +58,7 @@ class ResponsesApi:
                 raise ApiError(404, f"no response {response_id[:60]!r} is kept", param="response_id",
                                code="not_found", kind="invalid_request_error")
         except ApiError as e:
-            return error_response(e)
+            return error_response(refused(self.log, request, DOOR, e))
         if request.method == "DELETE":
             self.store.delete(response_id)
             return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -67,9 +69,10 @@ class ResponsesApi:
             authorize(request, self.settings.api_key)
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, self.store)
-            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, [])
+            generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, [], DOOR,
+                                     parsed.notes)
         except ApiError as e:
-            return error_response(e)
+            return error_response(refused(self.log, request, DOOR, e))
         except (ClientDisconnect, ClientGone):
             return gone(request)
         return await respond(generation, _Run(self, parsed, generation), request, parsed.stream)
@@ -80,15 +83,23 @@ class _Run:
 
     def __init__(self, api: ResponsesApi, parsed: Parsed, generation: Generation) -> None:
         self.api, self.parsed, self.generation = api, parsed, generation
-        self.reply = shapes.Reply(f"resp_{uuid.uuid4().hex}", int(time.time()), api.settings.model_id, parsed.echo)
+        self.reply = shapes.Reply(f"resp_{uuid.uuid4().hex}", int(time.time()),
+                                  parsed.model or api.settings.model_id, parsed.echo)
 
     def _calls(self, texts: list[str]) -> list[dict[str, Any]]:
+        """The tool calls in ``texts`` as output items, each under its tool's own name (a namespace's function
+        comes back with its ``namespace``, a custom tool's call as a ``custom_tool_call``)."""
         if not texts:
             return []
         try:
-            return tool_calls(self.api.tokenizer, texts, self.parsed.tools, False)
+            calls = tool_calls(self.api.tokenizer, texts, self.parsed.tools, False)
         except Exception as e:  # noqa: BLE001 - the model wrote a tool call its parser cannot read
             raise RequestFailed(f"the model's tool call could not be parsed: {type(e).__name__}: {e}") from None
+        items = []
+        for call in calls:
+            origin = self.parsed.toolbox.origin(call["function"]["name"])
+            items.append(shapes.function_call(call, origin.name, origin.namespace, origin.custom))
+        return items
 
     @property
     def status(self) -> str:
@@ -124,8 +135,9 @@ class _Run:
             return
         text = "".join(i["content"][0]["text"] for i in self.reply.output if i["type"] == "message")
         calls = [{"id": i["call_id"], "type": "function",
-                  "function": {"name": i["name"], "arguments": _loads(i["arguments"])}}
-                 for i in self.reply.output if i["type"] == "function_call"]
+                  "function": {"name": flat_name(i.get("namespace"), i["name"]),
+                               "arguments": _loads(i["arguments"]) if "arguments" in i else {"input": i["input"]}}}
+                 for i in self.reply.output if i["type"] in ("function_call", "custom_tool_call")]
         answer: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             answer["tool_calls"] = calls

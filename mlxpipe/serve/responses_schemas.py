@@ -2,9 +2,17 @@
 
 ``input`` (a string, or a list of message, ``function_call`` and ``function_call_output`` items) becomes the chat
 messages a template reads, after the conversation of ``previous_response_id`` (from ``responses_store``) and after
-``instructions`` (a system message, never carried over, as OpenAI's API does). Function ``tools`` go to the
-template; ``tool_choice`` ``none`` withholds them, ``required`` and a named function reach the template as its
-``tool_choice`` variable. Images and files are refused (400). Every error names the field (``input[2].call_id``).
+``instructions`` (a system message, never carried over, as OpenAI's API does); ``developer`` messages are system
+turns where they stand. Function ``tools`` go to the template, and so do the functions of a ``namespace`` (flattened:
+``namespace__name``, the name a call comes back under, split again) and ``custom`` tools (a function of one string,
+``input``; its call comes back as a ``custom_tool_call``), whether in ``tools`` or in an ``additional_tools`` input
+item (Codex sends both). OpenAI's built-in tools (``web_search``, ``file_search``, ``code_interpreter``,
+``computer_use``, MCP connectors, ``local_shell``...) are left out, and their earlier calls dropped, named in the
+request's notes.
+``tool_choice`` ``none`` withholds the tools, ``required`` and a named function reach the template as its
+``tool_choice`` variable. ``reasoning.effort`` is the template's thinking switch (``bodies.thinking``);
+``prompt_cache_key``, ``include``, ``store``, ``client_metadata``, ``text.verbosity`` and the like are accepted.
+Images and files are refused (400). Every error names the field (``input[2].call_id``).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request, RequestError
@@ -31,6 +40,91 @@ _MEDIA = {"input_image": "an image", "input_file": "a file", "input_audio": "aud
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+# Items of earlier turns from tools OpenAI ran on its own servers, or state only its servers can read: nothing
+# the template can show, dropped (and named in the request's notes).
+_HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "computer_call_output",
+                 "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
+                 "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call",
+                 "tool_search_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
+                 "compaction", "compaction_summary", "item_reference")
+# reasoning.effort -> the template's thinking switch.
+_EFFORT_THINKS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True, "xhigh": True}
+NAMESPACE_SEPARATOR = "__"
+_CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string", "description": "The tool's input."}},
+                 "required": ["input"]}
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """A namespace's function as one function name (OpenAI's own default namespace, ``functions``, adds none)."""
+    return name if namespace in (None, "", "functions") else f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a tool the template sees came from: its name in the body, its namespace, a custom tool or not."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
+@dataclass
+class Toolbox:
+    """The body's tools as the template reads them (function tools), and where each came from."""
+
+    tools: list[dict[str, Any]] = dc_field(default_factory=list)
+    origins: dict[str, Origin] = dc_field(default_factory=dict)  # the template's name -> the body's
+    built_ins: list[str] = dc_field(default_factory=list)  # left out
+    unknown: list[str] = dc_field(default_factory=list)  # tool types this server does not know: left out
+
+    def add(self, tool: Any, where: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """``tool`` (a function, a custom tool, a namespace of them, or a built-in tool) as function tools."""
+        kind = _kind(tool)
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"'{where}' must be an object", param=where)
+        if kind == "namespace" and namespace is None:
+            inner = field(tool, "tools", list, [], f"{where}.")
+            ns = field(tool, "name", str, None, f"{where}.")
+            if not ns:
+                raise ApiError(400, f"'{where}.name' must name the namespace", param=f"{where}.name")
+            return [t for j, sub in enumerate(inner) for t in self.add(sub, f"{where}.tools[{j}]", ns)]
+        if kind in ("function", "custom"):
+            name = tool.get("name")
+            custom = kind == "custom"
+            parameters = _CUSTOM_INPUT if custom else tool.get("parameters")
+            description = tool.get("description")
+            if custom and isinstance((fmt := tool.get("format")), dict) and fmt.get("type") == "grammar":
+                description = f"{description or ''}\n(input: text in the {fmt.get('syntax', '')} grammar: " \
+                              f"{str(fmt.get('definition', ''))[:2000]})".strip()
+            made = bodies.function_tool(name, description, parameters, where)  # checks the name is a string
+            name = made["function"]["name"]
+            flat = flat_name(namespace, name)
+            made["function"]["name"] = flat
+            self.origins[flat] = Origin(name, namespace, custom)
+            self.tools.append(made)
+            return [made]
+        if bodies.built_in(kind):
+            self.built_ins.append(str(kind))
+        else:
+            self.unknown.append(str(kind)[:40])
+        return []
+
+    def say(self, notes: bodies.Notes) -> None:
+        """What was left out, and what was mapped, in the request's notes."""
+        bodies.left_out(notes, self.built_ins)
+        if self.unknown:
+            notes.append(f"tools of unknown types left out: {', '.join(sorted(set(self.unknown)))}")
+        spaces = sorted({o.namespace for o in self.origins.values() if o.namespace not in (None, "", "functions")})
+        if spaces:
+            notes.append(f"namespaces flattened to namespace{NAMESPACE_SEPARATOR}name: {', '.join(spaces)}")
+        if any(o.custom for o in self.origins.values()):
+            notes.append("custom tools offered as functions of one string, 'input'")
+
+    def origin(self, name: str) -> Origin:
+        """Where the tool the model called ``name`` came from (itself, for a name no tool has)."""
+        return self.origins.get(name, Origin(name))
+
+
 @dataclass
 class Parsed:
     """A validated Responses body, with what the response echoes back."""
@@ -41,24 +135,40 @@ class Parsed:
     conversation: list[dict[str, Any]]  # every message but the instructions: what a follow-up continues
     tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
     echo: dict[str, Any]  # the request's fields a response object repeats
+    model: str = ""  # the name the body gave the model, echoed back
+    toolbox: Toolbox = dc_field(default_factory=Toolbox)  # where each tool came from: calls map back
+    notes: bodies.Notes = dc_field(default_factory=list)  # what was dropped or mapped
 
 
 def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWrapper, new_id: Callable[[], str],
           store: ResponseStore) -> Parsed:
     """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
-    bodies.check_model(body, settings)
+    model = bodies.check_model(body, settings)
     _refuse_unsupported(body)
+    notes: bodies.Notes = []
     request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
-    tools = _tools(body)
+    request = bodies.thinking(request, body, _thinking(body, notes))
+    toolbox = Toolbox()
+    for i, tool in enumerate(field(body, "tools", list) or []):
+        toolbox.add(tool, f"tools[{i}]")
+    dropped: list[str] = []
+    conversation = _previous(body, store) + input_messages(body.get("input"), toolbox, dropped)
+    if len(toolbox.tools) > bodies.MAX_TOOLS:
+        raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(toolbox.tools)}",
+                       param="tools")
+    toolbox.say(notes)
+    if dropped:
+        notes.append(f"earlier turns' hosted tool items dropped: {', '.join(sorted(set(dropped)))}")
+    tools = toolbox.tools or None
     choice = _tool_choice(body, tools)
-    conversation = _previous(body, store) + input_messages(body.get("input"))
     instructions = field(body, "instructions", str)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
-    tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
+    tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input", notes)
     # text.format is the body's name of the structured output a server with a draft model refuses.
-    ranked = bodies.for_ranks(request, tokens, settings, "input", new_id, {"response_format": "text.format"})
+    ranked = bodies.for_ranks(request, tokens, settings, "input", new_id,
+                              {"response_format": "text.format", "max_tokens": "max_output_tokens"}, notes)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": request.temp, "top_p": request.top_p, "tool_choice": choice or "auto",
             "tools": field(body, "tools", list, []), "parallel_tool_calls": field(body, "parallel_tool_calls", bool,
@@ -66,7 +176,20 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
             "previous_response_id": body.get("previous_response_id"), "metadata": field(body, "metadata", dict, {}),
             "text": {"format": {"type": "text"}}}
     return Parsed(ranked, field(body, "stream", bool, False), field(body, "store", bool, True), conversation, offered,
-                  echo)
+                  echo, model, toolbox, notes)
+
+
+def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
+    """``reasoning.effort`` as the template's thinking switch (``none``: off); a summary is not made."""
+    reasoning = field(body, "reasoning", dict)
+    effort = field(reasoning, "effort", str, None, "reasoning.") if reasoning else None
+    if effort is None:
+        return None
+    if effort not in _EFFORT_THINKS:
+        raise ApiError(400, f"'reasoning.effort' must be one of {', '.join(_EFFORT_THINKS)}", param="reasoning.effort")
+    notes.append(f"reasoning.effort {effort} -> the template's thinking switch "
+                 f"{'on' if _EFFORT_THINKS[effort] else 'off'}")
+    return _EFFORT_THINKS[effort]
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -111,12 +234,16 @@ def _previous(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]
     return [dict(m) for m in stored.messages]
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``."""
+def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str] | None = None
+                   ) -> list[dict[str, Any]]:
+    """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``; the
+    tools of an ``additional_tools`` item go to ``toolbox``; items of hosted tools are left out (their types
+    added to ``dropped``)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
+    toolbox = toolbox if toolbox is not None else Toolbox()
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
     for i, item in enumerate(value):
@@ -124,19 +251,21 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = _kind(item, "message")
         if kind == "message":
             out.append(_message(item, where))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id = field(item, "call_id", str, None, f"{where}.")
             name = field(item, "name", str, None, f"{where}.")
             if not call_id or not name:
                 raise ApiError(400, f"'{where}' needs a 'call_id' and a 'name'", param=where)
+            name = flat_name(field(item, "namespace", str, None, f"{where}."), name)
             names[call_id] = name
-            call = bodies.tool_call(call_id, name, _arguments(field(item, "arguments", str, "{}", f"{where}."),
-                                                              f"{where}.arguments"))
+            arguments = ({"input": field(item, "input", str, "", f"{where}.")} if kind == "custom_tool_call" else
+                         _arguments(field(item, "arguments", str, "{}", f"{where}."), f"{where}.arguments"))
+            call = bodies.tool_call(call_id, name, arguments)
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = field(item, "call_id", str, None, f"{where}.")
             if not call_id:
                 raise ApiError(400, f"'{where}.call_id' must name the function call it answers",
@@ -148,8 +277,14 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             if call_id in names:
                 tool["name"] = names[call_id]
             out.append(tool)
+        elif kind == "additional_tools":
+            for j, tool in enumerate(field(item, "tools", list, [], f"{where}.")):
+                toolbox.add(tool, f"{where}.tools[{j}]")
         elif kind == "reasoning":
             continue  # earlier turns' reasoning: templates drop it too
+        elif kind in _HOSTED_ITEMS:
+            if dropped is not None:
+                dropped.append(kind)
         else:
             raise ApiError(400, f"'{where}' must be a message, function_call or function_call_output item, got "
                                 f"type {str(kind)[:40]!r}", param=where)
@@ -185,18 +320,6 @@ def _arguments(text: str, where: str) -> Any:
         return json.loads(text) if text.strip() else {}
     except ValueError:
         raise ApiError(400, f"'{where}' must be a JSON object as a string", param=where) from None
-
-
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    return bodies.tool_list(body, _tool) or None
-
-
-def _tool(tool: Any, where: str) -> dict[str, Any]:
-    kind = _kind(tool)
-    if kind != "function":
-        raise ApiError(400, f"'{where}' must be a function tool; built-in tools ({str(kind)[:40]}) are not "
-                            "run by this server", param=where)
-    return bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:

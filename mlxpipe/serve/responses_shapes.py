@@ -35,13 +35,30 @@ def error_event(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "code": error.code, "message": error.message, "param": error.param}
 
 
-def function_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A parsed tool call (``serve.text.tool_calls``, OpenAI's chat shape) as a ``function_call`` item."""
+def function_call(call: dict[str, Any], name: str | None = None, namespace: str | None = None,
+                  custom: bool = False) -> dict[str, Any]:
+    """A parsed tool call (``serve.text.tool_calls``, OpenAI's chat shape) as a ``function_call`` item, under the
+    tool's own ``name`` and ``namespace`` where the template saw it flattened; a ``custom`` tool's call (its one
+    string argument, ``input``) as a ``custom_tool_call`` item."""
     function = call["function"]
     call_id = call.get("id") or _id("call")
-    return {"type": "function_call", "id": _id("fc"), "call_id": call_id if call_id.startswith("call") else
-            f"call_{call_id}", "name": function["name"], "arguments": function.get("arguments") or "{}",
-            "status": "completed"}
+    call_id = call_id if call_id.startswith("call") else f"call_{call_id}"
+    arguments = function.get("arguments") or "{}"
+    where = {"namespace": namespace} if namespace else {}
+    if custom:
+        return {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call_id, "name": name or function["name"],
+                "input": _custom_input(arguments), "status": "completed", **where}
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name or function["name"],
+            "arguments": arguments, "status": "completed", **where}
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input: the ``input`` string the model gave its function, else all it wrote."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
 
 
 @dataclass
@@ -65,24 +82,32 @@ class Reply:
                 **self.echo}
 
     def add(self, delta: Delta, calls: list[dict[str, Any]]) -> list[str]:
-        """``delta`` (``calls``: its tool calls, parsed) into the output; returns its events."""
+        """``delta`` (``calls``: its tool calls, as ``function_call`` or ``custom_tool_call`` items) into the
+        output; returns its events."""
         out = []
         if delta.reasoning:
             out += self._extend("reasoning", delta.reasoning)
         if delta.text:
             out += self._extend("message", delta.text)
-        for call in calls:
+        for item in calls:
             out += self._close()
-            item = function_call(call)
             self.output.append(item)
             index = len(self.output) - 1
-            out += [self.event("response.output_item.added", output_index=index,
-                               item={**item, "arguments": "", "status": "in_progress"}),
-                    self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=item["arguments"]),
-                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=item["arguments"], name=item["name"]),
-                    self.event("response.output_item.done", output_index=index, item=item)]
+            if item["type"] == "custom_tool_call":
+                out += [self.event("response.output_item.added", output_index=index,
+                                   item={**item, "input": "", "status": "in_progress"}),
+                        self.event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                                   delta=item["input"]),
+                        self.event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                   input=item["input"])]
+            else:
+                out += [self.event("response.output_item.added", output_index=index,
+                                   item={**item, "arguments": "", "status": "in_progress"}),
+                        self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                   delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   arguments=item["arguments"], name=item["name"])]
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
 
     def opening(self) -> list[str]:

@@ -41,17 +41,21 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
-          defaults: Request, context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+          defaults: Request, context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          served_names: tuple[str, ...] = (), any_model_name: bool = False) -> int:
     """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises).
 
     ``defaults``: every request's options until its body says otherwise; ``context``: the longest prompt and
-    reply a request may make (default: the model's ``max_position_embeddings``).
+    reply a request may make (default: the model's ``max_position_embeddings``); ``served_names``: more names
+    the model answers to; ``any_model_name``: it answers to every name.
     """
     from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.serve.app import build_app
     from mlxpipe.serve.door import ServerSettings
 
     _check(options, host, port, api_key, max_body_bytes)
+    if any(not name.strip() for name in served_names):
+        raise UsageError("--served-model-name: a name may not be empty")
     meta, plan = prepare(config)
     tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
     log = RequestLog()
@@ -72,13 +76,14 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     settings = ServerSettings(
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
-        draft_model=config.draft_model is not None,
+        draft_model=config.draft_model is not None, served_names=served_names, any_model_name=any_model_name,
     )
     app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=3), queue)
+    names = ", ".join(repr(n) for n in settings.model_names) + (", or any name" if any_model_name else "")
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
-                      f"(model id {settings.model_id!r}); loading {len(plan.ranks)} ranks...")
+                      f"(model id {names}); loading {len(plan.ranks)} ranks...")
     queue.start()
     _quiet_lost_connections()
     try:

@@ -134,6 +134,22 @@ def test_the_page_shows_every_rank_as_health_reports_it_and_chats(server: ServeP
 
 
 @pytest.mark.ranks
+def test_a_refused_request_is_listed_with_its_door_field_and_reason(server: ServeProcess, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    refused = httpx.post(f"{server.base}/v1/messages", headers={"x-api-key": KEY}, timeout=30,
+                         json={"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]})
+    assert refused.status_code == 400
+    _open(browser, server.base, KEY)
+    row = _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#requests tr[data-status="400"]'),
+                 "the refused request in the recent requests")[0]
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[:2] == ["anthropic", "refused 400"], cells
+    why = row.find_element(By.XPATH, "following-sibling::tr[1]").text
+    assert why.startswith("POST /v1/messages · messages[0]: 'messages[0]' must be an object"), why
+
+
+@pytest.mark.ranks
 def test_the_page_is_open_and_its_data_behind_the_key(server: ServeProcess) -> None:
     page = httpx.get(f"{server.base}/", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

@@ -132,7 +132,7 @@ BAD = [
     ({**_OK, "temperature": -1}, 400, "temperature"),
     ({**_OK, "top_k": "many"}, 400, "top_k"),
     ({**_OK, "stop_sequences": "x" * 2000}, 400, "stop_sequences"),
-    ({**_OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
+    ({**_OK, "tools": [{"name": "no_schema"}]}, 400, "tools[0]"),
     ({**_OK, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, 400, "tool_choice.name"),
     ({**_OK, "model": "claude-other"}, 404, "model"),
 ]
@@ -142,11 +142,14 @@ BAD = [
 @pytest.mark.parametrize(("body", "status", "field"), BAD)
 def test_bad_input_is_a_4xx_in_anthropics_shape_naming_the_field(server: ServeProcess, body: dict[str, Any],
                                                                   status: int, field: str) -> None:
+    since = len(server.err)
     response = httpx.post(f"{server.base}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()
     assert error["type"] == "error" and field in error["error"]["message"]
     assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    # One line in the server's output says it: door, status, field, reason.
+    assert server.said(f"refused POST /v1/messages (anthropic): {status} '{field}", since)
 
 
 @pytest.mark.ranks

@@ -67,9 +67,11 @@ def test_tags_and_show_name_the_served_model(client: ollama.Client, demo_model: 
 ])
 def test_bad_input_is_ollamas_error_naming_the_field(server: ServeProcess, body: dict, status: int,
                                                      fragment: str) -> None:
+    since = len(server.err)
     response = httpx.post(f"{server.base}/api/chat", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
     assert response.status_code == status and fragment in response.json()["error"], response.text
+    assert fragment in server.said(f"refused POST /api/chat (ollama): {status}", since)
 
 
 @pytest.mark.ranks

@@ -223,7 +223,10 @@ def test_context_bounds_the_prompt(server: ServeProcess) -> None:
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["code"] == "context_length_exceeded" and f"context is {CONTEXT} tokens" in error["message"]
+    # OpenAI's words, with both counts: what agents act on.
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+    assert int(error["message"].split("resulted in ")[1].split()[0]) > CONTEXT
 
 
 BAD = [
@@ -251,28 +254,34 @@ BAD = [
 @pytest.mark.parametrize(("body", "status", "param"), BAD)
 def test_bad_input_is_a_4xx_naming_the_field(server: ServeProcess, body: dict[str, Any], status: int,
                                               param: str) -> None:
+    since = len(server.err)
     response = httpx.post(f"{server.url}/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and param.split("[")[0] in error["message"]
     assert server.health()["status"] == "ready"
+    assert server.said(f"refused POST /v1/chat/completions (openai): {status} '{param}'", since)
 
 
 @pytest.mark.parametrize(("raw", "fragment"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object")])
 def test_a_body_that_is_not_a_json_object_is_refused(server: ServeProcess, raw: bytes, fragment: str) -> None:
+    since = len(server.err)
     response = httpx.post(f"{server.url}/chat/completions", content=raw,
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+    assert fragment in server.said("refused POST /v1/chat/completions (openai): 400", since)
 
 
 def test_a_body_over_the_limit_is_refused(server: ServeProcess) -> None:
     # 60 MB: the client is still sending when the server has decided; it must read a 413, not a reset.
+    since = len(server.err)
     response = httpx.post(f"{server.url}/chat/completions", content=b"x" * (60 * 1024 * 1024),
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert response.status_code == 413
     error = response.json()["error"]
     assert error["code"] == "request_too_large" and "--max-body-size" in error["message"]
+    assert "--max-body-size" in server.said("refused POST /v1/chat/completions (openai): 413", since)
 
 
 # --- no body can break the server -------------------------------------------------------------
@@ -372,7 +381,9 @@ def test_a_client_that_leaves_while_sending_its_body_is_one_quiet_line(server: S
 @pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}"])
 def test_every_endpoint_but_health_needs_the_key(server: ServeProcess, header: str | None) -> None:
     headers = {"Authorization": header} if header else {}
+    since = len(server.err)
     assert httpx.get(f"{server.url}/models", headers=headers).status_code == 401
+    assert "invalid or missing API key" in server.said("refused GET /v1/models (openai): 401", since)
     response = httpx.post(f"{server.url}/chat/completions", headers=headers, json={"messages": _user("hi")})
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.base}/health").status_code == 200

@@ -115,7 +115,7 @@ BAD = [
     ({**_OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strang"}}}}, 400,
      "text.format"),
     ({**_OK, "text": {"format": {"type": "yaml"}}}, 400, "text.format"),
-    ({**_OK, "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+    ({**_OK, "tools": [{"type": "function", "parameters": {}}]}, 400, "tools[0].name"),
     ({**_OK, "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({**_OK, "temperature": "hot"}, 400, "temperature"),
     ({**_OK, "model": "gpt-other"}, 404, "model"),
@@ -147,8 +147,10 @@ def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, dem
 @pytest.mark.parametrize(("body", "status", "param"), BAD)
 def test_bad_input_is_a_4xx_naming_the_field(server: ServeProcess, body: dict[str, Any], status: int,
                                               param: str) -> None:
+    since = len(server.err)
     response = httpx.post(f"{server.url}/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"]
+    assert server.said(f"refused POST /v1/responses (responses): {status} '{param}'", since)

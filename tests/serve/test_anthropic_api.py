@@ -49,3 +49,13 @@ def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthrop
     assert "text_delta" in deltas and "input_json_delta" in deltas
     assert [b.type for b in final.content] == ["text", "tool_use"]
     assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+
+
+def test_a_prompt_over_the_context_is_anthropics_prompt_is_too_long(scripted: anthropic.Anthropic) -> None:
+    """Anthropic's own words, with both counts: what Claude Code acts on (it compacts the conversation)."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        scripted.messages.create(model="scripted", max_tokens=50, messages=_user("word " * 5000))
+    message = info.value.body["error"]["message"]
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert message.startswith("prompt is too long: ") and message.endswith(" tokens > 4096 maximum")
+    assert int(message.split()[4]) > 4096

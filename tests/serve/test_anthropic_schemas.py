@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxpipe.serve.anthropic_schemas import chat_messages
-from mlxpipe.serve.door import ApiError
+from fixtures.tiny_models import write_tokenizer
+from mlxpipe.serve.anthropic_schemas import Parsed, chat_messages, parse
+from mlxpipe.serve.door import ApiError, ServerSettings
+
+SETTINGS = ServerSettings(model_id="m", api_key=None, context=4096, any_model_name=True)
 
 
 def test_blocks_become_the_messages_mlx_lm_server_gives_a_template() -> None:
@@ -41,7 +45,7 @@ def test_a_last_assistant_message_is_the_prefill_the_reply_continues() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x"}]}]},
@@ -58,3 +62,76 @@ def test_each_bad_part_is_a_400_naming_it(body: dict[str, Any], param: str) -> N
         chat_messages(body)
     assert (info.value.status, info.value.param) == (400, param)
     assert f"'{param}'" in info.value.message
+
+
+def test_a_system_message_among_the_messages_is_a_system_turn_where_it_stands() -> None:
+    """Claude Code sends one after the first user message (its agents' list)."""
+    messages, _ = chat_messages({"system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": "Agents: Explore."},
+        {"role": "developer", "content": [{"type": "text", "text": "No emoji."}]}, {"role": "user", "content": "Go"}]})
+    assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "system", "content": "Agents: Explore."}, {"role": "system", "content": "No emoji."},
+                        {"role": "user", "content": "Go"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def _parse(tokenizer: Any, **body: Any) -> Parsed:
+    return parse({"max_tokens": 64000, "messages": [{"role": "user", "content": "Hi"}], **body}, SETTINGS, tokenizer,
+                 lambda: "req-1")
+
+
+def test_what_claude_code_sends_is_taken_and_what_cannot_be_honoured_said(tokenizer: Any) -> None:
+    parsed = _parse(tokenizer, model="claude-opus-4-8", thinking={"type": "adaptive"}, metadata={"user_id": "u"},
+                    context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                    output_config={"effort": "high"}, stream=True,
+                    system=[{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+                    tools=[{"name": "Bash", "description": "Run.", "input_schema": {"type": "object"},
+                            "cache_control": {"type": "ephemeral"}},
+                           {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+                    mcp_servers=[{"type": "url", "url": "https://example.invalid/mcp", "name": "x"}])
+    assert parsed.model == "claude-opus-4-8" and [t["function"]["name"] for t in parsed.tools or []] == ["Bash"]
+    assert parsed.request.max_tokens == 4096 - len(parsed.request.tokens)  # clamped to what the context leaves
+    assert parsed.notes == [
+        "thinking adaptive -> the template's thinking switch on",
+        "built-in tools left out (only function tools reach the model): web_search",
+        "context_management not applied: this server edits no context",
+        "mcp_servers left out: this server connects to none",
+        "output_config.effort high not applied",
+        f"max_tokens 64000 -> {parsed.request.max_tokens}: what the context (4096) leaves",
+    ]
+
+
+@pytest.mark.parametrize(("thinking", "switch"), [({"type": "enabled", "budget_tokens": 2048}, True),
+                                                  ({"type": "adaptive"}, True), ({"type": "disabled"}, False)])
+def test_thinking_is_the_templates_thinking_switch(tokenizer: Any, thinking: dict[str, Any], switch: bool) -> None:
+    parsed = _parse(tokenizer, thinking=thinking)
+    assert parsed.request.chat_template_config == {"enable_thinking": switch}
+
+
+def test_output_config_format_is_a_structured_output(tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    parsed = _parse(tokenizer, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert parsed.request.response_format == {"type": "json_schema",
+                                              "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    with pytest.raises(ApiError) as info:
+        _parse(tokenizer, output_config={"format": {"type": "yaml"}})
+    assert info.value.param == "output_config.format"
+
+
+def test_earlier_turns_of_hosted_tools_are_dropped_and_said() -> None:
+    notes: list[str] = []
+    messages, _ = chat_messages({"messages": [
+        {"role": "user", "content": "Search."},
+        {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
+                                          {"type": "web_search_tool_result", "tool_use_id": "s", "content": []},
+                                          {"type": "text", "text": "Found."}]},
+        {"role": "user", "content": "Thanks."}]}, notes)
+    assert messages[1] == {"role": "assistant", "content": "Found."}
+    assert notes == ["earlier turns' hosted tool blocks dropped: server_tool_use, web_search_tool_result"]
+

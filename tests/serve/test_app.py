@@ -1,4 +1,5 @@
-"""serve/app.py: the HTTP app over a scripted queue, in-process: the doors' routes behind the key, unknown routes.
+"""serve/app.py: the HTTP app over a scripted queue, in-process: the doors' routes behind the key, unknown routes,
+every refusal said in the server's output and the request log, the names the model answers to.
 
 (``/health`` asks the queue for more than the scripted queue has; a real server answers it in
 ``tests/e2e/test_serve_openai.py``.)
@@ -6,8 +7,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -15,9 +18,11 @@ from starlette.testclient import TestClient
 
 from fixtures.chat_reference import ScriptedQueue
 from fixtures.serve_process import KEY
+from mlxpipe.errors import LaunchError, RequestFailed
+from mlxpipe.protocol.request import Request
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
-from mlxpipe.serve.queue import RequestLog
+from mlxpipe.serve.queue import Outcome, RequestLog, Stream
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,141 @@ def test_every_door_is_routed_and_behind_the_key(http: TestClient, path: str, bo
     response = http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}", "x-api-key": KEY})
     assert response.status_code == 200, response.text
     assert "Paris." in response.text  # the scripted queue's reply, in the door's own shape
+
+
+class TroubledQueue(ScriptedQueue):
+    """A scripted queue that is ``full`` (no room: 429), ``down`` (the pipeline gave up: 503) or ``failing`` (the
+    request fails at its first token: 500), as ``trouble`` says; else it replies."""
+
+    trouble: str | None = None
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Stream:
+        if self.trouble == "down":
+            raise LaunchError("rank 1 on host-b: killed by SIGKILL")
+        if self.trouble == "failing":
+            stream = Stream(request, loop)
+            stream.put(Outcome(error=RequestFailed("its sampler raised on rank 0")))
+            return stream
+        return super().submit(request, loop)
+
+    @property
+    def in_flight(self) -> int:
+        return self.capacity if self.trouble == "full" else 0
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def troubled(demo_model: Path) -> Iterator[tuple[TestClient, TroubledQueue, RequestLog]]:
+    tokenizer = load_tokenizer(demo_model)
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096, max_body_bytes=1024,
+                              served_names=("local-model",))
+    queue, log = TroubledQueue(tokenizer, "Paris."), RequestLog()
+    with TestClient(build_app(queue, tokenizer, settings, log)) as client:  # type: ignore[arg-type]
+        yield client, queue, log
+
+
+_AUTH = {"Authorization": f"Bearer {KEY}"}
+_DOORS = {"/v1/chat/completions": ("openai", {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}),
+          "/v1/completions": ("openai", {"max_tokens": 8, "prompt": "Hi"}),
+          "/v1/messages": ("anthropic", {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}),
+          "/v1/messages/count_tokens": ("anthropic", {"messages": [{"role": "user", "content": "Hi"}]}),
+          "/v1/responses": ("responses", {"input": "Hi"}),
+          "/api/chat": ("ollama", {"messages": [{"role": "user", "content": "Hi"}], "stream": False}),
+          "/api/generate": ("ollama", {"prompt": "Hi", "stream": False})}
+# What each way of refusing a request sends: its headers, its raw body or a change to a good one, what the queue does.
+_REFUSALS: dict[str, tuple[int, dict[str, str], Any, str | None]] = {
+    "no key": (401, {}, None, None),
+    "too large": (413, _AUTH, b"x" * 4096, None),
+    "not json": (400, _AUTH, b"{not json", None),
+    "bad field": (400, _AUTH, {"temperature": "hot", "options": {"temperature": "hot"}}, None),
+    "unknown model": (404, _AUTH, {"model": "gpt-other"}, None),
+    "no room": (429, _AUTH, {}, "full"),
+    "pipeline down": (503, _AUTH, {}, "down"),
+}
+
+
+@pytest.mark.parametrize(("path", "way"), [(p, w) for p in _DOORS for w in _REFUSALS
+                                           if not (p.endswith("count_tokens") and _REFUSALS[w][3])])  # no rank there
+def test_every_refusal_is_one_line_and_one_record_naming_door_status_and_reason(
+        troubled: tuple[TestClient, TroubledQueue, RequestLog], capsys: pytest.CaptureFixture[str], path: str,
+        way: str) -> None:
+    client, queue, log = troubled
+    door, good = _DOORS[path]
+    status, headers, change, trouble = _REFUSALS[way]
+    body = change if isinstance(change, bytes) else {**good, **(change or {})}
+    if way == "bad field" and path.startswith("/api/"):
+        body.pop("temperature")
+    capsys.readouterr()
+    queue.trouble = trouble
+    try:
+        response = (client.post(path, content=body, headers=headers) if isinstance(body, bytes) else
+                    client.post(path, json=body, headers=headers))
+    finally:
+        queue.trouble = None
+    assert response.status_code == status, response.text
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"refused POST {path} ({door}): {status}"), line
+    record = log.figures()[0][0]
+    assert (record["door"], record["path"], record["status"]) == (door, path, str(status)) and record["error"]
+    assert record["error"][:50] in line
+
+
+@pytest.mark.parametrize("path", [p for p in _DOORS if not p.endswith("count_tokens")])
+def test_a_request_that_fails_at_its_first_token_is_its_own_one_line(
+        troubled: tuple[TestClient, TroubledQueue, RequestLog], capsys: pytest.CaptureFixture[str], path: str) -> None:
+    client, queue, log = troubled
+    door, body = _DOORS[path]
+    capsys.readouterr()
+    queue.trouble = "failing"
+    try:
+        response = client.post(path, json=body, headers=_AUTH)
+    finally:
+        queue.trouble = None
+    assert response.status_code == 500
+    [line] = capsys.readouterr().err.splitlines()  # the request's own line: not a second one for the refusal
+    assert f" ({door}): error, " in line and line.endswith("; error: its sampler raised on rank 0"), line
+    assert log.figures()[0][0]["status"] == "error"
+
+
+@pytest.mark.parametrize(("method", "path", "status", "door"), [
+    ("GET", "/v2/nothing", 404, "http"), ("GET", "/v1/chat/completions", 405, "http"),
+    ("GET", "/v1/models", 401, "openai"), ("GET", "/api/tags", 401, "ollama"), ("GET", "/v1/cluster", 401, "page"),
+    ("GET", "/v1/responses/resp_unknown", 404, "responses"),
+])
+def test_refusals_outside_the_generating_routes_are_said_too(
+        troubled: tuple[TestClient, TroubledQueue, RequestLog], capsys: pytest.CaptureFixture[str], method: str,
+        path: str, status: int, door: str) -> None:
+    client = troubled[0]
+    capsys.readouterr()
+    headers = _AUTH if status != 401 else {}
+    assert client.request(method, path, headers=headers).status_code == status
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"refused {method} {path} ({door}): {status}"), line
+
+
+def test_the_page_s_recent_requests_list_refused_ones_with_why(
+        troubled: tuple[TestClient, TroubledQueue, RequestLog]) -> None:
+    client, _, log = troubled
+    client.post("/v1/messages", json={"max_tokens": 8, "messages": [{"role": "robot"}]}, headers=_AUTH)
+    requests, totals = log.figures()  # what /v1/cluster gives the page (a real queue's in tests/e2e/test_page.py)
+    newest = requests[0]
+    assert (newest["id"], newest["door"], newest["status"], newest["param"]) == (None, "anthropic", "400",
+                                                                                 "messages[0]")
+    assert newest["prompt_tokens"] == 0 and newest["ttft"] is None and totals["refused"] >= 1
+
+
+def test_the_model_is_listed_under_each_name_and_answers_to_each(
+        troubled: tuple[TestClient, TroubledQueue, RequestLog]) -> None:
+    client = troubled[0]
+    assert [m["id"] for m in client.get("/v1/models", headers=_AUTH).json()["data"]] == ["scripted", "local-model"]
+    assert [m["name"] for m in client.get("/api/tags", headers=_AUTH).json()["models"]] == ["scripted", "local-model"]
+    reply = client.post("/v1/chat/completions", headers=_AUTH, json={"model": "local-model", "max_tokens": 8,
+                                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    assert reply.status_code == 200 and reply.json()["model"] == "local-model"  # the name asked, echoed
+    reply = client.post("/api/chat", headers=_AUTH, json={"model": "local-model:latest", "stream": False,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+    assert reply.status_code == 200
+

@@ -6,7 +6,7 @@ Function calls the model writes, and malformed bodies through the Responses and 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,64 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
     assert queue.requests[-1].tokens == expected
 
 
+NAMESPACED = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+              "tools": [{"type": "function", "name": "spawn_agent", "description": "Spawn one.",
+                         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]}
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Patch files.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+
+
+@pytest.fixture
+def replying(scripted: tuple[openai.OpenAI, ScriptedQueue]) -> Iterator[Callable[[str], openai.OpenAI]]:
+    """The scripted client, its queue set to reply a given text for one test."""
+    client, queue = scripted
+
+    def reply(text: str) -> openai.OpenAI:
+        queue.text = text
+        return client
+
+    yield reply
+    queue.text = TOOL_REPLY
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["one-body", "streaming"])
+def test_a_namespaced_function_call_comes_back_under_its_own_name_and_namespace(
+        replying: Callable[[str], openai.OpenAI], stream: bool) -> None:
+    client = replying('<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"task": "x"}}\n</tool_call>')
+    http: TestClient = client._client
+    body = {"model": "scripted", "input": "Spawn.", "tools": [NAMESPACED, {"type": "web_search"}], "stream": stream}
+    response = http.post("/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        output = events[-1]["response"]["output"]
+        assert "response.function_call_arguments.done" in [e["type"] for e in events]
+    else:
+        output = response.json()["output"]
+    [call] = [i for i in output if i["type"] == "function_call"]
+    assert (call["name"], call["namespace"], json.loads(call["arguments"])) == ("spawn_agent", "multi_agent_v1",
+                                                                                {"task": "x"})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["one-body", "streaming"])
+def test_a_custom_tool_call_comes_back_as_a_custom_tool_call(replying: Callable[[str], openai.OpenAI],
+                                                             stream: bool) -> None:
+    client = replying('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}}\n</tool_call>')
+    http: TestClient = client._client
+    body = {"model": "scripted", "input": "Patch.", "tools": [PATCH_TOOL], "stream": stream}
+    response = http.post("/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert "response.custom_tool_call_input.delta" in kinds and "response.custom_tool_call_input.done" in kinds
+        output = events[-1]["response"]["output"]
+    else:
+        output = response.json()["output"]
+    [call] = [i for i in output if i["type"] == "custom_tool_call"]
+    assert (call["name"], call["input"]) == ("apply_patch", "*** Begin Patch") and "namespace" not in call
+
+
 # --- no body can break either door ---------------------------------------------------------------------------------
 
 _JUNK: list[Any] = [None, True, 0, -1, 2**70, 1e308, "", "x" * 300, [], [1], {}, {"a": 1}, [[]], {"type": []},
@@ -69,9 +127,11 @@ _JUNK: list[Any] = [None, True, 0, -1, 2**70, 1e308, "", "x" * 300, [], [1], {},
                     [{"type": "function_call"}], [{"type": "tool_result", "content": [{"type": {}}]}],
                     {"type": "tool", "name": ["x"]}, [{"type": "tool_use", "input": []}]]
 _MESSAGES_FIELDS = ["model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
-                    "tools", "tool_choice", "stream", "seed", "chat_template_kwargs"]
+                    "tools", "tool_choice", "stream", "seed", "chat_template_kwargs", "thinking", "output_config",
+                    "output_format", "context_management", "mcp_servers", "metadata"]
 _RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
-                     "tool_choice", "stream", "store", "previous_response_id", "text", "top_logprobs", "metadata"]
+                     "tool_choice", "stream", "store", "previous_response_id", "text", "top_logprobs", "metadata",
+                     "reasoning", "include", "prompt_cache_key", "client_metadata", "parallel_tool_calls"]
 
 
 def _fuzz(count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:

@@ -244,15 +244,21 @@ function renderRequests(requests) {
   $("no-requests").hidden = requests.length > 0;
   const rows = [];
   for (const r of requests) {
-    rows.push(el("tr", { "data-id": r.id, "data-status": r.status, class: r.error ? "failed" : "" },
-      el("td", { class: "id", text: r.id }),
-      el("td", { class: "status", text: r.status }),
-      el("td", { text: r.prompt_tokens }),
-      el("td", { text: r.cached_tokens }),
-      el("td", { text: r.generation_tokens }),
+    // A refused request has no id (nothing reached the ranks): its door, route and field say what it was.
+    const refused = r.id === null;
+    const attrs = { "data-id": r.id ?? "", "data-status": r.status, class: r.error ? "failed" : "" };
+    // Which API, and what its body asked that was dropped or mapped, on hover.
+    attrs.title = [r.door, ...(r.notes || [])].filter(Boolean).join("\n");
+    rows.push(el("tr", attrs,
+      el("td", { class: "id", text: refused ? r.door : r.id }),
+      el("td", { class: "status", text: refused ? `refused ${r.status}` : r.status }),
+      el("td", { text: refused ? "–" : r.prompt_tokens }),
+      el("td", { text: refused ? "–" : r.cached_tokens }),
+      el("td", { text: refused ? "–" : r.generation_tokens }),
       el("td", { text: r.ttft === null ? "–" : `${fmt(r.ttft, 2)} s` }),
-      el("td", { text: fmt(r.tps) })));
-    if (r.error) rows.push(el("tr", { class: "error-row" }, el("td", { colSpan: 7, class: "error", text: r.error })));
+      el("td", { text: refused ? "–" : fmt(r.tps) })));
+    const why = refused ? `${r.method} ${r.path}${r.param ? ` · ${r.param}` : ""}: ${r.error}` : r.error;
+    if (r.error) rows.push(el("tr", { class: "error-row" }, el("td", { colSpan: 7, class: "error", text: why })));
   }
   $("requests").tBodies[0].replaceChildren(...rows);
 }
