@@ -6,8 +6,9 @@ blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` 
 are dropped; images and documents are refused (400). A last assistant message is a prefill: the reply continues
 it, as Anthropic's API does. ``tools`` (``name``, ``description``, ``input_schema``) go to the template as
 function tools; ``tool_choice`` ``none`` withholds them, ``any`` and ``tool`` reach the template as its
-``tool_choice`` variable (nothing enforces them: that would take constrained decoding). Every error names the
-field (``messages[1].content[0].tool_use_id``).
+``tool_choice`` variable and are enforced by the grammar engine (``serve.tool_choice``), as strict tools
+(``strict: true``) and ``disable_parallel_tool_use`` are. Every error names the field
+(``messages[1].content[0].tool_use_id``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, checked_names, enforce
 
 # Body field -> Request field: Anthropic's sampling fields, then mlx-lm's (through the SDKs' extra_body).
 _OPTIONS = {"max_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k",
@@ -47,14 +49,19 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id
         raise ApiError(400, "'max_tokens' is required: the most tokens the reply may have", param="max_tokens")
     request = bodies.options(body, settings, _OPTIONS)
     tools = _tools(body)
-    choice = _tool_choice(body, tools)
+    choice, parallel = _tool_choice(body, tools)
     messages, prefill = chat_messages(body)
+    if prefill is not None and choice.mode == "required":
+        raise ApiError(400, "'tool_choice' cannot force a tool call after a prefilled reply (a last assistant "
+                            "message): the call starts at the reply's first token", param="tool_choice")
     request = replace(request, messages=messages, prefill_response=prefill)
-    offered = tools if choice != "none" else None
-    extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
+    offered = tools if choice.mode != "none" else None
+    value = choice.template_value()
+    extra = {"tool_choice": value} if offered and value is not None else None
     tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages")
-    return Parsed(bodies.for_ranks(request, tokens, settings, "messages", new_id), field(body, "stream", bool, False),
-                  bodies.stops(body, "stop_sequences"), offered)
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, "messages", new_id), offered, choice, parallel,
+                     _strict(body), tokenizer, settings)
+    return Parsed(ranked, field(body, "stream", bool, False), bodies.stops(body, "stop_sequences"), offered)
 
 
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
@@ -163,23 +170,25 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return bodies.function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
-    """``auto``, ``any``, ``none`` or the tool's name, for the template; it must name a tool in ``tools``."""
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[Choice, bool]:
+    """``auto``, ``any`` (required), ``none`` or a ``tool`` by name, which must be one of ``tools``; and whether
+    several calls may come (``disable_parallel_tool_use`` says not)."""
     choice = field(body, "tool_choice", dict)
     if choice is None:
-        return None
+        return Choice(), True
     kind = _kind(choice)
     if kind not in ("auto", "any", "tool", "none"):
         raise ApiError(400, "'tool_choice.type' must be auto, any, tool or none", param="tool_choice.type")
+    parallel = not field(choice, "disable_parallel_tool_use", bool, False, "tool_choice.")
     if kind == "tool":
-        name = choice.get("name")
-        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
-                           param="tool_choice.name")
-        return {"type": "function", "function": {"name": name}}
-    if kind == "any":
-        return "required"  # the templates that know tool_choice know OpenAI's words
-    return kind
+        return Choice("required", checked_names([choice.get("name")], tools, "tool_choice.name")), parallel
+    return Choice("required" if kind == "any" else kind), parallel
+
+
+def _strict(body: dict[str, Any]) -> set[str]:
+    """The tools whose input must validate against their ``input_schema`` (``strict: true``)."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return {t["name"] for t in tools if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 
 
 def _kind(block: Any, default: str | None = None) -> str | None:

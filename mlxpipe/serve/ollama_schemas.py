@@ -15,6 +15,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, enforce
 
 # options field -> Request field.
 _OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -72,8 +73,10 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
     tokens = bodies.tokens_for(tokenizer, request, tools, None, param)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), field(body, "stream", bool, True), stops,
-                  tools, model)
+    # Ollama has no tool_choice: a call the model starts is completed under the grammar.
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id), tools, Choice(), True, (), tokenizer,
+                     settings)
+    return Parsed(ranked, field(body, "stream", bool, True), stops, tools, model)
 
 
 def _options(options: dict[str, Any], settings: ServerSettings) -> Any:

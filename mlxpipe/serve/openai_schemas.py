@@ -15,6 +15,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, checked_names, enforce, functions
 
 # Body field -> Request field, in the order they are checked; the rest (the KV cache, the prompt's template
 # switches...) are the server's flags alone. OpenAI's names where they differ from Request's, mlx_lm.server's
@@ -56,9 +57,15 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage", False))
     stops = bodies.stops(body, "stop")
     tools = (bodies.tool_list(body, _tool) or None) if chat else None
+    choice = _tool_choice(body, tools) if chat else Choice()
+    offered = tools if choice.mode != "none" else None
+    value = choice.template_value()
+    extra = {"tool_choice": value} if offered and value is not None else None
     param = "messages" if chat else "prompt"
-    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), tools, None, param)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id), stream, include_usage, stops, tools)
+    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), offered, extra, param)
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id), offered, choice,
+                     field(body, "parallel_tool_calls", bool, True), _strict(offered), tokenizer, settings)
+    return Parsed(ranked, stream, include_usage, stops, offered)
 
 
 def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Request:
@@ -75,6 +82,29 @@ def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Requ
 def _tool(tool: Any, where: str) -> Any:
     """OpenAI's tools are the chat template's own shape: they reach it as sent."""
     return tool
+
+
+def _tool_choice(body: dict[str, Any], tools: list[Any] | None) -> Choice:
+    """``tool_choice``: auto, none, required, a function by name, or ``allowed_tools`` (a subset, auto or
+    required)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return Choice(choice or "auto")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function" and isinstance(choice.get("function"), dict):
+        return Choice("required", checked_names([choice["function"].get("name")], tools, "tool_choice.function.name"))
+    allowed = choice.get("allowed_tools") if kind == "allowed_tools" else None
+    if isinstance(allowed, dict) and allowed.get("mode") in ("auto", "required") and \
+            isinstance(allowed.get("tools"), list):
+        names = [(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in allowed["tools"]]
+        return Choice(allowed["mode"], checked_names(names, tools, "tool_choice.allowed_tools.tools"))
+    raise ApiError(400, "'tool_choice' must be auto, none, required, {\"type\": \"function\", \"function\": "
+                        "{\"name\": ...}} or {\"type\": \"allowed_tools\", ...}", param="tool_choice")
+
+
+def _strict(tools: list[Any] | None) -> set[str]:
+    """The tools whose arguments must validate against their schema (``function.strict``)."""
+    return {f["name"] for f in functions(tools) if f.get("strict") is True}
 
 
 def _prompt(body: dict[str, Any], chat: bool, options: Request) -> Request:

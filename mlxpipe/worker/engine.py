@@ -60,7 +60,7 @@ from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.stages.stage import Exchange
-from mlxpipe.worker.constraints import Constraint
+from mlxpipe.worker.constraints import Constraint, request_grammar
 from mlxpipe.worker.sampling import (LogitsProcessor, Sampler, TokenLogprobs, extra_eos_ids, keyed_sampler,
                                      logits_processors, token_logprobs)
 from mlxpipe.worker.reporters import Reporter, Timing
@@ -120,7 +120,7 @@ class Engine:
         self.samplers: dict[int, Sampler] = {}
         self.processors: dict[int, list[LogitsProcessor]] = {}
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
-        self.constraints: dict[int, Constraint] = {}  # rank 0: the grammar of each request with a response_format
+        self.constraints: dict[int, Constraint] = {}  # rank 0: each constrained request's grammar
         self.logprobs: dict[int, TokenLogprobs] = {}  # rank 0: the last token's, for its reporter (when asked)
         self.timing: dict[int, Timing] = {}
         # Why a request ended with "error" (rank 0 knows what its sampling raised; every rank, a refusal).
@@ -371,14 +371,14 @@ class Engine:
             return FAILED
 
     def _constraint(self, index: int, width: int) -> Constraint | None:
-        """Rank 0: the grammar state of a request with a ``response_format``, made at its first token (``width``:
-        the logits', the model's vocabulary)."""
+        """Rank 0: the grammar state of a constrained request (structured output, tool calls), made at its first
+        token (``width``: the logits', the model's vocabulary)."""
         request = self.requests[index]
-        if request.response_format is None:
+        if not request.constrained:
             return None
         if index not in self.constraints:
-            self.constraints[index] = Constraint(request.response_format, self.context.loaded.tokenizer, width,
-                                                 self.eos[index])
+            tokenizer = self.context.loaded.tokenizer
+            self.constraints[index] = Constraint(request_grammar(request, tokenizer), tokenizer, width, self.eos[index])
         return self.constraints[index]
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
