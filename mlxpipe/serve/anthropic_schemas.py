@@ -188,7 +188,8 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
 def _strict(body: dict[str, Any]) -> set[str]:
     """The tools whose input must validate against their ``input_schema`` (``strict: true``)."""
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-    return {t["name"] for t in tools if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
+    return {t["name"] for t in tools
+            if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 
 
 def _kind(block: Any, default: str | None = None) -> str | None:

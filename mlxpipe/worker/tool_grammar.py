@@ -35,6 +35,7 @@ _GAP = r"/[ \t\r\n]{0,4}/"
 _STRING_KEYS = {"type", "enum", "const", "pattern", "minLength", "maxLength", "format", "description", "title",
                 "default", "examples"}
 _NOTES = {"description", "title", "default", "examples"}
+NL = "\n"
 
 
 class Inexpressible(ValueError):
@@ -285,9 +286,11 @@ _QWEN3_VALUES = RawValues(forbid=("</parameter>",), strip=False, null_text=True,
 
 def _qwen3_coder(g: Lark, tool: Tool) -> str:
     # <function=name>\n<parameter=p>\nvalue\n</parameter>\n...</function>: Qwen3-Coder's template
-    params = [(f'{g.lit(f"<parameter={n}>" + chr(10))} {raw_value(g, tool.name, n, s, _QWEN3_VALUES)} '
-               f'{g.lit(chr(10) + "</parameter>" + chr(10))}', not req) for n, s, req in _properties(tool)]
-    return f'{g.lit(chr(10) + f"<function={tool.name}>" + chr(10))} {g.joined(params, "")} {g.lit("</function>" + chr(10))}'
+    params = []
+    for name, schema, required in _properties(tool):
+        value = raw_value(g, tool.name, name, schema, _QWEN3_VALUES)
+        params.append((f"{g.lit(f'<parameter={name}>' + NL)} {value} {g.lit(NL + '</parameter>' + NL)}", not required))
+    return f"{g.lit(NL + f'<function={tool.name}>' + NL)} {g.joined(params, '')} {g.lit('</function>' + NL)}"
 
 
 def _glm_kind(schema: dict[str, Any]) -> str | None:
@@ -325,9 +328,12 @@ _MINIMAX_VALUES = RawValues(forbid=("</parameter>", "</invoke>"), strip=True, nu
 
 def _minimax(g: Lark, tool: Tool) -> str:
     # <invoke name="f">\n<parameter name="p">v</parameter>\n...</invoke>\n: MiniMax-M2's template
-    params = [(f'{g.lit(f"<parameter name={json.dumps(n)}>")} {raw_value(g, tool.name, n, s, _MINIMAX_VALUES)} '
-               f'{g.lit("</parameter>" + chr(10))}', not req) for n, s, req in _properties(tool)]
-    return f'{g.lit(f"<invoke name={json.dumps(tool.name)}>" + chr(10))} {g.joined(params, "")} {g.lit("</invoke>" + chr(10))}'
+    params = []
+    for name, schema, required in _properties(tool):
+        value = raw_value(g, tool.name, name, schema, _MINIMAX_VALUES)
+        params.append((f"{g.lit(f'<parameter name={json.dumps(name)}>')} {value} {g.lit('</parameter>' + NL)}",
+                       not required))
+    return f"{g.lit(f'<invoke name={json.dumps(tool.name)}>' + NL)} {g.joined(params, '')} {g.lit('</invoke>' + NL)}"
 
 
 def _kimi(g: Lark, tool: Tool) -> str:

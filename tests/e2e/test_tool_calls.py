@@ -138,7 +138,7 @@ def test_every_forced_call_parses_and_validates_in_every_door(door: str, clients
         seen.add(json.dumps(_valid(name, arguments), sort_keys=True))
         if choice is named:
             assert name == "get_time"
-    assert len(seen) > PER_DOOR // 2  # sampled: many different calls
+    assert len(seen) >= 4  # sampled: not one call over and over
 
 
 @pytest.mark.ranks

@@ -30,7 +30,8 @@ def test_tool_calls_survive_the_wire_and_a_field_of_theirs_a_worker_does_not_kno
     request = Request(tokens=[1, 2], tool_calls=calls)
     wire = json.loads(json.dumps(request.to_wire()))
     assert wire["tool_calls"] == {"format": "qwen3_coder", "required": False, "parallel": True, "tools": [
-        {"name": "f", "parameters": {"type": "object"}}, {"name": "g", "parameters": {"type": "object", "properties": {}}}]}
+        {"name": "f", "parameters": {"type": "object"}},
+        {"name": "g", "parameters": {"type": "object", "properties": {}}}]}
     assert Request.from_wire(wire) == request and request.constrained
     with pytest.raises(UsageError, match="tool_calls has fields this worker does not know: grammar"):
         Request.from_wire({**wire, "tool_calls": {**wire["tool_calls"], "grammar": "x"}})
