@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Callable
 
 from mlxpipe.protocol.tools import Tool, ToolCalls
@@ -73,10 +74,18 @@ class Markers:
                    frozenset(tokenizer.eos_token_ids), isinstance(template, str) and "[ARGS]" in template)
 
     def lit(self, text: str) -> str:
-        """``text`` in a grammar: its special token by id, else the string."""
-        if text in self.specials:
-            return f"<[{self.specials[text]}]>"
-        return json.dumps(text, ensure_ascii=False) if text else ""
+        """``text`` in a grammar, as the tokenizer splits it: each added token in it by id (GLM's ``<arg_key>``,
+        Kimi's ``<|tool_call_begin|>``: the model writes them as those tokens), the rest as strings."""
+        if not text:
+            return ""
+        pieces = [p for p in self._added.split(text) if p] if self.specials else [text]
+        return " ".join(f"<[{self.specials[p]}]>" if p in self.specials else json.dumps(p, ensure_ascii=False)
+                        for p in pieces)
+
+    @cached_property
+    def _added(self) -> re.Pattern[str]:
+        """The added tokens' texts, longest first, as a pattern that splits a text around them."""
+        return re.compile("(" + "|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True)) + ")")
 
     def free_specials(self) -> list[int]:
         """The special tokens free text may hold: all but the ends of sequence and the call's opening marker."""

@@ -51,6 +51,17 @@ REPLIES = 8  # sampled replies per case
 SHAPES = [(True, True), (True, False), (False, True), (False, False)]  # (required, parallel)
 
 
+# Each format's markers that its models' tokenizers hold as added tokens (which llguidance reads as special):
+# the grammar must write them as those tokens.
+ADDED = {"glm47": ["<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+         "longcat": ["<longcat_tool_call>", "</longcat_tool_call>", "<longcat_arg_key>", "</longcat_arg_key>",
+                     "<longcat_arg_value>", "</longcat_arg_value>"],
+         "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>"],
+         "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                     "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+         "mistral": ["[TOOL_CALLS]", "[ARGS]"], "pythonic": ["<|tool_call_start|>", "<|tool_call_end|>"]}
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("tool-tokenizer")
@@ -59,11 +70,14 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def wrapper(tokenizer_dir: Path, parser: str) -> Any:
-    """mlx-lm's tokenizer over the tiny tool tokenizer, with ``parser``'s markers and parser."""
+    """mlx-lm's tokenizer over the tiny tool tokenizer (with ``parser``'s added tokens), with ``parser``'s markers
+    and parser."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper, load
+    from tokenizers import AddedToken
 
     module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
     hf = load(tokenizer_dir)._tokenizer
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED.get(parser, [])])
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=[EOS], tool_parser=module.parse_tool_call,
                             tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end)
 
@@ -117,6 +131,9 @@ def test_every_reply_the_grammar_allows_parses_and_validates(tokenizer_dir: Path
     for _ in range(REPLIES):
         tokens = sample(Constraint(compiled, tokenizer, VOCAB_SIZE, {EOS}), rng, prefix, free_after=not required)
         counts.append(len(parsed(tokenizer, tokens)))
+        for marker in ADDED.get(PARSERS[fmt], []):  # written as the model writes it: its own token
+            if marker in tokenizer.decode(tokens[len(prefix):]):
+                assert tokenizer.convert_tokens_to_ids(marker) in tokens, marker
     if not parallel:
         assert counts == [1] * REPLIES
     elif required:
@@ -182,6 +199,8 @@ def test_markers_name_as_special_what_llguidance_reads_as_special(tokenizer_dir:
     assert all(ll.is_special_token(i) for i in markers.specials.values())  # Qwen's <tool_call> is, though not special
     assert not any(ll.is_special_token(i) for i in range(255))  # the bytes are text
     assert markers.lit("<tool_call>") == "<[259]>" and markers.lit("<call>") == '"<call>"'
+    # A text holding added tokens is written as the tokenizer splits it.
+    assert markers.lit("\n<tool_call>x</tool_call>") == '"\\n" <[259]> "x" <[260]>'
 
 
 def test_a_forced_call_may_follow_the_models_reasoning(tokenizer_dir: Path, tmp_path: Path) -> None:
