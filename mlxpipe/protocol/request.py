@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.message import strict_fields
@@ -89,13 +90,13 @@ class Request:
         """Whether rank 0 masks this request's logits with a grammar (structured output or tool calls)."""
         return self.response_format is not None or self.tool_calls is not None
 
-    def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> "Request":
+    def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> Request:
         """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
         ``float``); raises ``RequestError`` naming the first that is not. ``vocab_size`` bounds ``logit_bias``."""
         normalized = check_fields(asdict(self), name, vocab_size)
         return replace(self, **normalized) if normalized else self
 
-    def with_seed(self, seed: Callable[[], int]) -> "Request":
+    def with_seed(self, seed: Callable[[], int]) -> Request:
         """Sampled without a seed: give it one, so every rank samples alike and a run can be repeated."""
         return replace(self, seed=seed()) if self.temp > 0 and self.seed is None else self
 
@@ -111,7 +112,7 @@ class Request:
         return data
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "Request":
+    def from_wire(cls, data: Mapping[str, Any]) -> Request:
         """``to_wire``'s output back (the ``type`` of the message carrying it is left out); refuses fields it
         does not know."""
         values = strict_fields(cls, data, "the request", "worker", skip=("type",))

@@ -13,8 +13,9 @@ function tools; ``tool_choice`` ``none`` withholds them, ``any`` and ``tool`` re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies

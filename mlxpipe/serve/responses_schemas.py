@@ -12,8 +12,9 @@ names the field (``input[2].call_id``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
