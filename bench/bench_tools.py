@@ -59,7 +59,6 @@ class Figures:
 def tool_demo_model(dest: Path) -> Path:
     """The demo model with a chat template that takes tools (its shards linked, not copied)."""
     from fixtures.tool_model import TOOL_TEMPLATE
-
     from mlxpipe.model.demo import ensure_demo_model
 
     demo = ensure_demo_model()

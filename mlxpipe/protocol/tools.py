@@ -8,8 +8,9 @@ a tool whose schema the format cannot hold, and that is not strict, arrives alre
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from mlxpipe.protocol.message import strict_fields
 
@@ -25,7 +26,7 @@ class Tool:
         return {"name": self.name, "parameters": self.parameters}
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "Tool":
+    def from_wire(cls, data: Mapping[str, Any]) -> Tool:
         return cls(**strict_fields(cls, data, "a tool of the request", "worker"))
 
 
@@ -49,6 +50,6 @@ class ToolCalls:
                 "parallel": self.parallel}
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "ToolCalls":
+    def from_wire(cls, data: Mapping[str, Any]) -> ToolCalls:
         values = strict_fields(cls, data, "the request's tool_calls", "worker")
         return cls(**{**values, "tools": tuple(Tool.from_wire(t) for t in values["tools"])})

@@ -188,7 +188,8 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
 
 def _strict(body: dict[str, Any]) -> set[str]:
     """The tools whose input must validate against their ``input_schema`` (``strict: true``)."""
-    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    given = body.get("tools")
+    tools: list[Any] = given if isinstance(given, list) else []
     return {t["name"] for t in tools
             if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 

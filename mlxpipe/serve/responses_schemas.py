@@ -219,7 +219,8 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Ch
 
 def _strict(body: dict[str, Any]) -> set[str]:
     """The function tools whose arguments must validate against their schema (``strict: true``, said)."""
-    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    given = body.get("tools")
+    tools: list[Any] = given if isinstance(given, list) else []
     return {t["name"] for t in tools
             if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 

@@ -18,8 +18,9 @@ tool) with a 400 naming the field, and leaves ``auto`` as the model writes it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import Any, Collection
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import Tool, ToolCalls

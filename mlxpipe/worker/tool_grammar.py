@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.tools import Tool, ToolCalls
 
@@ -63,7 +64,7 @@ class Markers:
     args_header: bool = False  # Mistral's template writes ``name[ARGS]{...}``, not a JSON list
 
     @classmethod
-    def of(cls, tokenizer: Any) -> "Markers":
+    def of(cls, tokenizer: Any) -> Markers:
         """The markers of mlx-lm's ``TokenizerWrapper``."""
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         # Every added token, special or not (Qwen's <tool_call> is not): llguidance never reads one as text.
@@ -284,8 +285,9 @@ def _qwen3_kind(schema: dict[str, Any]) -> str | None:
     kind = kind.strip().lower()
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return "raw"
-    if kind.startswith(("int", "uint", "long", "short", "unsigned", "num", "float", "bool", "binary")) or kind in (
-            "object", "array", "arr", "null") or kind.startswith(("dict", "list")):
+    # As its parser converts them: numbers, booleans, objects and arrays from their JSON text.
+    if kind.startswith(("int", "uint", "long", "short", "unsigned", "num", "float", "bool", "binary", "dict",
+                        "list")) or kind in ("object", "array", "arr", "null"):
         return "json"
     return None
 
@@ -482,6 +484,7 @@ def loosened(calls: ToolCalls, tool: str) -> ToolCalls:
 
 def _raw_loose(schema: dict[str, Any]) -> dict[str, Any]:
     """A raw-value format's loosest schema: the same parameters, each any value ({})."""
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    given = schema.get("properties")
+    props: dict[str, Any] = given if isinstance(given, dict) else {}
     required = [r for r in (schema.get("required") or []) if r in props]
     return {"type": "object", "properties": {name: {} for name in props}, "required": required}

@@ -13,9 +13,10 @@ server for the module. The grammar alone: ``tests/worker/test_tool_grammar.py``;
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import anthropic
 import jsonschema
@@ -72,8 +73,8 @@ def _openai_call(client: openai.OpenAI, model: str, seed: int, stream: bool, cho
 def _anthropic_call(client: anthropic.Anthropic, model: str, seed: int, stream: bool, choice: Any,
                     max_tokens: int = MAX_TOKENS, **extra: Any) -> tuple[list[Any], str]:
     tools = [{"name": n, "description": f"{n} of a place", "input_schema": s} for n, s in SCHEMAS.items()]
-    kwargs = dict(model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": ASK}], tools=tools,
-                  tool_choice=choice, temperature=1.0, extra_body={"seed": seed})
+    kwargs = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": ASK}],
+              "tools": tools, "tool_choice": choice, "temperature": 1.0, "extra_body": {"seed": seed}}
     if stream:
         with client.messages.stream(**kwargs) as events:
             message = events.get_final_message()
@@ -132,7 +133,7 @@ def test_every_forced_call_parses_and_validates_in_every_door(door: str, clients
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(ask, cases))
     seen = set()
-    for (seed, _, choice), (calls, reason) in zip(cases, replies):
+    for (seed, _, choice), (calls, reason) in zip(cases, replies, strict=False):
         assert len(calls) == 1 and reason == ended, (seed, calls, reason)
         name, arguments = calls[0]
         seen.add(json.dumps(_valid(name, arguments), sort_keys=True))

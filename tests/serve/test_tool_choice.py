@@ -8,12 +8,13 @@ holds the reply to, or a 400 naming the field when it cannot be held. The replie
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-from fixtures.tool_model import write_tool_tokenizer
 
+from fixtures.tool_model import write_tool_tokenizer
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve import anthropic_schemas, ollama_schemas, openai_schemas, responses_schemas
@@ -176,8 +177,8 @@ def test_a_model_without_a_tool_call_format_refuses_to_force_one(tmp_path: Path,
 
 
 def test_a_format_mlxpipe_cannot_write_refuses_to_force_one_and_says_which(tokenizer: Any) -> None:
-    from mlx_lm.tool_parsers import gemma4
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from mlx_lm.tool_parsers import gemma4
 
     gemma = TokenizerWrapper(tokenizer._tokenizer, BPEStreamingDetokenizer, eos_token_ids=[258],
                              tool_parser=gemma4.parse_tool_call, tool_call_start=gemma4.tool_call_start,

@@ -18,14 +18,23 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
+
 from fixtures.tiny_models import VOCAB_SIZE
 from fixtures.tool_model import write_tool_tokenizer
-
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.text import Reply, tool_calls
 from mlxpipe.worker.constraints import Constraint, tool_compile_error, tool_grammar_of
-from mlxpipe.worker.tool_grammar import (FORMATS, SUPPORTED, Inexpressible, Lark, Markers, format_of, grammar,
-                                         loosened, starts_in_reasoning)
+from mlxpipe.worker.tool_grammar import (
+    FORMATS,
+    SUPPORTED,
+    Inexpressible,
+    Lark,
+    Markers,
+    format_of,
+    grammar,
+    loosened,
+    starts_in_reasoning,
+)
 
 # Bounded, so that a noise model's reply ends where the grammar does (strings, numbers, arrays).
 WEATHER = {"type": "object", "properties": {
