@@ -74,7 +74,7 @@ def _anthropic_call(client: anthropic.Anthropic, model: str, seed: int, stream: 
                     max_tokens: int = MAX_TOKENS, **extra: Any) -> tuple[list[Any], str]:
     tools = [{"name": n, "description": f"{n} of a place", "input_schema": s} for n, s in SCHEMAS.items()]
     kwargs = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": ASK}],
-              "tools": tools, "tool_choice": choice, "temperature": 1.0, "extra_body": {"seed": seed}}
+              "tools": tools, "tool_choice": choice, "extra_body": {"seed": seed, "temperature": 1.0}}
     if stream:
         with client.messages.stream(**kwargs) as events:
             message = events.get_final_message()
@@ -175,9 +175,10 @@ def test_a_reply_with_the_tools_result_continues_the_conversation(clients: dict[
     tools_a = [{"name": n, "input_schema": s} for n, s in SCHEMAS.items()]
     reply = claude.messages.create(model=model, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": ASK}],
                                    tools=tools_a, tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                   temperature=1.0, extra_body={"seed": 3})
+                                   extra_body={"seed": 3, "temperature": 1.0})
     (use,) = [b for b in reply.content if b.type == "tool_use"]
-    follow = claude.messages.create(model=model, max_tokens=12, tools=tools_a, temperature=0, messages=[
+    follow = claude.messages.create(model=model, max_tokens=12, tools=tools_a, extra_body={"temperature": 0},
+                                    messages=[
         {"role": "user", "content": ASK}, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}])
     assert follow.usage.input_tokens > reply.usage.input_tokens
