@@ -177,10 +177,11 @@ def test_a_reply_with_the_tools_result_continues_the_conversation(clients: dict[
                                    tools=tools_a, tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                    extra_body={"seed": 3, "temperature": 1.0})
     (use,) = [b for b in reply.content if b.type == "tool_use"]
-    follow = claude.messages.create(model=model, max_tokens=12, tools=tools_a, extra_body={"temperature": 0},
-                                    messages=[
-        {"role": "user", "content": ASK}, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}])
+    history_a = [{"role": "user", "content": ASK},
+                 {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+    follow = claude.messages.create(model=model, max_tokens=12, tools=tools_a, messages=history_a,
+                                    extra_body={"temperature": 0})
     assert follow.usage.input_tokens > reply.usage.input_tokens
 
     # Responses: the function_call_output after the stored response.
