@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.message import strict_fields
+from mlxpipe.protocol.tools import ToolCalls
 
 # mlx_lm.generate's defaults (mlx_lm/generate.py), except max_tokens (mlxpipe's).
 DEFAULT_MAX_TOKENS = 256
@@ -80,6 +81,14 @@ class Request:
     # Constrained decoding (``worker.constraints``): OpenAI's ``{"type": "json_object"}`` or
     # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
     response_format: dict[str, Any] | None = None
+    # Tool calls held to the model's own format by the same grammar engine (``worker.tool_grammar``): forced by
+    # ``tool_choice``, or completed once the model starts one; None: the reply's tool calls are the model's alone.
+    tool_calls: ToolCalls | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether rank 0 masks this request's logits with a grammar (structured output or tool calls)."""
+        return self.response_format is not None or self.tool_calls is not None
 
     def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> Request:
         """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
@@ -98,6 +107,8 @@ class Request:
             data["logit_bias"] = {str(k): v for k, v in data["logit_bias"].items()}
         if "extra_eos_token" in data:
             data["extra_eos_token"] = list(data["extra_eos_token"])
+        if "tool_calls" in data:
+            data["tool_calls"] = data["tool_calls"].to_wire()
         return data
 
     @classmethod
@@ -109,6 +120,8 @@ class Request:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
         if "extra_eos_token" in values:
             values["extra_eos_token"] = tuple(values["extra_eos_token"])
+        if values.get("tool_calls") is not None:
+            values["tool_calls"] = ToolCalls.from_wire(values["tool_calls"])
         return cls(**values)
 
     # --- what mlx-lm takes -----------------------------------------------------------

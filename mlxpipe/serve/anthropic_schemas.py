@@ -10,7 +10,9 @@ refused (400). A last assistant message is a prefill: the reply continues it, as
 (``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in tools
 (``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
 schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and
-``tool`` reach the template as its ``tool_choice`` variable. ``thinking`` is the template's thinking switch
+``tool`` reach the template as its ``tool_choice`` variable and are enforced by the grammar engine
+(``serve.tool_choice``), as strict tools (``strict: true``) and ``disable_parallel_tool_use`` are. ``thinking`` is
+the template's thinking switch
 (``bodies.thinking``), ``output_config.format`` a structured output; ``cache_control``, ``metadata``,
 ``context_management``, ``service_tier`` and the rest of what Claude Code sends are accepted (the prompt cache
 needs no marks: it keeps every prefix). Every error names the field (``messages[1].content[0].tool_use_id``).
@@ -27,6 +29,7 @@ from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, checked_names, enforce
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -67,15 +70,20 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
     request = bodies.thinking(request, body, _thinking(body, notes))
     tools = _tools(body, notes)
-    choice = _tool_choice(body, tools)
+    choice, parallel = _tool_choice(body, tools)
     messages, prefill = chat_messages(body, notes)
+    if prefill is not None and choice.mode == "required":
+        raise ApiError(400, "'tool_choice' cannot force a tool call after a prefilled reply (a last assistant "
+                            "message): the call starts at the reply's first token", param="tool_choice")
     request = replace(request, messages=messages, prefill_response=prefill)
-    offered = tools if choice != "none" else None
-    extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
+    offered = tools if choice.mode != "none" else None
+    value = choice.template_value()
+    extra = {"tool_choice": value} if offered and value is not None else None
     _unhonoured(body, notes)
     tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
-    ranked = bodies.for_ranks(request, tokens, settings, "messages", new_id,
-                              {"response_format": "output_config.format"}, notes)
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, "messages", new_id,
+                                      {"response_format": "output_config.format"}, notes),
+                     offered, choice, parallel, _strict(body), tokenizer, settings)
     return Parsed(ranked, field(body, "stream", bool, False), bodies.stops(body, "stop_sequences"), offered, model,
                   notes)
 
@@ -250,23 +258,27 @@ def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[dict[str, Any]] | 
     return tools or None
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
-    """``auto``, ``any``, ``none`` or the tool's name, for the template; it must name a tool in ``tools``."""
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[Choice, bool]:
+    """``auto``, ``any`` (required), ``none`` or a ``tool`` by name, which must be one of ``tools``; and whether
+    several calls may come (``disable_parallel_tool_use`` says not)."""
     choice = field(body, "tool_choice", dict)
     if choice is None:
-        return None
+        return Choice(), True
     kind = _kind(choice)
     if kind not in ("auto", "any", "tool", "none"):
         raise ApiError(400, "'tool_choice.type' must be auto, any, tool or none", param="tool_choice.type")
+    parallel = not field(choice, "disable_parallel_tool_use", bool, False, "tool_choice.")
     if kind == "tool":
-        name = choice.get("name")
-        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
-                           param="tool_choice.name")
-        return {"type": "function", "function": {"name": name}}
-    if kind == "any":
-        return "required"  # the templates that know tool_choice know OpenAI's words
-    return kind
+        return Choice("required", checked_names([choice.get("name")], tools, "tool_choice.name")), parallel
+    return Choice("required" if kind == "any" else kind), parallel
+
+
+def _strict(body: dict[str, Any]) -> set[str]:
+    """The tools whose input must validate against their ``input_schema`` (``strict: true``)."""
+    given = body.get("tools")
+    tools: list[Any] = given if isinstance(given, list) else []
+    return {t["name"] for t in tools
+            if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 
 
 def _kind(block: Any, default: str | None = None) -> str | None:

@@ -19,6 +19,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, enforce
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -84,7 +85,9 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
     tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
-    ranked = bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"}, notes)
+    # Ollama has no tool_choice: a call the model starts is completed under the grammar.
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"},
+                                      notes), tools, Choice(), True, (), tokenizer, settings)
     return Parsed(ranked, field(body, "stream", bool, True), stops, tools, model, notes)
 
 

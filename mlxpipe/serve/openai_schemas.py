@@ -18,6 +18,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+from mlxpipe.serve.tool_choice import Choice, checked_names, enforce, functions
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -62,7 +63,8 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
 
     ``developer`` messages are system turns; ``reasoning_effort`` is the template's thinking switch; tools of other
     types than ``function`` and ``web_search_options`` are left out (said in the notes); ``user``,
-    ``service_tier``, ``store``, ``metadata``, ``parallel_tool_calls``, ``prompt_cache_key`` change nothing here.
+    ``service_tier``, ``store``, ``metadata``, ``prompt_cache_key`` change nothing here; ``tool_choice``,
+    ``parallel_tool_calls`` and a function's ``strict`` are enforced by the grammar engine (``serve.tool_choice``).
     """
     model = bodies.check_model(body, settings)
     n = field(body, "n", int, 1)
@@ -76,10 +78,15 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage", False))
     stops = bodies.stops(body, "stop")
     tools = _tools(body, notes) if chat else None
+    choice = _tool_choice(body, tools) if chat else Choice()
+    offered = tools if choice.mode != "none" else None
+    value = choice.template_value()
+    extra = {"tool_choice": value} if offered and value is not None else None
     param = "messages" if chat else "prompt"
-    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), tools, None, param, notes)
-    return Parsed(bodies.for_ranks(request, tokens, settings, param, new_id, notes=notes), stream, include_usage,
-                  stops, tools, model, notes)
+    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), offered, extra, param, notes)
+    ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, notes=notes), offered, choice,
+                     field(body, "parallel_tool_calls", bool, True), _strict(offered), tokenizer, settings)
+    return Parsed(ranked, stream, include_usage, stops, offered, model, notes)
 
 
 def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
@@ -122,6 +129,29 @@ def _options(body: dict[str, Any], settings: ServerSettings, chat: bool) -> Requ
     if field(body, "top_logprobs", int) is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return bodies.options(body, settings, {**_CHAT_LOGPROBS, **_OPTIONS})
+
+
+def _tool_choice(body: dict[str, Any], tools: list[Any] | None) -> Choice:
+    """``tool_choice``: auto, none, required, a function by name, or ``allowed_tools`` (a subset, auto or
+    required)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return Choice(choice or "auto")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function" and isinstance(choice.get("function"), dict):
+        return Choice("required", checked_names([choice["function"].get("name")], tools, "tool_choice.function.name"))
+    allowed = choice.get("allowed_tools") if kind == "allowed_tools" else None
+    if isinstance(allowed, dict) and allowed.get("mode") in ("auto", "required") and \
+            isinstance(allowed.get("tools"), list):
+        names = [(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in allowed["tools"]]
+        return Choice(allowed["mode"], checked_names(names, tools, "tool_choice.allowed_tools.tools"))
+    raise ApiError(400, "'tool_choice' must be auto, none, required, {\"type\": \"function\", \"function\": "
+                        "{\"name\": ...}} or {\"type\": \"allowed_tools\", ...}", param="tool_choice")
+
+
+def _strict(tools: list[Any] | None) -> set[str]:
+    """The tools whose arguments must validate against their schema (``function.strict``)."""
+    return {f["name"] for f in functions(tools) if f.get("strict") is True}
 
 
 def _prompt(body: dict[str, Any], chat: bool, options: Request) -> Request:

@@ -10,8 +10,10 @@ item (Codex sends both). OpenAI's built-in tools (``web_search``, ``file_search`
 ``computer_use``, MCP connectors, ``local_shell``...) are left out, and their earlier calls dropped, named in the
 request's notes.
 ``tool_choice`` ``none`` withholds the tools, ``required`` and a named function reach the template as its
-``tool_choice`` variable. ``reasoning.effort`` is the template's thinking switch (``bodies.thinking``);
-``prompt_cache_key``, ``include``, ``store``, ``client_metadata``, ``text.verbosity`` and the like are accepted.
+``tool_choice`` variable and are enforced by the grammar engine (``serve.tool_choice``), as ``allowed_tools``,
+strict tools (``strict: true``) and ``parallel_tool_calls`` are. ``reasoning.effort`` is the template's thinking
+switch (``bodies.thinking``); ``prompt_cache_key``, ``include``, ``store``, ``client_metadata``, ``text.verbosity``
+and the like are accepted.
 Images and files are refused (400). Every error names the field (``input[2].call_id``).
 """
 
@@ -28,6 +30,7 @@ from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.serve.responses_store import ResponseStore
+from mlxpipe.serve.tool_choice import Choice, checked_names, enforce
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -163,16 +166,18 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     choice = _tool_choice(body, tools)
     instructions = field(body, "instructions", str)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    offered = tools if choice != "none" else None
-    extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
+    offered = tools if choice.mode != "none" else None
+    value = choice.template_value()
+    extra = {"tool_choice": value} if offered and value is not None else None
     tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input", notes)
     # text.format is the body's name of the structured output a server with a draft model refuses.
     ranked = bodies.for_ranks(request, tokens, settings, "input", new_id,
                               {"response_format": "text.format", "max_tokens": "max_output_tokens"}, notes)
+    parallel = field(body, "parallel_tool_calls", bool, True)
+    ranked = enforce(ranked, offered, choice, parallel, _strict(body), tokenizer, settings)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": request.temp, "top_p": request.top_p, "tool_choice": choice or "auto",
-            "tools": field(body, "tools", list, []), "parallel_tool_calls": field(body, "parallel_tool_calls", bool,
-                                                                                 True),
+            "temperature": request.temp, "top_p": request.top_p, "tool_choice": body.get("tool_choice") or "auto",
+            "tools": field(body, "tools", list, []), "parallel_tool_calls": parallel,
             "previous_response_id": body.get("previous_response_id"), "metadata": field(body, "metadata", dict, {}),
             "text": {"format": {"type": "text"}}}
     return Parsed(ranked, field(body, "stream", bool, False), field(body, "store", bool, True), conversation, offered,
@@ -322,18 +327,28 @@ def _arguments(text: str, where: str) -> Any:
         raise ApiError(400, f"'{where}' must be a JSON object as a string", param=where) from None
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Choice:
+    """``tool_choice``: auto, none, required, a function by name, or ``allowed_tools`` (a subset, auto or
+    required); a name must be one of ``tools``."""
     choice = body.get("tool_choice")
     if choice is None or (isinstance(choice, str) and choice in ("auto", "none", "required")):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if not tools or not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"'tool_choice.name' must name one of 'tools', got {str(name)[:60]!r}",
-                           param="tool_choice.name")
-        return {"type": "function", "function": {"name": name}}
-    raise ApiError(400, "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
-                   param="tool_choice")
+        return Choice(choice or "auto")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function":
+        return Choice("required", checked_names([choice.get("name")], tools, "tool_choice.name"))
+    if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and isinstance(choice.get("tools"), list):
+        names = [t.get("name") if isinstance(t, dict) else None for t in choice["tools"]]
+        return Choice(choice["mode"], checked_names(names, tools, "tool_choice.tools"))
+    raise ApiError(400, "'tool_choice' must be auto, none, required, {\"type\": \"function\", \"name\": ...} or "
+                        "{\"type\": \"allowed_tools\", ...}", param="tool_choice")
+
+
+def _strict(body: dict[str, Any]) -> set[str]:
+    """The function tools whose arguments must validate against their schema (``strict: true``, said)."""
+    given = body.get("tools")
+    tools: list[Any] = given if isinstance(given, list) else []
+    return {t["name"] for t in tools
+            if isinstance(t, dict) and t.get("strict") is True and isinstance(t.get("name"), str)}
 
 
 def _kind(block: Any, default: str | None = None) -> str | None:

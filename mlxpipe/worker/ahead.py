@@ -63,7 +63,7 @@ class RunAhead:
 
 def lazy_sampling(request: Request, has_processors: bool) -> bool:
     """Whether ``request``'s token can stay lazy: greedy, no logits processors, grammar or log-probabilities."""
-    return (request.temp == 0 and not has_processors and request.response_format is None
+    return (request.temp == 0 and not has_processors and not request.constrained
             and not request.logprobs and request.kv_bits is None)
 
 

@@ -1,12 +1,14 @@
-"""Constrained decoding: a request's ``response_format`` as a grammar that masks its logits, token by token.
+"""Constrained decoding: a grammar that masks a request's logits, token by token.
 
-OpenAI's ``{"type": "json_object"}`` and ``{"type": "json_schema", ...}`` become an llguidance grammar
-(``grammar_of``: a JSON schema compiled by llguidance's own JSON-schema compiler). The controller compiles it
-once before admission (``compile_error``), so a schema llguidance cannot compile is a 400 and never reaches a
-rank; rank 0, which samples, keeps one ``Constraint`` per request: llguidance's ``LLMatcher``, which computes
-the mask of the tokens the grammar allows next and advances with each token sampled. Each request has its own,
-so batched and overlapped requests keep their own grammar state. The grammar allows an end-of-sequence token
-only once it is complete, and nothing else then, so a constrained reply ends exactly when its JSON does.
+Two things become an llguidance grammar. Structured output: OpenAI's ``{"type": "json_object"}`` and
+``{"type": "json_schema", ...}`` (``grammar_of``: a JSON schema compiled by llguidance's own JSON-schema
+compiler). Tool calls: a request's ``tool_calls`` (``tool_grammar_of``: the model's own tool-call format, written by
+``worker.tool_grammar``). The controller compiles each once before admission (``compile_error``,
+``tool_compile_error``), so a grammar llguidance cannot compile is a 400 and never reaches a rank; rank 0, which
+samples, keeps one ``Constraint`` per request: llguidance's ``LLMatcher``, which computes the mask of the tokens the
+grammar allows next and advances with each token sampled. Each request has its own, so batched and overlapped
+requests keep their own grammar state. The grammar allows an end-of-sequence token only once it is complete, and
+nothing else then, so a constrained reply ends exactly when its JSON (or its last tool call) does.
 
 llguidance ships a Metal kernel for MLX masks, which does not run on the CPU backend; the mask here is
 llguidance's bitmask unpacked with numpy and applied with ``mx.where``, which runs on every backend.
@@ -19,6 +21,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.tools import ToolCalls
+from mlxpipe.worker.tool_grammar import Inexpressible, Markers, format_of, grammar, starts_in_reasoning
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -42,6 +48,48 @@ def grammar_of(response_format: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(json.dumps(schema_of(response_format)), defaults=JSON_OPTIONS)
+
+
+def tool_grammar_of(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> str:
+    """The llguidance grammar of a request's ``tool_calls`` for mlx-lm's ``tokenizer`` (``prompt``: its token
+    ids, which say whether the reply starts inside the model's reasoning); raises ``ValueError`` (``Inexpressible``
+    naming a tool) when the model's format cannot hold it."""
+    from llguidance import LLMatcher
+
+    if format_of(tokenizer) != calls.format:
+        raise ValueError(f"this model writes tool calls as {format_of(tokenizer)!r}, not {calls.format!r}")
+    lark = grammar(calls, Markers.of(tokenizer), starts_in_reasoning(tokenizer, prompt))
+    return LLMatcher.grammar_from_lark(lark)
+
+
+def tool_compile_error(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> tuple[str | None, str] | None:
+    """Why ``calls`` cannot be a grammar for this model: (the tool at fault, or None for the whole, the reason);
+    None when it can. A JSON schema llguidance cannot compile is found tool by tool."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(tool_grammar_of(calls, tokenizer, prompt))
+    except Inexpressible as e:
+        return e.tool, str(e)
+    except ValueError as e:
+        return None, str(e)
+    if not error:
+        return None
+    for tool in calls.tools:
+        alone = ToolCalls(calls.format, (tool,), calls.required, calls.parallel)
+        own = LLMatcher.validate_grammar(tool_grammar_of(alone, tokenizer, prompt))
+        if own:
+            return tool.name, own
+    return None, error
+
+
+def request_grammar(request: Request, tokenizer: Any) -> str:
+    """The grammar of a constrained request (``Request.constrained``): its ``response_format``'s, else its tool
+    calls'."""
+    if request.response_format is not None:
+        return grammar_of(request.response_format)
+    assert request.tool_calls is not None
+    return tool_grammar_of(request.tool_calls, tokenizer, list(request.tokens or ()))
 
 
 def compile_error(response_format: dict[str, Any]) -> str | None:
@@ -73,14 +121,12 @@ def warm(tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]) -> Non
 class Constraint:
     """One request's grammar state on the rank that samples: the mask before each token, the token after."""
 
-    def __init__(
-        self, response_format: dict[str, Any], tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]
-    ) -> None:
+    def __init__(self, grammar: str, tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]) -> None:
         from llguidance import LLMatcher
 
         hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF tokenizer
         self.tokenizer = _ll_tokenizer(hf, vocab_size, tuple(sorted(eos_ids)))
-        self.matcher = LLMatcher(self.tokenizer, grammar_of(response_format), log_level=0)
+        self.matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         self._check()
         self._words = np.full(((self.tokenizer.vocab_size + 31) // 32,), -1, dtype=np.int32)
 
@@ -100,4 +146,4 @@ class Constraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise ValueError(f"the grammar of response_format failed: {self.matcher.get_error()}")
+            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")

@@ -56,7 +56,7 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
-from mlxpipe.worker.constraints import Constraint
+from mlxpipe.worker.constraints import Constraint, request_grammar
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
@@ -128,7 +128,7 @@ class Engine:
         self.samplers: dict[int, Sampler] = {}
         self.processors: dict[int, list[LogitsProcessor]] = {}
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
-        self.constraints: dict[int, Constraint] = {}  # rank 0: the grammar of each request with a response_format
+        self.constraints: dict[int, Constraint] = {}  # rank 0: each constrained request's grammar
         self.logprobs: dict[int, TokenLogprobs] = {}  # rank 0: the last token's, for its reporter (when asked)
         self.timing: dict[int, Timing] = {}
         # Why a request ended with "error" (rank 0 knows what its sampling raised; every rank, a refusal).
@@ -382,14 +382,14 @@ class Engine:
             return FAILED
 
     def _constraint(self, index: int, width: int) -> Constraint | None:
-        """Rank 0: the grammar state of a request with a ``response_format``, made at its first token (``width``:
-        the logits', the model's vocabulary)."""
+        """Rank 0: the grammar state of a constrained request (structured output, tool calls), made at its first
+        token (``width``: the logits', the model's vocabulary)."""
         request = self.requests[index]
-        if request.response_format is None:
+        if not request.constrained:
             return None
         if index not in self.constraints:
-            self.constraints[index] = Constraint(request.response_format, self.context.loaded.tokenizer, width,
-                                                 self.eos[index])
+            tokenizer = self.context.loaded.tokenizer
+            self.constraints[index] = Constraint(request_grammar(request, tokenizer), tokenizer, width, self.eos[index])
         return self.constraints[index]
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:

@@ -156,12 +156,13 @@ class Streamed:
     def _refused(self, request: Request) -> bool:
         """Speculative decoding samples inside mlx-lm's ``speculative_generate_step``, where no grammar mask or
         logprobs of ours reach: such a request ends at once (the server refuses it before; this is the net)."""
-        if request.response_format is None and not request.logprobs:
+        if not request.constrained and not request.logprobs:
             return False
         if self.rank == 0:
             self._emit(Finished(rank=0, id=request.id, finish_reason="error", prompt_tokens=0, cached_tokens=0,
                                 generation_tokens=0,
-                                error="response_format and logprobs are not supported with a draft model"))
+                                error="response_format, enforced tool calls and logprobs are not supported with a "
+                                      "draft model"))
         return True
 
     def _speculate(self, request: Request) -> None:

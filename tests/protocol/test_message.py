@@ -14,6 +14,7 @@ from mlxpipe.launch.failures import TRACKED, NodeExit
 from mlxpipe.protocol import download, events, messages
 from mlxpipe.protocol.message import Registry, Wired
 from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.tools import Tool, ToolCalls
 
 # One of each message and event, its optional fields set where they have any.
 SAMPLES: list[Wired] = [
@@ -21,6 +22,9 @@ SAMPLES: list[Wired] = [
     messages.Batch((Request(prompt="a", id=1), Request(messages=[{"role": "user", "content": "b"}])), 4, 2),
     messages.Serve(concurrency=8, decode_batch=4, prompt_cache_size=10),
     messages.Submit(Request(tokens=[1, 2, 3], id="req-1", max_tokens=5, logprobs=True, top_logprobs=2)),
+    messages.Submit(Request(tokens=[1], id="req-2", tool_calls=ToolCalls(
+        "json_tools", (Tool("get_time", {"type": "object", "properties": {"zone": {"enum": ["utc"]}}}),),
+        required=True, parallel=False))),
     messages.Cancel("req-1"),
     messages.Exit(),
     messages.Resume(id=1, data="AAAA"),

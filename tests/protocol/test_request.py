@@ -11,6 +11,7 @@ import pytest
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request, RequestError
+from mlxpipe.protocol.tools import Tool, ToolCalls
 
 # ---------------------------------------------------------------- the typed request
 
@@ -21,6 +22,20 @@ def test_a_request_survives_the_wire() -> None:
     wire = json.loads(json.dumps(request.to_wire()))  # as the ranks read it
     assert Request.from_wire({"type": "submit", **wire}) == request
     assert Request().to_wire() == {}  # defaults are not sent
+
+
+def test_tool_calls_survive_the_wire_and_a_field_of_theirs_a_worker_does_not_know_is_refused() -> None:
+    calls = ToolCalls("qwen3_coder", (Tool("f", {"type": "object"}), Tool("g", {"type": "object", "properties": {}})))
+    request = Request(tokens=[1, 2], tool_calls=calls)
+    wire = json.loads(json.dumps(request.to_wire()))
+    assert wire["tool_calls"] == {"format": "qwen3_coder", "required": False, "parallel": True, "tools": [
+        {"name": "f", "parameters": {"type": "object"}},
+        {"name": "g", "parameters": {"type": "object", "properties": {}}}]}
+    assert Request.from_wire(wire) == request and request.constrained
+    with pytest.raises(UsageError, match="tool_calls has fields this worker does not know: grammar"):
+        Request.from_wire({**wire, "tool_calls": {**wire["tool_calls"], "grammar": "x"}})
+    with pytest.raises(UsageError, match="a tool of the request lacks the field parameters"):
+        Request.from_wire({**wire, "tool_calls": {**wire["tool_calls"], "tools": [{"name": "f"}]}})
 
 
 def test_a_worker_refuses_a_field_it_does_not_know() -> None:

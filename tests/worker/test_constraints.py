@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fixtures.tiny_models import VOCAB_SIZE, TinyModels
-from mlxpipe.worker.constraints import Constraint, compile_error
+from mlxpipe.worker.constraints import Constraint, compile_error, grammar_of
 from tests.e2e.test_structured_output import PERSON, _schema_format
 
 
@@ -31,7 +31,7 @@ def test_the_mask_allows_only_json_of_the_schema_and_then_only_the_end(tiny_mode
     eos = set(tokenizer.eos_token_ids)
     rng = np.random.default_rng(0)
     for _ in range(5):
-        constraint = Constraint(_schema_format(PERSON), tokenizer, VOCAB_SIZE, eos)
+        constraint = Constraint(grammar_of(_schema_format(PERSON)), tokenizer, VOCAB_SIZE, eos)
         tokens: list[int] = []
         while True:
             allowed = np.flatnonzero(constraint.allowed(VOCAB_SIZE))
