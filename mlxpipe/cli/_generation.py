@@ -6,9 +6,10 @@ the typed config of the pipeline to start. Both check on construction, naming th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
@@ -46,7 +47,7 @@ class RequestFlags:
     prefill_response: str | None = None
 
     @classmethod
-    def of(cls, params: Mapping[str, Any]) -> "RequestFlags":
+    def of(cls, params: Mapping[str, Any]) -> RequestFlags:
         """The generation flags among a command's parameters (Typer gives each flag as its own parameter:
         the command hands them over at once, ``RequestFlags.of(locals())``)."""
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_PORT
 
 def doctor(
     hostfile: Hostfile = None,
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Also check memory and disk for this model's plan.",
         show_default="the --config preset's, else none: no memory or disk check",
     )] = None,
@@ -23,7 +23,7 @@ def doctor(
     split: Split = None,
     tp: Tp = None,
     config: Config = None,
-    port: Annotated[Optional[int], typer.Option(
+    port: Annotated[int | None, typer.Option(
         "--port", help="First ring port to check.",
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
     )] = None,
@@ -38,12 +38,12 @@ def doctor(
 
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
     """
-    from mlxpipe.cluster.presets import pick
+    from mlxpipe.cli.render import doctor_table
     from mlxpipe.cluster.doctor import preflight
     from mlxpipe.cluster.hostfile import check_backend, load_hostfile
-    from mlxpipe.plan.tensor import check_tp
-    from mlxpipe.cli.render import doctor_table
+    from mlxpipe.cluster.presets import pick
     from mlxpipe.cluster.target import default_hostfile, load_model_metadata, plan_target, resolve_target
+    from mlxpipe.plan.tensor import check_tp
 
     the_plan = meta = None
     if all(v is None for v in (model, revision, strategy, split, config)):  # no model: no plan to check against

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,7 +19,7 @@ def download(
     split: Split = None,
     tp: Tp = None,
     config: Config = None,
-    rank: Annotated[Optional[int], typer.Option(
+    rank: Annotated[int | None, typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
     )] = None,
     local: Annotated[bool, typer.Option("--local", help="Alias of --rank for the first rank whose host is 127.0.0.1.")] = False,
@@ -39,11 +39,11 @@ def download(
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
-    from mlxpipe.download import controller as dl
     from mlxpipe.cli.render import controller_line, download_table, tasks_table
-    from mlxpipe.console import download_progress
-    from mlxpipe.launch.run import require_fit
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.console import download_progress
+    from mlxpipe.download import controller as dl
+    from mlxpipe.launch.run import require_fit
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
     hosts = target.hostfile.hosts

@@ -6,14 +6,14 @@ model on ``hostfiles/local-2.json``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
+from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.cluster.presets import Preset, load_preset, pick
 from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_HOSTFILE
 from mlxpipe.errors import ModelError
-from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.shard import Plan, make_plan

@@ -6,10 +6,10 @@ runs the LAST layers. Groups of layers that share a KV cache must not be cut.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from mlxpipe.host import Host
 from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.host import Host
 from mlxpipe.plan.costs import budget_bytes
 
 STRATEGIES = ("even", "memory", "balanced", "split")
