@@ -36,11 +36,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
-
 from common import QWEN2_BENCH, QWEN2_LAYERS, REPO, build_qwen2, cores, cpu_name, pin, placement, rank_cores
 
 RANKS = 2
@@ -99,15 +99,16 @@ def server(model: Path, home: Path, cache_dir: Path, *flags: str) -> Iterator[st
     argv = [sys.executable, "-m", "mlxpipe", "serve", "--model", str(model), "--hostfile",
             str(REPO / "hostfiles" / f"local-{RANKS}.json"), "--port", str(port), "--prompt-cache-dir",
             str(cache_dir), *flags]
-    log = open(home / f"serve-{port}.log", "wb")
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
+    log = home / f"serve-{port}.log"
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_SECONDS
         while _health(base).get("status") != "ready":
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlxpipe serve did not get ready: see {log.name}")
+                raise RuntimeError(f"mlxpipe serve did not get ready: see {log}")
             time.sleep(0.5)
         for rank, core in enumerate(rank_cores(RANKS)):
             pid = _workers(home).get(rank)
@@ -122,7 +123,6 @@ def server(model: Path, home: Path, cache_dir: Path, *flags: str) -> Iterator[st
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
 
 
 def _health(base: str) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def run(prefix: int, repeats: int, cold_repeats: int) -> dict[str, Any]:
             results["loaded"] = tier_figures(base)
         with server(model, home, cache_dir, "--prompt-cache-gb", "0", "--prompt-cache-size", "0") as base:
             results["cold"] = [turn(base, second(i)) for i in range(cold_repeats)]
-        same = all(d["text"] == c["text"] for d, c in zip(results["disk"], results["cold"]))
+        same = all(d["text"] == c["text"] for d, c in zip(results["disk"], results["cold"], strict=False))
         results["same_text"] = same
         results["entry_mb"] = [sum(p.stat().st_size for p in f.glob("*.safetensors")) / 1e6 / len(
             list(f.glob("*.safetensors"))) for f in sorted(cache_dir.iterdir()) if f.is_dir()]

@@ -36,7 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxpipe.defaults import (
-    DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_GB, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_PROMPT_CACHE_GB,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    DEFAULT_QUEUE_TIMEOUT,
 )
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.pipeline import Pipeline, RankStats

@@ -22,6 +22,7 @@ all.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,9 +31,10 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -120,7 +122,8 @@ def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
     cache is a view, as a decode group's row), its buffer kept for the writer."""
     scalars: list[Any] = [""]  # as save_prompt_cache: never empty, or tree_flatten drops it
     arrays: dict[str, mx.array] = {}
-    for name, value in tree_flatten([c.state for c in cache]):
+    flat: Any = tree_flatten([c.state for c in cache])  # (name, leaf) pairs: a list unless asked for a dict
+    for name, value in flat:
         if isinstance(value, mx.array):
             arrays[name] = mx.contiguous(value)
         elif isinstance(value, (bool, int, float)):
@@ -136,8 +139,20 @@ def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
             raise ValueError(f"a cache's state holds a {type(value).__name__}, which cannot be saved")
     mx.eval(list(arrays.values()))
     metadata = dict(tree_flatten([{"mlxpipe": str(FORMAT)}, [type(c).__name__ for c in cache], scalars]))
-    tensors = tuple(Tensor(name, _DTYPES[a.dtype], tuple(a.shape), memoryview(a)) for name, a in sorted(arrays.items()))
+    tensors = tuple(Tensor(name, _DTYPES[a.dtype], tuple(a.shape), _buffer(a)) for name, a in sorted(arrays.items()))
     return Snapshot(tuple(tokens), tensors, metadata, can_trim_prompt_cache(list(cache)))
+
+
+def _buffer(array: mx.array) -> memoryview:
+    """An evaluated array's own bytes (MLX arrays export the buffer protocol; their stubs do not say so)."""
+    exporter: Any = array
+    return memoryview(exporter)
+
+
+def trim(cache: list[Any], tokens: int) -> int:
+    """mlx-lm's ``trim_prompt_cache``: the tokens trimmed (its annotation says a list; it returns a count)."""
+    trimmed: Any = trim_prompt_cache(cache, tokens)
+    return int(trimmed)
 
 
 def write_safetensors(path: Path, tensors: Sequence[Tensor], metadata: dict[str, str]) -> int:
@@ -151,8 +166,9 @@ def write_safetensors(path: Path, tensors: Sequence[Tensor], metadata: dict[str,
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors asks
     crc = 0
+    chunks: list[bytes | memoryview] = [struct.pack("<Q", len(head)), head, *(t.data for t in tensors)]
     with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head, *(t.data for t in tensors)):
+        for chunk in chunks:
             f.write(chunk)
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -303,9 +319,9 @@ class DiskCache:
         try:
             if file_crc(path) != (entry.size, entry.crc):
                 raise ValueError("its data does not match its size and CRC-32")
-            cache = load_prompt_cache(str(path))
-            trim = len(entry.tokens) - length
-            if trim and trim_prompt_cache(cache, trim) != trim:
+            cache: list[Any] = load_prompt_cache(str(path))
+            extra = len(entry.tokens) - length
+            if extra and trim(cache, extra) != extra:
                 raise ValueError("it cannot be trimmed")
             mx.eval([c.state for c in cache])
             if any(getattr(c, "offset", length) != length for c in cache):
@@ -403,10 +419,8 @@ class DiskCache:
     def _touch(self, entry: Entry) -> None:
         """``entry`` was used now: last out (its JSON file's time says so to the next run)."""
         entry.used = time.time()
-        try:
+        with contextlib.suppress(OSError):  # removed meanwhile: nothing to keep in order
             os.utime(self.folder / f"{entry.key}.json")
-        except OSError:
-            pass
 
     def _forget(self, key: str, remove: bool = False) -> None:
         with self._lock:

@@ -14,15 +14,16 @@ token): the next turn of a conversation starts with them. The disk tier writes t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
 
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import agreed_min, all_agree
-from mlxpipe.worker.disk_cache import DiskCache
+from mlxpipe.worker.disk_cache import DiskCache, trim
 
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
 
@@ -78,7 +79,7 @@ class PromptCaches:
         cache, rest = self.memory.fetch_nearest_cache(_MODEL_KEY, prompt)
         if cache is not None and not rest:
             # The whole prompt is cached; one token must still be fed for the logits.
-            rest = prompt[-1:] if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1 else prompt
+            rest = prompt[-1:] if can_trim_prompt_cache(cache) and trim(cache, 1) == 1 else prompt
         if cache is not None and len(rest) < len(prompt):
             return Found(cache, len(prompt) - len(rest), "memory")
         return Found([])

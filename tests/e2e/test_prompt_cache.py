@@ -56,7 +56,7 @@ def _written(folders: list[Path], before: list[dict[str, list[int]]]) -> list[st
     """Wait until every rank has written a new entry; its key on each rank."""
     deadline = time.monotonic() + WRITE_SECONDS
     while time.monotonic() < deadline:
-        new = [sorted(set(_entries(f)) - set(b)) for f, b in zip(folders, before)]
+        new = [sorted(set(_entries(f)) - set(b)) for f, b in zip(folders, before, strict=True)]
         if all(new):
             assert all(n == new[0] for n in new), new  # the same prefix on every rank, each its own slice
             return new[0]

@@ -12,10 +12,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, load_prompt_cache
 
-from mlxpipe.worker.disk_cache import (
-    FORMAT, MIN_TOKENS, DiskCache, common_prefix, key_of, slice_folder, slice_identity,
-)
 from mlxpipe.protocol.job import JobSpec
+from mlxpipe.worker.disk_cache import (
+    FORMAT,
+    DiskCache,
+    common_prefix,
+    key_of,
+    slice_folder,
+    slice_identity,
+)
 
 IDENTITY = {"format": FORMAT, "model": "m", "layers": [0, 3], "tp": [0, 1]}
 MIN = 8  # the tests' min_tokens: short prompts
