@@ -16,6 +16,7 @@ from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.disk_cache import (
     FORMAT,
     DiskCache,
+    as_tokens,
     common_prefix,
     key_of,
     slice_folder,
@@ -228,8 +229,11 @@ def test_a_decode_groups_row_is_saved_as_its_own_cache(tmp_path: Path) -> None:
 
 
 def test_common_prefix() -> None:
-    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
-    assert common_prefix([1, 2, 3], [1, 2]) == 2
-    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
-    assert common_prefix([], [1]) == 0 and common_prefix([4], [1]) == 0
-    assert common_prefix(list(range(1000)), [*range(637), 0]) == 637
+    def shared(a: list[int], b: list[int]) -> int:
+        return common_prefix(as_tokens(a), as_tokens(b))
+
+    assert shared([1, 2, 3], [1, 2, 3]) == 3
+    assert shared([1, 2, 3], [1, 2]) == 2
+    assert shared([1, 2, 3], [1, 5, 3]) == 1
+    assert shared([], [1]) == 0 and shared([4], [1]) == 0
+    assert shared(list(range(1000)), [*range(637), 0]) == 637
