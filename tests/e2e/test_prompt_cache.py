@@ -4,7 +4,8 @@ and started again on the same cache directory.
 The first server answers a conversation's first turn and writes each rank's slice of its caches; a second one,
 on the same home (the default directory) and without a memory tier, answers the second turn from disk, as a
 cold run would, and says so in ``cached_tokens`` and on the page; a slice truncated on one rank makes the next
-hit a miss for every rank, and is removed.
+hit a miss for every rank, and is removed. Twice: as a pipeline of two stages (each rank its own layers'
+slice) and with ``--tp 2`` (one stage, each rank its own heads' slice).
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def _folders(server: ServeProcess) -> list[Path]:
     return [Path(r["prompt_cache"]["dir"]) for r in server.health()["ranks"]]
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=[[], ["--tp", "2"]], ids=["pipeline", "tp"])
+def runs(request: pytest.FixtureRequest, tiny_models: TinyModels,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Both servers' answers, pages and files (one server after the other, on one home)."""
     model = tiny_models["qwen2"]
     home = tmp_path_factory.mktemp("prompt-cache-home")
-    args = ["--model", str(model), "--hostfile", "hostfiles/local-2.json"]
-    out: dict[str, Any] = {"model": model, "home": home}
+    args = ["--model", str(model), "--hostfile", "hostfiles/local-2.json", *request.param]
+    out: dict[str, Any] = {"model": model, "home": home, "tp": bool(request.param)}
     with ready_server(args, home) as first:
         out["folders"] = folders = _folders(first)
         out["first"] = _chat(first, FIRST)
@@ -123,8 +125,12 @@ def test_each_rank_keeps_its_own_slice_under_the_default_directory(runs: dict[st
     folders = runs["folders"]
     assert runs["folders_again"] == folders  # the same split finds the same slices
     assert all(f.parent == runs["home"] / "mlxpipe" / "prompt-cache" for f in folders) and folders[0] != folders[1]
-    layers = [json.loads((f / "slice.json").read_text())["layers"] for f in folders]
-    assert [r["layers"] for r in runs["health"]["ranks"]] == layers and layers[0] != layers[1]
+    slices = [json.loads((f / "slice.json").read_text()) for f in folders]
+    assert [r["layers"] for r in runs["health"]["ranks"]] == [s["layers"] for s in slices]
+    if runs["tp"]:  # the same layers, each rank its own heads
+        assert slices[0]["layers"] == slices[1]["layers"] and [s["tp"] for s in slices] == [[0, 2], [1, 2]]
+    else:
+        assert slices[0]["layers"] != slices[1]["layers"] and [s["tp"] for s in slices] == [[0, 1], [1, 1]]
     key = runs["first_key"][0]
     assert all((f / f"{key}.safetensors").is_file() for f in folders)
     tiers = [r["prompt_cache"] for r in runs["health"]["ranks"]]
