@@ -53,14 +53,14 @@ def _entries(folder: Path) -> dict[str, list[int]]:
     return {p.stem: json.loads(p.read_text())["tokens"] for p in folder.glob("*.json") if p.name != "slice.json"}
 
 
-def _written(folders: list[Path], before: list[dict[str, list[int]]]) -> list[str]:
-    """Wait until every rank has written a new entry; its key on each rank."""
+def _written(folders: list[Path], before: list[dict[str, list[int]]]) -> str:
+    """Wait until every rank has written the one new entry a request leaves; its key (the same on each rank)."""
     deadline = time.monotonic() + WRITE_SECONDS
     while time.monotonic() < deadline:
         new = [sorted(set(_entries(f)) - set(b)) for f, b in zip(folders, before, strict=True)]
         if all(new):
-            assert all(n == new[0] for n in new), new  # the same prefix on every rank, each its own slice
-            return new[0]
+            assert all(n == new[0] and len(n) == 1 for n in new), new  # each rank its own slice of one prefix
+            return new[0][0]
         time.sleep(0.2)
     raise AssertionError(f"no new prompt cache entry on every rank in {WRITE_SECONDS:g} s: {folders}")
 
@@ -84,8 +84,10 @@ def runs(request: pytest.FixtureRequest, tiny_models: TinyModels,
     with ready_server([*args, "--prompt-cache-size", "0"], home) as second:  # no memory tier: disk or nothing
         out["folders_again"] = _folders(second)
         out["second_messages"] = _next_turn(FIRST, out["first"], "And lakes?")
+        before = [_entries(f) for f in folders]
         out["second"] = _chat(second, out["second_messages"])
         out["page"] = httpx.get(f"{second.url}/cluster", timeout=30).json()
+        _written(folders, before)
         # One rank's slice truncated: its next use is a miss for every rank, and the file goes.
         before = [_entries(f) for f in folders]
         out["other"] = _chat(second, OTHER)
@@ -131,7 +133,7 @@ def test_each_rank_keeps_its_own_slice_under_the_default_directory(runs: dict[st
         assert slices[0]["layers"] == slices[1]["layers"] and [s["tp"] for s in slices] == [[0, 2], [1, 2]]
     else:
         assert slices[0]["layers"] != slices[1]["layers"] and [s["tp"] for s in slices] == [[0, 1], [1, 1]]
-    key = runs["first_key"][0]
+    key = runs["first_key"]
     assert all((f / f"{key}.safetensors").is_file() for f in folders)
     tiers = [r["prompt_cache"] for r in runs["health"]["ranks"]]
     assert all(t["error"] is None and t["entries"] >= 1 and t["writes"] >= 1 for t in tiers), tiers
@@ -141,7 +143,7 @@ def test_a_truncated_slice_is_a_miss_for_every_rank_and_is_removed(runs: dict[st
     reply = runs["other_second"]
     assert _cached(reply) == 0  # rank 0's slice was fine: no rank used it without rank 1's
     assert reply["choices"][0]["message"]["content"] == greedy(runs["model"], runs["other_messages"], MAX_TOKENS)[0]
-    key = runs["truncated_key"][0]
+    key = runs["truncated_key"]
     assert not runs["truncated"].exists() and key not in runs["entries_after"][1]
     assert runs["intact"].exists() and key in runs["entries_after"][0]
     assert runs["health"]["ranks"][1]["prompt_cache"]["removed"] >= 1
