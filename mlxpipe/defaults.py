@@ -41,5 +41,9 @@ PIPELINE_PREFILL_STEP = 128
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot (or for the ranks); beyond them, 429
 DEFAULT_MAX_RESTARTS = 3  # relaunches after a rank fails before the server gives up
 DEFAULT_PROMPT_CACHE_SIZE = 10  # finished requests whose KV caches are kept for prefix reuse
+# The prompt cache's disk tier: GB (10^9 bytes) each rank keeps in its folder, and that folder on a host with
+# hf_home in the hostfile (else ~/.cache/mlxpipe/prompt-cache; $MLXPIPE_HOME/prompt-cache on this machine).
+DEFAULT_PROMPT_CACHE_GB = 16.0
+PROMPT_CACHE_UNDER_HF_HOME = "mlxpipe/prompt-cache"
 DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest request body; a larger one gets a 413

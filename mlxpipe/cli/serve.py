@@ -40,9 +40,11 @@ from mlxpipe.defaults import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
     DEFAULT_STEP_TIMEOUT,
+    PROMPT_CACHE_UNDER_HF_HOME,
 )
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
@@ -75,7 +77,18 @@ MaxRestarts = Annotated[int, typer.Option(
     "--max-restarts", help="Relaunches after a rank fails before the server gives up."
 )]
 PromptCacheSize = Annotated[int, typer.Option(
-    "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."
+    "--prompt-cache-size", help="Finished requests whose KV caches are kept in memory for prefix reuse."
+)]
+PromptCacheGb = Annotated[float, typer.Option(
+    "--prompt-cache-gb",
+    help="The prompt cache on disk: GB each rank keeps of its own slice of finished requests' KV caches, "
+    "least recently used out; it survives restarts. 0: none.",
+)]
+PromptCacheDir = Annotated[str | None, typer.Option(
+    "--prompt-cache-dir",
+    help="Where each rank keeps the prompt cache on disk, at this path on every host.",
+    show_default=f"<hf_home>/{PROMPT_CACHE_UNDER_HF_HOME} on a host with hf_home in the hostfile, else "
+    "~/.cache/mlxpipe/prompt-cache ($MLXPIPE_HOME/prompt-cache on this machine)",
 )]
 DefaultMaxTokens = Annotated[int | None, typer.Option(
     "--max-tokens", "-n", help="Default max_tokens of a request.", show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
@@ -128,6 +141,8 @@ def serve(
     max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES,
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
     prompt_cache_size: PromptCacheSize = DEFAULT_PROMPT_CACHE_SIZE,
+    prompt_cache_gb: PromptCacheGb = DEFAULT_PROMPT_CACHE_GB,
+    prompt_cache_dir: PromptCacheDir = None,
     max_tokens: DefaultMaxTokens = None,
     max_kv_size: MaxKvSize = None,
     kv_bits: KvBits = None,
@@ -173,6 +188,7 @@ def serve(
             raise UsageError("--max-concurrency: with --draft-model requests run one at a time (speculative "
                              "decoding is not batched, as in mlx_lm.server)", "drop --max-concurrency")
         max_concurrency, decode_batch = 1, 1
+        prompt_cache_gb = 0.0  # requests continue the last one's caches (worker.streamed): no tier to keep
     run_config = pipeline_config(
         target, backend=backend, prefill_step_size=prefill_step_size, port=ring_port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
@@ -184,7 +200,8 @@ def serve(
     options = server.ServeOptions(
         max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
-        decode_batch=decode_batch, queue_timeout=queue_timeout,
+        decode_batch=decode_batch, queue_timeout=queue_timeout, prompt_cache_gb=prompt_cache_gb,
+        prompt_cache_dir=prompt_cache_dir,
     )
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,

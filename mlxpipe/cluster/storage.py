@@ -1,4 +1,4 @@
-"""Where each host keeps the model's files.
+"""Where each host keeps the model's files, and the prompt cache's disk tier.
 
 A hub model lives in the host's Hugging Face cache (``hf_home`` from the
 hostfile, else the host's default), in the standard layout so mlx-lm and the
@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mlxpipe.defaults import PROMPT_CACHE_UNDER_HF_HOME
 from mlxpipe.host import Host
 from mlxpipe.hub.cache import repo_folder
 from mlxpipe.model.metadata import ModelMetadata
+from mlxpipe.paths import mlxpipe_home
 
 REMOTE_HF_HOME = "~/.cache/huggingface"
 REMOTE_MLXPIPE_HOME = "~/.cache/mlxpipe"
@@ -40,6 +42,18 @@ def local_dir(host: Host, meta: ModelMetadata) -> str | None:
     if host.model_dir:
         return f"{host.model_dir.rstrip('/')}/{meta.source}"
     return None
+
+
+def prompt_cache_dir(host: Host, flag: str | None = None) -> str:
+    """Where ``host`` keeps the prompt cache's disk tier: ``--prompt-cache-dir`` (the same path on every host),
+    else beside its models when the hostfile gives its ``hf_home``, else in its mlxpipe home."""
+    if flag is not None:
+        return flag
+    if host.hf_home:
+        return f"{host.hf_home.rstrip('/')}/{PROMPT_CACHE_UNDER_HF_HOME}"
+    if host.is_local:
+        return str(mlxpipe_home() / "prompt-cache")
+    return f"{REMOTE_MLXPIPE_HOME}/prompt-cache"
 
 
 def model_path(host: Host, meta: ModelMetadata) -> str:

@@ -207,6 +207,9 @@ class Serving(Event):
     rank: int
     concurrency: int
     decode_batch: int
+    # The prompt cache's disk tier on this rank: its folder, or why it has none (the others then never hit).
+    prompt_cache_dir: str | None = None
+    prompt_cache_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,7 @@ class Finished(Event):
     cached_tokens: int
     generation_tokens: int
     error: str | None = None
+    cache_tier: str | None = None  # where its cached tokens came from: "memory" or "disk" (None: none were)
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,7 @@ class Time(Event):
     idle: float
     wall: float
     busy: float  # compute over the time with work in the pipeline
+    disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.disk_cache.figures)
 
     def spent(self) -> dict[str, float]:
         """The time figures alone (``TimeSpent.report``'s)."""

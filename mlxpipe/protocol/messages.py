@@ -81,11 +81,17 @@ class Serve(Message):
     concurrency: int
     decode_batch: int = 1
     prompt_cache_size: int = 0  # finished requests whose caches are kept for prefix reuse; 0: none
+    # The disk tier (worker.disk_cache): each rank's directory on its own host (rank r: prompt_cache_dirs[r]),
+    # and the bytes each may keep there, in GB; None or 0: no disk tier.
+    prompt_cache_dirs: list[str] | None = None
+    prompt_cache_gb: float = 0.0
 
     def __post_init__(self) -> None:
         at_least(self.concurrency, 1, "concurrency")
         at_least(self.decode_batch, 1, "decode_batch")
         at_least(self.prompt_cache_size, 0, "prompt_cache_size")
+        if not self.prompt_cache_gb >= 0:
+            raise UsageError(f"prompt_cache_gb must be 0 or more, got {self.prompt_cache_gb}")
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,9 @@ class Generation:
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
             "id": self.request.id, "door": self.door, "status": status, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
+            "cached_tokens": outcome.cached_tokens if outcome else 0,
+            "cache_tier": outcome.cache_tier if outcome and outcome.cached_tokens else None,
+            "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.

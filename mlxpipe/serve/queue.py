@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxpipe.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT
+from mlxpipe.defaults import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_PROMPT_CACHE_GB,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    DEFAULT_QUEUE_TIMEOUT,
+)
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.pipeline import Pipeline, RankStats
 from mlxpipe.launch.run import PipelineConfig, launch
@@ -59,6 +65,8 @@ class ServeOptions:
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     decode_batch: int = 1  # requests per decode micro-batch
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request waits for the ranks to be ready
+    prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB  # the disk tier, per rank (0: none)
+    prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class Outcome:
     cached_tokens: int = 0
     generation_tokens: int = 0
     error: MlxpipeError | None = None
+    cache_tier: str | None = None  # where the cached tokens came from: "memory" or "disk"
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,9 @@ class RankState:
     state: str = "loading"
     peak_memory_gb: float | None = None  # since the rank started: at load, then as each request ends
     memory_gb: float | None = None  # in use when a request last ended
+    prompt_cache_dir: str | None = None  # its disk tier's folder (None: none)
+    prompt_cache_error: str | None = None  # why it has none, when the server asked for one
+    disk_cache: dict[str, float] | None = None  # its disk tier's figures when a request last ended
 
 
 class RequestQueue:
@@ -198,12 +210,21 @@ class RequestQueue:
         self._pipe, self.run_dir = pipe, pipe.run_dir
         try:
             pipe.ranks.send(Serve(concurrency=self.options.max_concurrency, decode_batch=self.options.decode_batch,
-                                  prompt_cache_size=self.options.prompt_cache_size))
+                                  prompt_cache_size=self.options.prompt_cache_size, **self._disk_tier()))
             for event in pipe.events(self.config.timeout, busy=lambda: bool(self._streams)):
                 self._dispatch(event)
         finally:
             self._pipe = None
             pipe.stop()
+
+    def _disk_tier(self) -> dict[str, Any]:
+        """The serve message's disk tier: each rank's directory on its own host, and its size."""
+        from mlxpipe.cluster.storage import prompt_cache_dir
+
+        if self.options.prompt_cache_gb <= 0:
+            return {}
+        dirs = [prompt_cache_dir(h, self.options.prompt_cache_dir) for h in self.config.target.hostfile.hosts]
+        return {"prompt_cache_dirs": dirs, "prompt_cache_gb": self.options.prompt_cache_gb}
 
     def _loaded(self, stats: RankStats) -> None:
         rank = self.ranks[stats.rank]
@@ -213,10 +234,13 @@ class RequestQueue:
         if isinstance(event, Time):
             rank = self.ranks[event.rank]
             rank.memory_gb, rank.peak_memory_gb = event.memory, event.peak_memory
+            rank.disk_cache = event.disk_cache
             self.time[rank.rank] = event.spent()
             return
         if isinstance(event, Serving):
-            self.ranks[event.rank].state = "ready"
+            rank = self.ranks[event.rank]
+            rank.state = "ready"
+            rank.prompt_cache_dir, rank.prompt_cache_error = event.prompt_cache_dir, event.prompt_cache_error
             if all(r.state == "ready" for r in self.ranks):
                 with self._lock:
                     self._set_state("ready", None)
@@ -241,6 +265,7 @@ class RequestQueue:
                 cached_tokens=event.cached_tokens,
                 generation_tokens=event.generation_tokens,
                 error=RequestFailed(event.error) if event.error is not None else None,
+                cache_tier=event.cache_tier,
             ))
 
     def _set_state(self, state: str, detail: str | None) -> None:
@@ -331,7 +356,7 @@ class RequestQueue:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "decode_batch": self.options.decode_batch,
-            "ranks": [{"rank": r.rank, "host": r.host, "layers": list(r.layers), "state": r.state} for r in self.ranks],
+            "ranks": [self._rank_health(r) for r in self.ranks],
         }
         if self.plan.tp > 1:  # --tp: each rank's pipeline stage and place in its stage's tensor-parallel group
             out["tp"] = self.plan.tp
@@ -342,6 +367,13 @@ class RequestQueue:
             out["time"] = where_time_goes(time)  # since the pipeline (re)started, when a request last ended
         if self.error is not None:
             out["error"] = self.error.message
+        return out
+
+    def _rank_health(self, rank: RankState) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": rank.rank, "host": rank.host, "layers": list(rank.layers), "state": rank.state}
+        if self.options.prompt_cache_gb > 0:  # the disk tier: its folder on the rank's host, what it keeps
+            out["prompt_cache"] = {"dir": rank.prompt_cache_dir, "error": rank.prompt_cache_error,
+                                   **(rank.disk_cache or {})}
         return out
 
 
@@ -365,14 +397,22 @@ class RequestLog:
     cache_hits: int = 0  # requests whose prompt began with tokens a kept KV cache held
     cached_tokens: int = 0
     prompt_tokens: int = 0
+    # Per tier of the prompt cache ("memory", "disk"): its hits, and the tokens they gave.
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"memory": 0, "disk": 0})
+    tier_tokens: dict[str, int] = field(default_factory=lambda: {"memory": 0, "disk": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.requests += 1
-            self.cache_hits += record.get("cached_tokens", 0) > 0
-            self.cached_tokens += record.get("cached_tokens", 0)
+            cached = record.get("cached_tokens", 0)
+            self.cache_hits += cached > 0
+            self.cached_tokens += cached
             self.prompt_tokens += record.get("prompt_tokens", 0)
+            tier = record.get("cache_tier")
+            if cached > 0 and tier in self.tier_hits:
+                self.tier_hits[tier] += 1
+                self.tier_tokens[tier] += cached
             self._append(record)
 
     def refuse(self, record: dict[str, Any]) -> None:
@@ -388,9 +428,11 @@ class RequestLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
-    def figures(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """The recent requests, newest first, and the totals since the server started."""
+    def figures(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The recent requests, newest first, and the totals since the server started (``tiers``: per tier of
+        the prompt cache, its hits and the tokens they gave)."""
         with self._lock:
+            tiers = {t: {"hits": self.tier_hits[t], "cached_tokens": self.tier_tokens[t]} for t in self.tier_hits}
             return list(self.recent)[::-1], {"requests": self.requests, "refused": self.refused,
                                              "hits": self.cache_hits, "cached_tokens": self.cached_tokens,
-                                             "prompt_tokens": self.prompt_tokens}
+                                             "prompt_tokens": self.prompt_tokens, "tiers": tiers}

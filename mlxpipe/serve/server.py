@@ -65,6 +65,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
             log.path = queue.run_dir / "requests.jsonl" if queue.run_dir else None
             console.err.print(f"[green]ready[/]: {len(plan.ranks)} ranks loaded; logs: {queue.run_dir}")
             if queue.restarts == 0:  # once: a relaunch changes nothing there
+                _say_disk_tier(queue)
                 console.err.print(f"the cluster's page: http://{_url_host(host)}:{port}/ (open it in a browser)")
         elif state == "restarting":
             console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {queue.restarts} "
@@ -137,11 +138,27 @@ class _Server(uvicorn.Server):
             raise UsageError("the HTTP server could not start (see above)", "pick another --port or --host")
 
 
+def _say_disk_tier(queue: RequestQueue) -> None:
+    """Where each rank keeps the prompt cache on disk, and which rank could not (then no rank hits)."""
+    if queue.options.prompt_cache_gb <= 0:
+        return
+    for r in queue.ranks:
+        if r.prompt_cache_error is not None:
+            console.warn(f"rank {r.rank} ({r.host}) has no prompt cache on disk ({r.prompt_cache_error}); "
+                         "no request is served from the disk tier")
+    folders = sorted({r.prompt_cache_dir for r in queue.ranks if r.prompt_cache_dir is not None})
+    if folders:
+        console.err.print(f"prompt cache on disk: up to {queue.options.prompt_cache_gb:g} GB per rank, in "
+                          + ", ".join(folders))
+
+
 def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:
     if options.max_concurrency < 1:
         raise UsageError(f"--max-concurrency must be at least 1, got {options.max_concurrency}")
     if options.max_queue < 0 or options.max_restarts < 0 or options.prompt_cache_size < 0:
         raise UsageError("--max-queue, --max-restarts and --prompt-cache-size must be 0 or more")
+    if not options.prompt_cache_gb >= 0:
+        raise UsageError(f"--prompt-cache-gb must be 0 (no disk tier) or more, got {options.prompt_cache_gb:g}")
     if not options.queue_timeout > 0:
         raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
     if max_body_bytes < 1024:

@@ -28,9 +28,9 @@ sender's own later steps, so the ring cannot deadlock, even with prefill
 chunks too large for the sockets' buffers. The stand-ins of the generic
 pipeline (``stages.stage.Exchange``) keep every model's own masks and cache
 bookkeeping; each request has its own caches on every rank, made with mlx-lm's
-``make_prompt_cache`` or taken from mlx-lm's ``LRUPromptCache`` (the longest
-cached prefix of its prompt: every rank makes the same choice, since every rank
-inserts and looks up the same token sequences in the same order).
+``make_prompt_cache`` or taken from the prompt cache's tiers (``prompt_caches``:
+mlx-lm's ``LRUPromptCache`` in memory, each rank's own folder on disk), the
+longest cached prefix of its prompt, the same on every rank.
 
 Each rank also times where its ticks go (``TimeSpent``): computing, sending,
 waiting for its input, waiting in the collective, idle without requests.
@@ -45,7 +45,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
@@ -58,8 +58,10 @@ from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.constraints import Constraint, request_grammar
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.disk_cache import DiskCache
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
+from mlxpipe.worker.prompt_caches import PromptCaches
 from mlxpipe.worker.reporters import Reporter, Timing
 from mlxpipe.worker.sampling import (
     LogitsProcessor,
@@ -75,7 +77,6 @@ from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.stages.stage import Exchange
 
 _CLEAR_CACHE_TICKS = 256
-_MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
 
 
 @dataclass
@@ -99,8 +100,11 @@ class Engine:
 
     def __init__(
         self, context: RankContext, slots: int, reporter: Reporter, prompt_cache_size: int = 0,
-        prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1,
+        prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1, disk_cache: DiskCache | None = None,
+        disk_tier: bool = False,
     ) -> None:
+        """``prompt_cache``: a memory tier the caller keeps (chat turns), else one of ``prompt_cache_size``
+        entries; ``disk_cache``, ``disk_tier``: the disk tier (``prompt_caches.PromptCaches``)."""
         loaded, group = context.loaded, context.group
         self.context, self.reporter = context, reporter
         self.model = loaded.model
@@ -136,7 +140,8 @@ class Engine:
         self.vocab_size = text_config_of(loaded.config).get("vocab_size")
         if prompt_cache is None and prompt_cache_size > 0:
             prompt_cache = LRUPromptCache(max_size=prompt_cache_size)
-        self.prompt_cache = prompt_cache  # kept by the caller when it outlives the engine (chat turns)
+        self.prompt_caches = PromptCaches(self.model, context.job, group, prompt_cache, disk_cache, disk_tier)
+        self.cache_tiers: dict[int, str] = {}  # where a request's cached tokens came from: "memory" or "disk"
         self._by_id: dict[RequestId, int] = {}
         self._exit = False
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
@@ -158,13 +163,16 @@ class Engine:
             extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         except MlxpipeError as e:
             return self.refuse(request, e.message)
-        cache, cached = self._cached(prompt, request)
+        found = self.prompt_caches.fetch(prompt, request)
+        cache, cached = found.cache, found.tokens
         # Decode groups merge their members' caches: quantized ones cannot merge (mlx-lm's
         # is_batchable), and caches of one kind only, so requests group by their cache settings.
         key = None if request.kv_bits is not None else (request.max_kv_size or self.context.job.max_kv_size,)
         index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra, batch_key=key)
         self.requests.append(request)
         self.caches.own[index] = cache
+        if found.tier is not None:
+            self.cache_tiers[index] = found.tier
         self.eos[index] = set(tokenizer.eos_token_ids) | extra
         if request.id is not None:
             self._by_id[request.id] = index
@@ -180,19 +188,6 @@ class Engine:
             self._by_id[request.id] = index
         self._finish(index)
         return index
-
-    def _cached(self, prompt: list[int], request: Request) -> tuple[list[Any], int]:
-        """Caches for ``prompt`` and how many of its tokens they hold (the longest cached prefix)."""
-        if self.prompt_cache is not None:
-            cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
-            if cache is not None and not rest:
-                # The whole prompt is cached; one token must still be fed for the logits.
-                # mlx-lm annotates trim_prompt_cache as returning a list: it returns the count trimmed.
-                trimmed = can_trim_prompt_cache(cache) and cast(int, trim_prompt_cache(cache, 1)) == 1
-                rest = prompt[-1:] if trimmed else prompt
-            if cache is not None and len(rest) < len(prompt):
-                return cache, len(prompt) - len(rest)
-        return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.context.job.max_kv_size), 0
 
     def apply(self, message: Message | None) -> None:
         """A message every rank applies at the same tick: submit, cancel or exit (None: end of input)."""
@@ -477,23 +472,24 @@ class Engine:
         self.run_ahead["taken_back"] += 1
 
     def _finish(self, index: int) -> None:
-        """Drop a request's caches (keeping them in the prompt cache) and report it."""
+        """Drop a request's caches (keeping them in the prompt cache's tiers) and report it."""
         if self.ahead is not None and index in self.ahead.requests:
             self._take_back()
         self.lazy.discard(index)
         cache = self.caches.own.pop(index, None)
-        if cache is None and self.prompt_cache is not None and self.caches.group_of(index) is not None:
+        if cache is None and self.prompt_caches.keeps and self.caches.group_of(index) is not None:
             cache = self.caches.take_own(index)
         self.samplers.pop(index, None)
         self.processors.pop(index, None)
         self.constraints.pop(index, None)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
         state = self.schedule.requests[index]
-        if cache is not None and self.prompt_cache is not None and state.fed_tokens:
+        if cache is not None and self.prompt_caches.keeps and state.fed_tokens:
             # Every micro-batch it entered has left every stage: the caches hold exactly fed_tokens.
-            self.prompt_cache.insert_cache(_MODEL_KEY, list(state.fed_tokens), cache)
+            self.prompt_caches.keep(state.fed_tokens, cache, self.requests[index])
         if self.rank == 0:
             self.reporter.finished(self, index, timing, time.perf_counter())
+        self.cache_tiers.pop(index, None)
         self.eos.pop(index, None)
         self.errors.pop(index, None)
         self.logprobs.pop(index, None)

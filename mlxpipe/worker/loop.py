@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ from mlxpipe.protocol.messages import Batch, Exit, Generate, Serve
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import shared_seed
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.disk_cache import DiskCache, slice_identity
 from mlxpipe.worker.engine import Engine
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank
@@ -98,6 +100,7 @@ class RankLoop:
         self.host = socket.gethostname()
         self._emit = emit
         self._chat_cache: LRUPromptCache | None = None  # the engine's chat turns
+        self._disk_cache: DiskCache | None = None  # serving: the prompt cache's disk tier on this rank
         self.progress = Progress(emit, self.rank)
         self.context = RankContext(loaded, group, job, self.progress)
         self.streamed = Streamed(self.context, emit)  # stream_generate's requests, and its chat turns
@@ -209,18 +212,40 @@ class RankLoop:
             self.streamed.serve(inbox)
             return
         self._forget_chats()
+        disk_tier = bool(message.prompt_cache_dirs) and message.prompt_cache_gb > 0
+        self._disk_cache, disk_error = self._open_disk_cache(message) if disk_tier else (None, None)
         engine = Engine(self.context, message.concurrency, StreamReporter(self._emit), message.prompt_cache_size,
-                        decode_batch=message.decode_batch)
+                        decode_batch=message.decode_batch, disk_cache=self._disk_cache, disk_tier=disk_tier)
         engine.on_time = self._report_time
         if self.rank == 0 and engine.vocab_size:
             self._warm_constraints(engine.vocab_size)
-        self._emit(Serving(rank=self.rank, concurrency=message.concurrency, decode_batch=engine.decode_batch))
-        engine.run(inbox)
+        folder = self._disk_cache.folder if self._disk_cache is not None else None
+        self._emit(Serving(rank=self.rank, concurrency=message.concurrency, decode_batch=engine.decode_batch,
+                           prompt_cache_dir=str(folder) if folder is not None else None,
+                           prompt_cache_error=disk_error))
+        try:
+            engine.run(inbox)
+        finally:
+            engine.prompt_caches.close()  # what the writer has queued is written before the rank says bye
+
+    def _open_disk_cache(self, message: Serve) -> tuple[DiskCache | None, str | None]:
+        """This rank's disk tier, or why it has none (then it never offers a hit: its peers miss too)."""
+        dirs = message.prompt_cache_dirs or []
+        if len(dirs) != self.group.size():
+            raise UsageError(f"the serve message names {len(dirs)} prompt cache directories for "
+                             f"{self.group.size()} ranks")
+        directory = Path(dirs[self.rank]).expanduser()
+        identity = slice_identity(self.job, self.rank, (self.loaded.start, self.loaded.end), self.loaded.sharding)
+        try:
+            return DiskCache(directory, int(message.prompt_cache_gb * 1e9), identity), None
+        except OSError as e:
+            return None, f"{directory}: {e.strerror or e}"
 
     def _report_time(self, spent: dict[str, float]) -> None:
         """Where the time went, with the rank's memory, for the server's page (figures in GB, as in ``loaded``)."""
+        disk = self._disk_cache.figures() if self._disk_cache is not None else None
         self._emit(Time(rank=self.rank, memory=mx.get_active_memory() / 1e9, peak_memory=mx.get_peak_memory() / 1e9,
-                        **spent))
+                        disk_cache=disk, **spent))
 
     def _warm_constraints(self, vocab_size: int) -> None:
         """llguidance's tokenizer takes a second or two to build: built aside now, not at the first

@@ -35,6 +35,7 @@ class EngineView(Protocol):
     eos: dict[int, set[int]]  # each request's end-of-sequence ids
     errors: dict[int, str]  # why a request ended with "error"
     logprobs: dict[int, Any]  # rank 0: a request's last token's logprobs (sampling.TokenLogprobs), when asked
+    cache_tiers: dict[int, str]  # where a request's cached tokens came from: "memory" or "disk"
 
 
 class Reporter(Protocol):
@@ -120,6 +121,7 @@ class StreamReporter:
             cached_tokens=state.cached,
             generation_tokens=len(state.generated),
             error=_error(engine, index),
+            cache_tier=engine.cache_tiers.get(index),
         ))
 
 

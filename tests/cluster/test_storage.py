@@ -1,4 +1,5 @@
-"""cluster/storage.py: where each host keeps the model's files (its Hugging Face cache, or a plain directory)."""
+"""cluster/storage.py: where each host keeps the model's files (its Hugging Face cache, or a plain directory), and the
+prompt cache's disk tier."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlxpipe.cluster.hostfile import parse_hostfile
-from mlxpipe.cluster.storage import REMOTE_HF_HOME, hf_home, local_dir, model_path
+from mlxpipe.cluster.storage import REMOTE_HF_HOME, hf_home, local_dir, model_path, prompt_cache_dir
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
 
@@ -40,3 +41,15 @@ def test_a_local_model_stays_where_it_is_here_and_goes_under_mlxpipes_home_elsew
     assert model_path(host(ssh="127.0.0.1"), LOCAL_MODEL) == "/models/tiny-llama"
     assert model_path(host(ssh="studio-2"), LOCAL_MODEL) == "~/.cache/mlxpipe/models/tiny-llama"
     assert local_dir(host(ssh="studio-2"), HUB_MODEL) is None  # the cache, not a plain directory
+
+
+def test_the_prompt_cache_on_disk_goes_beside_the_models_or_home(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXPIPE_HOME", str(tmp_path / "mlxpipe"))
+    assert prompt_cache_dir(host(ssh="127.0.0.1")) == f"{tmp_path}/mlxpipe/prompt-cache"
+    assert prompt_cache_dir(host(ssh="studio-2")) == "~/.cache/mlxpipe/prompt-cache"  # expanded on that host
+    beside = "/Volumes/fast/hf/mlxpipe/prompt-cache"  # the hostfile's hf_home: the disk the models are on
+    assert prompt_cache_dir(host(ssh="studio-2", hf_home="/Volumes/fast/hf/")) == beside
+    assert prompt_cache_dir(host(ssh="127.0.0.1", hf_home="/data/hf")) == "/data/hf/mlxpipe/prompt-cache"
+    # --prompt-cache-dir: that path on every host.
+    assert prompt_cache_dir(host(ssh="studio-2", hf_home="/x"), "/fast/kv") == "/fast/kv"

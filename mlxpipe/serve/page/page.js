@@ -137,11 +137,21 @@ function rankCard(rank, cause) {
     memoryBar(rank),
     el("div", { class: "busy" },
       el("span", { class: "muted", text: "busy " }), el("span", { text: pct(rank.busy) }),
-      el("div", { class: "bar thin" }, el("div", { class: "fill busy-fill", style: `width:${Math.round((rank.busy || 0) * 100)}%` }))));
+      el("div", { class: "bar thin" }, el("div", { class: "fill busy-fill", style: `width:${Math.round((rank.busy || 0) * 100)}%` }))),
+    diskTier(rank));
   if ((rank.state === "failed" || rank.state === "restarting") && cause) {
     card.append(el("div", { class: "cause small", text: cause }));
   }
   return card;
+}
+
+// The prompt cache's disk tier on this rank, when the server keeps one: what it holds, or why it has none.
+function diskTier(rank) {
+  const tier = rank.prompt_cache;
+  if (!tier) return null;
+  if (tier.error) return el("div", { class: "disk-tier small error", title: tier.error, text: "no disk cache" });
+  const held = tier.entries === undefined ? "" : `${tier.entries} prefixes, ${gb(tier.gb)}`;
+  return el("div", { class: "disk-tier small muted", title: tier.dir || "", text: `disk cache ${held}`.trim() });
 }
 
 // A tensor-parallel group, when /health names one (a `tp` or `stage` field); nothing otherwise.
@@ -235,6 +245,8 @@ function renderStats(data) {
   $("waiting").textContent = data.waiting;
   const cache = data.cache;
   $("cache-hits").textContent = `${cache.hits} / ${cache.requests}`;
+  const tiers = cache.tiers || { memory: { hits: 0 }, disk: { hits: 0 } };
+  $("cache-tiers").textContent = `memory ${tiers.memory.hits}, disk ${tiers.disk.hits}`;
   $("cached-share").textContent = cache.prompt_tokens ? pct(cache.cached_tokens / cache.prompt_tokens) : "–";
 }
 
@@ -253,7 +265,8 @@ function renderRequests(requests) {
       el("td", { class: "id", text: refused ? r.door : r.id }),
       el("td", { class: "status", text: refused ? `refused ${r.status}` : r.status }),
       el("td", { text: refused ? "–" : r.prompt_tokens }),
-      el("td", { text: refused ? "–" : r.cached_tokens }),
+      el("td", { class: "cached", "data-tier": r.cache_tier || "",
+        text: refused ? "–" : r.cache_tier === "disk" ? `${r.cached_tokens} disk` : r.cached_tokens }),
       el("td", { text: refused ? "–" : r.generation_tokens }),
       el("td", { text: r.ttft === null ? "–" : `${fmt(r.ttft, 2)} s` }),
       el("td", { text: refused ? "–" : fmt(r.tps) })));
