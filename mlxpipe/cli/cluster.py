@@ -145,19 +145,40 @@ def init(
             outcome = setup.make(machines, versions=versions(), python=python)
         outcome.steps[:0] = steps
     written = outcome.complete
-    links = None
+    links: Any = None
+    links_note = None
     if written:
         setup.check_and_write(outcome, output)
-        links = setup.measure_links(output)
+        links, links_note = _measure_links(outcome, output, quiet=json_out)
     if json_out:
-        console.print_json(_init_json(outcome, output if written else None, links))
+        console.print_json(_init_json(outcome, output if written else None, links, links_note))
     else:
-        _print_init(outcome, output if written else None, links)
+        _print_init(outcome, output if written else None, links, links_note)
     if not written:
         count = sum(s.blocking for s in outcome.steps)
         console.error(f"{output} not written: {count} step{'s' if count != 1 else ''} to do first (above)",
                       "do them, then run the same `mlxpipe cluster init` again")
         raise typer.Exit(1)
+
+
+def _measure_links(outcome: Outcome, hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
+    """The links measured over the new hostfile (``doctor --links``' job), or why not: hosts without
+    this machine's mlx cannot run it yet, and a job that fails leaves the hostfile written all the same."""
+    from mlxpipe.cluster import init as setup
+    from mlxpipe.errors import MlxpipeError
+
+    later = f"`mlxpipe doctor --links --hostfile {hostfile}` measures them"
+    if outcome.to_install:
+        return None, f"not measured yet: after `mlxpipe cluster install`, {later}"
+
+    def say(text: str) -> None:
+        if not quiet:
+            console.err.print(text, markup=False, highlight=False)
+
+    try:
+        return setup.measure_links(hostfile, say), None
+    except MlxpipeError as e:
+        return None, f"not measured ({e.message}); {later}"
 
 
 def _nothing() -> Any:
@@ -269,7 +290,7 @@ def _found_table(found: Sequence[Found]) -> Any:
     return t
 
 
-def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
+def _print_init(outcome: Outcome, written: Path | None, links: Any, links_note: str | None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -290,7 +311,15 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
     if written is None or outcome.data is None:
         return
     _line(f"wrote {written} ({len(outcome.data['hosts'])} hosts)")
-    _line("links: measured" if links is not None else "links: not measured (this mlxpipe cannot measure them yet)")
+    if links is None:
+        _line(f"links: {links_note}")
+    else:
+        from mlxpipe.cli.render import link_lines
+        from mlxpipe.cluster.links import facts_path
+
+        for text in link_lines(links):
+            _line(f"links: {text}")
+        _line(f"wrote {facts_path(written)}")
     if outcome.to_install:
         _line(f"next: mlxpipe cluster install --hostfile {written}  (mlxpipe, mlx and mlx-lm for "
               f"{', '.join(outcome.to_install)})")
@@ -298,7 +327,7 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         _line(f"next: mlxpipe doctor --hostfile {written}")
 
 
-def _init_json(outcome: Outcome, written: Path | None, links: Any) -> dict[str, Any]:
+def _init_json(outcome: Outcome, written: Path | None, links: Any, links_note: str | None) -> dict[str, Any]:
     return {
         "written": str(written) if written else None,
         "hostfile": outcome.data,
@@ -309,7 +338,8 @@ def _init_json(outcome: Outcome, written: Path | None, links: Any) -> dict[str, 
         "notes": outcome.notes,
         "steps": [{"host": s.host, "step": s.what, "blocking": s.blocking} for s in outcome.steps],
         "to_install": outcome.to_install,
-        "links": links,
+        "links": links.to_json() if links is not None else None,
+        "links_note": links_note,
     }
 
 

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
+from mlxpipe.cli._options import (
+    Config, Hostfile, Json, LayoutOption, Model, Revision, Split, Strategy, Tp, WorkloadOption, parse_split,
+)
 from mlxpipe.errors import UsageError
 
 
@@ -18,6 +20,8 @@ def download(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     rank: Annotated[Optional[int], typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
@@ -45,7 +49,9 @@ def download(
     from mlxpipe.launch.run import require_fit
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    from mlxpipe.cli._generation import settle_layout
+
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     hosts = target.hostfile.hosts
     if local and rank is None:
         here = [h.rank for h in hosts if h.is_local]
@@ -60,6 +66,7 @@ def download(
         meta = load_model_metadata(target, progress=progress)
     if not from_controller:
         dl.require_hub(meta)
+    target = settle_layout(target, quiet=json_out, backend=None, context=None, meta=meta).target  # the layout that runs
     the_plan = plan_target(target, meta)
     require_fit(the_plan)  # shares that no run could load are not worth fetching (nor listing: exit 1)
     tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)

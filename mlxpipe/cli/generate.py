@@ -8,13 +8,14 @@ from typing import Annotated, Any, Optional
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
+from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
 from mlxpipe.cli._options import (
     AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
-    ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, MaxKvSize, MaxTokens,
+    ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, LayoutOption, MaxKvSize,
+    MaxTokens,
     MinP, MinTokensToKeep, Model, NumDraftTokens, PipelineMode, PrefillResponse, PrefillStepSize, QuantizedKvStart,
     Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, Tp, TopP, TrustRemoteCode,
-    UseDefaultChatTemplate, XtcProbability, XtcThreshold, parse_split,
+    UseDefaultChatTemplate, WorkloadOption, XtcProbability, XtcThreshold, parse_split,
 )
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
@@ -50,6 +51,8 @@ def generate(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -116,13 +119,16 @@ def generate(
     check_draft_flags(draft_model, max_kv_size)
     if prompt == "-":
         prompt = sys.stdin.read()
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    if workload is None and prompts_file is not None:
+        workload = "batch"  # many prompts at once: judged by aggregate throughput
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=json_out, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    run_config = settle_config(run_config, quiet=json_out)
     if prompts_file is not None:
         _generate_batch(run_config, options, prompts_file, concurrency, output, json_out, decode_batch)
         return
@@ -200,6 +206,8 @@ def chat(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -239,13 +247,14 @@ def chat(
 
     flags = RequestFlags.of(locals())
     check_draft_flags(draft_model, max_kv_size)
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    run_config = settle_config(run_config, quiet=False)
     with running_pipeline(run_config) as pipe:
         _chat_turns(pipe, options)
 

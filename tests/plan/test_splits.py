@@ -10,7 +10,9 @@ import pytest
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
 from mlxpipe.plan.shard import make_plan
+from mlxpipe.plan.layout import BATCH
 from mlxpipe.plan.splits import (
+    PhaseCosts,
     balanced_split,
     choose_split,
     cut_group,
@@ -127,19 +129,26 @@ def test_balanced_split_of_uniform_layers_without_a_head_is_even(size: int) -> N
 
 
 @pytest.mark.parametrize("head", ["lm_head", "model.embed_tokens"], ids=["own-head", "tied-embedding"])
-def test_balanced_plan_gives_rank_0_fewer_layers_for_the_vocabulary_head(head: str) -> None:
+def test_balanced_plan_weighs_the_vocabulary_head_by_the_phase_it_runs_in(head: str) -> None:
     tensors = [T(f"model.layers.{i}.mlp.down_proj.weight", MB, "w.safetensors") for i in range(30)]
     tensors.append(T(f"{head}.weight", 3 * MB, "w.safetensors"))
     if head == "lm_head":  # an untied model also has its embedding, which costs no work per token
         tensors.append(T("model.embed_tokens.weight", 3 * MB, "w.safetensors"))
+    # One chat at a time (the default): a prompt goes at the pace of its busiest stage, and the head runs once
+    # per prompt, so it barely counts: the layers split evenly, as for prefill they should.
     plan = make_plan(meta(tensors, 30), hosts(2), strategy="balanced")
-    # Rank 0: 13 layers + the head (3 layers' worth) = 16, rank 1: 17; 14 + 3 and 16 tie at 17,
-    # and of equal splits the first stage (rank 1) takes all it can.
-    assert (plan.strategy, plan.split) == ("balanced", (13, 17))
+    assert (plan.strategy, plan.split) == ("balanced", (15, 15))
     assert plan.notes[-1] == (
-        "balanced: each stage reads about the same weight bytes per token; rank 0 also runs the vocabulary head, "
-        "worth 3.0 layers."
+        "balanced, for a chat turn (1,000-token prompt, 250 tokens out): a prompt goes at the pace of its busiest "
+        "stage, so each stage gets about the same work per prompt token; rank 0's vocabulary head, worth 3.0 layers "
+        "in bytes, runs on every generated token but once per prompt."
     )
+    # Many requests at once: every stage is busy, and the head (3 layers' bytes, read on each of a request's 250
+    # generated tokens) weighs against the layers' work on its 1,000 prompt tokens too: rank 0 takes one layer
+    # fewer, where the decode-only balance of old took two (13, 17: see balanced_split below).
+    batch = make_plan(meta(tensors, 30), hosts(2), strategy="balanced", workload=BATCH)
+    assert batch.split == (14, 16)
+    assert balanced_split([MB] * 30, 3 * MB, 2) == [13, 17]
     assert make_plan(meta(tensors, 30), hosts(2), strategy="even").split == (15, 15)
 
 
@@ -205,10 +214,16 @@ def test_memory_split_every_rank_gets_a_layer_and_its_share() -> None:
     ],
 )
 def test_default_strategy(cluster: list[Host], strategy: str, split: list[int]) -> None:
-    work = ([1] * 12, 2)
+    work = _decode_only([1] * 12, 2, len(cluster))
     assert choose_split(None, None, 12, cluster, work) == (strategy, split)
     if strategy == "balanced":
         assert choose_split(None, None, 12, cluster) == ("even", even_split(12, len(cluster)))
+
+
+def _decode_only(layer_work: list[float], head: float, stages: int) -> PhaseCosts:
+    """Phase costs that weigh only generated tokens, many at once: the balance of each layer's work per token."""
+    return PhaseCosts(prefill=[[0.0] * len(layer_work)] * stages, decode=[list(layer_work)] * stages,
+                      head_prefill=0.0, head_decode=head, prompt=0, generated=1, concurrent=True)
 
 
 @pytest.mark.parametrize(
