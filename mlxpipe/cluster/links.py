@@ -111,7 +111,8 @@ def _measure(ranks: Ranks, events: Iterator[Event], hosts: Hostfile, backend: st
     for h in hosts.hosts:
         if h.ssh not in machines:  # ranks on one machine share it: measured once, by the first
             say(f"measuring {h.ssh} (rank {h.rank}){': calibrating real layers' if calibrate else ''}...")
-            ranks.send(MeasureHost(rank=h.rank, calibrate=calibrate))
+            share = sum(other.ssh == h.ssh for other in hosts.hosts)
+            ranks.send(MeasureHost(rank=h.rank, calibrate=calibrate, share=share))
             measured = _next(events, HostMeasured, STEP_TIMEOUT, ranks)
             machines[h.ssh] = host_facts_of(measured, h.ssh)
         host_facts.append(replace(machines[h.ssh], rank=h.rank))

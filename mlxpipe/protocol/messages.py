@@ -171,11 +171,16 @@ TrainMessage = Resume | Step | Eval | Save
 @dataclass(frozen=True)
 class MeasureHost(Message):
     """Rank ``rank`` measures its machine (memory bandwidth, matrix throughput; with ``calibrate``, real
-    transformer layers too) and says ``host_measured``; the others wait on their standard input, idle."""
+    transformer layers too) and says ``host_measured``; the others wait on their standard input, idle. A CPU
+    that ``share`` ranks of the job share is measured on its share of the cores, as each of them will run."""
 
     TAG = "measure_host"
     rank: int
     calibrate: bool = False
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        at_least(self.share, 1, "share")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import mlx.core as mx
 
@@ -54,7 +55,8 @@ def run(world_size: int, stream: IO[str] | None = None, emit: Emit = wire.emit) 
             return
         if isinstance(message, MeasureHost):
             if message.rank == rank:
-                emit(measure_host(rank, host, message.calibrate))
+                with cores_share(message.share):
+                    emit(measure_host(rank, host, message.calibrate))
         elif isinstance(message, MeasureLink):
             if rank in (message.a, message.b):
                 measured = measure_link(group, message)
@@ -158,6 +160,33 @@ def measure_host(rank: int, host: str, calibrate: bool) -> HostMeasured:
     return HostMeasured(rank=rank, host=host, chip=chip, performance_cores=cores, device="gpu" if gpu else "cpu",
                         memory_bandwidth=memory_bandwidth(gpu), compute=matmul_rate(dtype, gpu),
                         dtype=str(dtype).removeprefix("mlx.core."), calibration=calibration)
+
+
+@contextmanager
+def cores_share(share: int) -> Iterator[None]:
+    """On a CPU that ``share`` ranks share: every thread of this process on its share of the cores (the first of
+    them) while measuring, as each rank of a run gets about that many; no change on a GPU or where Linux's
+    affinity calls are missing."""
+    task_dir = Path("/proc/self/task")
+    if share <= 1 or mx.default_device() == mx.gpu or not hasattr(os, "sched_setaffinity") or not task_dir.is_dir():
+        yield
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = set(allowed[: max(1, len(allowed) // share)])
+    threads = [int(t.name) for t in task_dir.iterdir()]
+    _set_affinity(threads, mine)
+    try:
+        yield
+    finally:
+        _set_affinity([int(t.name) for t in task_dir.iterdir()], set(allowed))
+
+
+def _set_affinity(threads: list[int], cores: set[int]) -> None:
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass  # a thread that ended meanwhile
 
 
 def chip_name() -> tuple[str, int | None]:

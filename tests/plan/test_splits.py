@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any, Sequence
 
 import pytest
@@ -19,6 +20,7 @@ from mlxpipe.plan.splits import (
     even_split,
     layer_ranges,
     legal_split,
+    phase_split,
     proportional_split,
 )
 from tests.plan.test_shard import GEMMA3N, MB, T, _compositions, hosts, meta, uniform
@@ -314,3 +316,53 @@ def test_no_split_keeps_the_group_whole() -> None:
     config = {"layer_types": ["sliding_attention"] * 4, "num_kv_shared_layers": 3}
     with pytest.raises(PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"):
         make_plan(uniform(4, MB, **config), hosts(2), strategy="even")
+
+
+# --- The two-phase split: a request's prompt and its reply, both counted ---------------------------------
+
+
+def _phase_time(costs: PhaseCosts, split: Sequence[int]) -> float:
+    """What ``phase_split`` minimizes, computed the long way for ``split`` (rank order)."""
+    stages = []
+    for k, (s, e) in enumerate(layer_ranges(split)):
+        p = sum(costs.prefill[k][s:e]) + (costs.head_prefill if k == 0 else 0.0)
+        d = sum(costs.decode[k][s:e]) + (costs.head_decode if k == 0 else 0.0)
+        stages.append((p, d))
+    if costs.concurrent:
+        return max(costs.prompt * p + costs.generated * d for p, d in stages)
+    return costs.prompt * max(p for p, _ in stages) + costs.generated * sum(d for _, d in stages)
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "many-at-once"])
+def test_phase_split_is_the_least_time_of_all_splits(concurrent: bool) -> None:
+    rng = random.Random(31)
+    for _ in range(250):
+        n = rng.randint(1, 10)
+        size = rng.randint(1, min(n, 4))
+        # Each stage's hosts differ (their own costs per layer), as hosts of other chips do.
+        prefill = [[rng.choice([0.5, 1, 2, 7]) for _ in range(n)] for _ in range(size)]
+        decode = [[rng.choice([1, 3, 4, 20]) for _ in range(n)] for _ in range(size)]
+        costs = PhaseCosts(prefill, decode, head_prefill=rng.choice([0, 0.01]), head_decode=rng.choice([0, 5, 40]),
+                           prompt=rng.choice([10, 1000]), generated=rng.choice([1, 250]), concurrent=concurrent)
+        split = phase_split(costs, size)
+        assert sum(split) == n and len(split) == size and min(split) >= 1
+        least = min(_phase_time(costs, c) for c in _compositions(n, size))
+        assert _phase_time(costs, split) == pytest.approx(least), (costs, split)
+
+
+def test_one_stream_on_like_hosts_splits_by_prefill_alone_whatever_the_head() -> None:
+    # The issue's model: 12 like layers and a head worth 35 of them in bytes. One chat at a time: a prompt goes at
+    # its busiest stage's pace and every generated token crosses every stage anyway, so the even split is best.
+    costs = PhaseCosts([[1.0] * 12] * 2, [[1.0] * 12] * 2, head_prefill=35 / 1000, head_decode=35.0, prompt=1000,
+                       generated=250, concurrent=False)
+    assert phase_split(costs, 2) == [6, 6]
+    # Many at once: every stage is busy, and rank 0's share of each request includes the head on every token.
+    assert phase_split(replace(costs, concurrent=True), 2) == [2, 10]  # 1,250 x 2 + 8,785 vs 1,250 x 10
+    assert balanced_split([1] * 12, 35, 2) == [1, 11]  # the decode-only balance the issue measured
+
+
+def test_one_stream_moves_layers_to_the_host_that_decodes_them_faster() -> None:
+    # Host 1 (rank 1, the first layers) reads weights twice as fast: fewer seconds of decode per layer there.
+    costs = PhaseCosts([[1.0] * 8, [1.0] * 8], [[2.0] * 8, [1.0] * 8], 0.0, 0.0, prompt=1, generated=100,
+                       concurrent=False)
+    assert phase_split(costs, 2) == [1, 7]
