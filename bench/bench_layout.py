@@ -32,16 +32,22 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from common import REPO, cpu_name
 
 sys.path.insert(0, str(REPO / "tests"))
 
-from fixtures.layouts import (  # noqa: E402 - after the path that finds them
-    BIG_VOCABULARY, Measured, added_latency, build_qwen2, measure_layout, predict,
+from fixtures.layouts import (
+    BIG_VOCABULARY,
+    Measured,
+    added_latency,
+    build_qwen2,
+    measure_layout,
+    predict,
 )
 
 LAYERS = 8
@@ -114,7 +120,8 @@ def local_cases(tmp: Path, runs: int) -> tuple[list[dict[str, Any]], Any]:
                                                          ("--tp 2", 2, None, None)], FIGURES, runs, facts))
     big = build_qwen2(tmp / "qwen2-12-vocab", 12, BIG_VOCABULARY)
     cases.append(run_case("2 local ranks, 151,936-token vocabulary, 600-token prompt", big, two,
-                          [("pipeline even", 1, "even", None), ("pipeline balanced, --workload batch", 1, "balanced", "batch")],
+                          [("pipeline even", 1, "even", None),
+                           ("pipeline balanced, --workload batch", 1, "balanced", "batch")],
                           ("prefill",), runs, facts))
     return cases, facts.hosts[0].calibration
 
@@ -156,7 +163,8 @@ def print_case(case: dict[str, Any]) -> None:
         for f in figures:
             best_p = max(case["rows"], key=lambda r: r["figures"][f]["predicted"])["layout"]
             best_m = max(case["rows"], key=lambda r: r["figures"][f]["measured"])["layout"]
-            print(f"\n{f}: predicted best {best_p}, measured best {best_m}" + ("" if best_p == best_m else "  **MISS**"))
+            miss = "" if best_p == best_m else "  **MISS**"
+            print(f"\n{f}: predicted best {best_p}, measured best {best_m}{miss}")
 
 
 def main() -> None:

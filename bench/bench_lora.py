@@ -26,9 +26,10 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from common import REPO, build_qwen2, cores, pin_workers, placement, run_pinned
 
@@ -59,7 +60,7 @@ def build(dest: Path) -> tuple[Path, Path]:
     data = dest / "data"
     data.mkdir()
     rng = random.Random(0)
-    words = "the cat sat on a mat while dogs ran far away from home in the rain".split()
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the", "rain"]
     for name, n in (("train", 64), ("valid", 8)):
         lines = []
         for _ in range(n):
@@ -118,10 +119,10 @@ def _single_process_main(model: str, data: str, out: str, iters: int, batch: int
 def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.SimpleNamespace]:
     """2 local ranks loaded to train with ``options`` (each worker pinned to a core of its own if ``pinned``):
     the pipe, the metadata, the plan, the datasets and the step requests of the training data."""
-    from mlxpipe.lora import run as lora
-    from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.launch.run import PipelineConfig, launch, prepare
+    from mlxpipe.lora import run as lora
     from mlxpipe.protocol.messages import Step
 
     target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None)

@@ -41,9 +41,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from common import QWEN2_LAYERS, REPO, build_qwen2, cores, pin, placement, rank_cores
 

@@ -143,7 +143,6 @@ def _single_main(model: str, max_tokens: int) -> None:
 def _job(model: Path, tmp: Path, split: list[int], tp: int) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from fixtures.ranks import rank_dirs
-
     from mlxpipe.protocol.job import JobSpec
 
     dirs = rank_dirs(model, split, tmp / f"dirs-{'-'.join(map(str, split))}-tp{tp}")

@@ -16,12 +16,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Session fixtures from tests/fixtures/ are imported below this line.
-from fixtures.tiny_models import tiny_models  # noqa: E402,F401
-from fixtures.fake_hub import fake_hub, hub_env  # noqa: E402,F401
-from fixtures.demo_model import demo_model, demo_reference  # noqa: E402,F401
-from fixtures.cluster import cluster, cluster_session  # noqa: E402,F401
-from fixtures.serve_process import server  # noqa: E402,F401
-from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded_requests  # noqa: E402,F401
+from fixtures.cluster import cluster, cluster_session  # noqa: F401
+from fixtures.demo_model import demo_model, demo_reference  # noqa: F401
+from fixtures.fake_hub import fake_hub, hub_env  # noqa: F401
+from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded_requests  # noqa: F401
+from fixtures.serve_process import server  # noqa: F401
+from fixtures.tiny_models import tiny_models  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -32,10 +32,9 @@ def test_an_error_part_way_leaves_the_old_file_and_no_temporary_one(tmp_path: Pa
     tmp_path.mkdir()
     path = tmp_path / "adapters.safetensors"
     path.write_text("old")
-    with pytest.raises(RuntimeError):
-        with replacing(path, suffix=".safetensors") as tmp:
-            assert tmp.parent == tmp_path and tmp.name.endswith(".safetensors") and tmp.name.startswith(".")
-            tmp.write_text("half")
-            raise RuntimeError("the writer failed")
+    with pytest.raises(RuntimeError), replacing(path, suffix=".safetensors") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.endswith(".safetensors") and tmp.name.startswith(".")
+        tmp.write_text("half")
+        raise RuntimeError("the writer failed")
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters.safetensors"]

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import ollama
 import openai
 import pytest
+
 from fixtures.seeding import MLX_SEED, SEED, with_seed
 
 
 class _Echo(BaseHTTPRequestHandler):
     """Answers every POST with the body it received (what the server would have read)."""
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:  # http.server's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

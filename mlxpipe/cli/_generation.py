@@ -6,9 +6,10 @@ the typed config of the pipeline to start. Both check on construction, naming th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
@@ -46,7 +47,7 @@ class RequestFlags:
     prefill_response: str | None = None
 
     @classmethod
-    def of(cls, params: Mapping[str, Any]) -> "RequestFlags":
+    def of(cls, params: Mapping[str, Any]) -> RequestFlags:
         """The generation flags among a command's parameters (Typer gives each flag as its own parameter:
         the command hands them over at once, ``RequestFlags.of(locals())``)."""
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
@@ -124,12 +125,14 @@ def settle_config(config: PipelineConfig, *, quiet: bool) -> PipelineConfig:
 
 
 def settle_layout(target: Target, *, quiet: bool, backend: str | None, context: int | None, mode: str = "generic",
-                  trust_remote_code: bool = False, tensor_ok: bool = True, meta: Any = None, say: bool = True) -> Settled:
+                  trust_remote_code: bool = False, tensor_ok: bool = True, meta: Any = None,
+                  say: bool = True) -> Settled:
     """``--layout auto`` for a command that runs the model: the layout the cost model chooses, fixed into the
     target, and (``say``, not ``quiet``) a line on stderr saying which and why (``tensor_ok``: whether --tp may
     be weighed at all; ``meta``: the model's metadata, when read already)."""
     from mlxpipe import console
-    from mlxpipe.cluster.target import Settled, load_model_metadata, settle_layout as settle
+    from mlxpipe.cluster.target import Settled, load_model_metadata
+    from mlxpipe.cluster.target import settle_layout as settle
     from mlxpipe.errors import MlxpipeError
 
     if target.layout != "auto":
@@ -147,8 +150,8 @@ def settle_layout(target: Target, *, quiet: bool, backend: str | None, context: 
             return e.message
         return None
 
-    settled = settle(target, meta, context=context, backend=backend, tps=None if tensor_ok and mode == "generic" else (1,),
-                     refuses=refuses)
+    tps = None if tensor_ok and mode == "generic" else (1,)
+    settled = settle(target, meta, context=context, backend=backend, tps=tps, refuses=refuses)
     if say and not quiet:
         if settled.choice is not None and settled.choice.candidates:
             console.err.print(f"layout: {settled.choice.reason}", markup=False, highlight=False)

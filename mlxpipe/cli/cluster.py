@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -29,7 +30,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-Interface = Annotated[Optional[str], typer.Option(
+Interface = Annotated[str | None, typer.Option(
     "--interface", "-i", help="Ask on this network interface only: a name such as en0, or one of its addresses.",
     show_default="every interface",
 )]
@@ -87,7 +88,7 @@ def _discover(interface: str | None, timeout: float, quiet: bool) -> list[Found]
 @app.command()
 @boundary
 def init(
-    hosts: Annotated[Optional[list[str]], typer.Argument(
+    hosts: Annotated[list[str] | None, typer.Argument(
         help="The hosts' ssh destinations (a name, user@name or an address), in rank order; with --discover, "
         "the Macs it finds come after them.", show_default=False,
     )] = None,
@@ -95,7 +96,7 @@ def init(
         "--discover", help="Also take every Mac Bonjour finds (see `mlxpipe cluster discover`).",
     )] = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="The hostfile to write.")] = DEFAULT_HOSTFILE_OUT,
-    python: Annotated[Optional[str], typer.Option(
+    python: Annotated[str | None, typer.Option(
         "--python", help="The interpreter every host runs, as its path there.",
         show_default="~/.mlxpipe/venv's when it has this machine's versions, else another that has them, else "
         "~/.mlxpipe/venv's for `cluster install` to make",
@@ -203,7 +204,7 @@ def install(
     hostfile: Annotated[Path, typer.Option(
         "--hostfile", help="The hosts (the hostfile `cluster init` wrote).",
     )] = DEFAULT_HOSTFILE_OUT,
-    wheelhouse: Annotated[Optional[Path], typer.Option(
+    wheelhouse: Annotated[Path | None, typer.Option(
         "--wheelhouse", help="Install from these wheels only (a directory of .whl files for the hosts), never "
         "from a package registry.",
         show_default="the hosts' registry, else this machine's own packages (or pip download here for another platform)",

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
 from mlxpipe import console
 from mlxpipe.cli._options import (
-    Backend, Config, Hostfile, Json, LayoutOption, Revision, Split, Strategy, Tp, WorkloadOption, parse_split, tcp_port,
+    Backend,
+    Config,
+    Hostfile,
+    Json,
+    LayoutOption,
+    Revision,
+    Split,
+    Strategy,
+    Tp,
+    WorkloadOption,
+    parse_split,
+    tcp_port,
 )
 from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_PORT
 
 
 def doctor(
     hostfile: Hostfile = None,
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Also check memory and disk for this model's plan, and whether its layout is "
         "predicted slower than fewer hosts would be (with the cluster's facts).",
         show_default="the --config preset's, else none: no memory or disk check",
@@ -28,7 +39,7 @@ def doctor(
     layout: LayoutOption = None,
     workload: WorkloadOption = None,
     config: Config = None,
-    port: Annotated[Optional[int], typer.Option(
+    port: Annotated[int | None, typer.Option(
         "--port", help="First ring port to check.",
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
     )] = None,

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from mlxpipe import console
 from mlxpipe.cli._options import (
-    Config, Hostfile, Json, LayoutOption, Model, Revision, Split, Strategy, Tp, WorkloadOption, parse_split,
+    Config,
+    Hostfile,
+    Json,
+    LayoutOption,
+    Model,
+    Revision,
+    Split,
+    Strategy,
+    Tp,
+    WorkloadOption,
+    parse_split,
 )
 from mlxpipe.errors import UsageError
 
@@ -23,7 +33,7 @@ def download(
     layout: LayoutOption = None,
     workload: WorkloadOption = None,
     config: Config = None,
-    rank: Annotated[Optional[int], typer.Option(
+    rank: Annotated[int | None, typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
     )] = None,
     local: Annotated[bool, typer.Option("--local", help="Alias of --rank for the first rank whose host is 127.0.0.1.")] = False,
@@ -43,13 +53,12 @@ def download(
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """
-    from mlxpipe.download import controller as dl
-    from mlxpipe.cli.render import controller_line, download_table, tasks_table
-    from mlxpipe.console import download_progress
-    from mlxpipe.launch.run import require_fit
-    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-
     from mlxpipe.cli._generation import settle_layout
+    from mlxpipe.cli.render import controller_line, download_table, tasks_table
+    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.console import download_progress
+    from mlxpipe.download import controller as dl
+    from mlxpipe.launch.run import require_fit
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     hosts = target.hostfile.hosts

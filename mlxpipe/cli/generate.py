@@ -3,39 +3,75 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
 from mlxpipe import console
 from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
 from mlxpipe.cli._options import (
-    AdapterPath, Backend, ChatTemplateConfig, Config, Context, DecodeBatch, DraftModel,
-    ExtraEosToken, FromController, Hostfile, IgnoreChatTemplate, Json, KvBits, KvGroupSize, LayoutOption, MaxKvSize,
+    AdapterPath,
+    Backend,
+    ChatTemplateConfig,
+    Config,
+    Context,
+    DecodeBatch,
+    DraftModel,
+    ExtraEosToken,
+    FromController,
+    Hostfile,
+    IgnoreChatTemplate,
+    Json,
+    KvBits,
+    KvGroupSize,
+    LayoutOption,
+    MaxKvSize,
     MaxTokens,
-    MinP, MinTokensToKeep, Model, NumDraftTokens, PipelineMode, PrefillResponse, PrefillStepSize, QuantizedKvStart,
-    Revision, RingPort, Seed, Split, Strategy, SystemPrompt, Temp, Timeout, TopK, Tp, TopP, TrustRemoteCode,
-    UseDefaultChatTemplate, WorkloadOption, XtcProbability, XtcThreshold, parse_split,
+    MinP,
+    MinTokensToKeep,
+    Model,
+    NumDraftTokens,
+    PipelineMode,
+    PrefillResponse,
+    PrefillStepSize,
+    QuantizedKvStart,
+    Revision,
+    RingPort,
+    Seed,
+    Split,
+    Strategy,
+    SystemPrompt,
+    Temp,
+    Timeout,
+    TopK,
+    TopP,
+    Tp,
+    TrustRemoteCode,
+    UseDefaultChatTemplate,
+    WorkloadOption,
+    XtcProbability,
+    XtcThreshold,
+    parse_split,
 )
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
 
-Prompt = Annotated[Optional[str], typer.Option(
+Prompt = Annotated[str | None, typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
     show_default="none: required without --prompts-file",
 )]
-PromptsFile = Annotated[Optional[Path], typer.Option(
+PromptsFile = Annotated[Path | None, typer.Option(
     "--prompts-file",
     help="Many prompts: one per line, or JSON Lines with per-prompt options (prompt or messages, max_tokens, "
     "temp, top_p, min_p, seed, id). Overlapped across the ranks so every stage is busy.",
     show_default="none: one --prompt",
 )]
-Concurrency = Annotated[Optional[int], typer.Option(
+Concurrency = Annotated[int | None, typer.Option(
     "--concurrency", help="With --prompts-file: requests in flight at once.",
     show_default="pipeline stages x --decode-batch",
 )]
-Output = Annotated[Optional[Path], typer.Option(
+Output = Annotated[Path | None, typer.Option(
     "--output", "-o",
     help="With --prompts-file: write one JSON object per request here, in input order, instead of printing the "
     "texts. Until the batch is done, finished results are kept in FILE.partial as they come.",

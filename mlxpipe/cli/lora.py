@@ -3,65 +3,73 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
+from mlxpipe.cli._generation import pipeline_config
+from mlxpipe.cli._options import (
+    Backend,
+    FromController,
+    Hostfile,
+    Revision,
+    RingPort,
+    Split,
+    Strategy,
+    Timeout,
+    Tp,
+    TrustRemoteCode,
+    parse_split,
+)
 from mlxpipe.defaults import DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import UsageError
 
-from mlxpipe.cli._generation import pipeline_config
-from mlxpipe.cli._options import (
-    Backend, FromController, Hostfile, Revision, RingPort, Split, Strategy, Timeout, Tp,
-    TrustRemoteCode, parse_split,
-)
-
 
 def lora(
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Hub repo id or local directory.", show_default="the -c file's, else the demo model"
     )] = None,
     train: Annotated[bool, typer.Option("--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead).")] = False,
-    data: Annotated[Optional[str], typer.Option(
+    data: Annotated[str | None, typer.Option(
         "--data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl): mlx_lm.lora's text, "
         "completions or chat formats.", show_default="data, or the -c file's",
     )] = None,
-    fine_tune_type: Annotated[Optional[str], typer.Option("--fine-tune-type", help="lora or dora.", show_default="lora")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(
+    fine_tune_type: Annotated[str | None, typer.Option("--fine-tune-type", help="lora or dora.", show_default="lora")] = None,
+    optimizer: Annotated[str | None, typer.Option(
         "--optimizer", help="adam, adamw, muon, sgd or adafactor.", show_default="adam"
     )] = None,
     mask_prompt: Annotated[bool, typer.Option("--mask-prompt", help="Leave the prompt out of the loss.")] = False,
-    num_layers: Annotated[Optional[int], typer.Option("--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per step.", show_default="4")] = None,
-    iters: Annotated[Optional[int], typer.Option("--iters", help="Training steps.", show_default="1000")] = None,
-    val_batches: Annotated[Optional[int], typer.Option(
+    num_layers: Annotated[int | None, typer.Option("--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per step.", show_default="4")] = None,
+    iters: Annotated[int | None, typer.Option("--iters", help="Training steps.", show_default="1000")] = None,
+    val_batches: Annotated[int | None, typer.Option(
         "--val-batches", help="Validation batches; -1 for the whole validation set.", show_default="25"
     )] = None,
-    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", help="Learning rate.", show_default="1e-5")] = None,
-    steps_per_report: Annotated[Optional[int], typer.Option("--steps-per-report", help="Steps between loss reports.", show_default="10")] = None,
-    steps_per_eval: Annotated[Optional[int], typer.Option("--steps-per-eval", help="Steps between validations.", show_default="200")] = None,
-    resume_adapter_file: Annotated[Optional[str], typer.Option(
+    learning_rate: Annotated[float | None, typer.Option("--learning-rate", help="Learning rate.", show_default="1e-5")] = None,
+    steps_per_report: Annotated[int | None, typer.Option("--steps-per-report", help="Steps between loss reports.", show_default="10")] = None,
+    steps_per_eval: Annotated[int | None, typer.Option("--steps-per-eval", help="Steps between validations.", show_default="200")] = None,
+    resume_adapter_file: Annotated[str | None, typer.Option(
         "--resume-adapter-file", help="Start from these adapter weights.", show_default="none"
     )] = None,
-    adapter_path: Annotated[Optional[str], typer.Option(
+    adapter_path: Annotated[str | None, typer.Option(
         "--adapter-path", help="Where adapters.safetensors, adapter_config.json and checkpoints go (this machine).",
         show_default="adapters",
     )] = None,
-    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Steps between checkpoints.", show_default="100")] = None,
+    save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints.", show_default="100")] = None,
     test: Annotated[bool, typer.Option("--test", help="Evaluate on test.jsonl after training.")] = False,
-    test_batches: Annotated[Optional[int], typer.Option("--test-batches", help="Test batches; -1 for all.", show_default="500")] = None,
-    max_seq_length: Annotated[Optional[int], typer.Option("--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048")] = None,
-    train_config: Annotated[Optional[Path], typer.Option(
+    test_batches: Annotated[int | None, typer.Option("--test-batches", help="Test batches; -1 for all.", show_default="500")] = None,
+    max_seq_length: Annotated[int | None, typer.Option("--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048")] = None,
+    train_config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="mlx_lm.lora YAML file (lora_parameters, lr_schedule, ...); flags win over it.",
         show_default="none",
     )] = None,
     grad_checkpoint: Annotated[bool, typer.Option("--grad-checkpoint", help="Recompute activations in the backward to save memory.")] = False,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0")] = None,
-    micro_batches: Annotated[Optional[int], typer.Option(
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0")] = None,
+    micro_batches: Annotated[int | None, typer.Option(
         "--micro-batches", help="Micro-batches per step, flowing through the stages one behind the other; "
         "gradients are accumulated, so the result equals one batch's.", show_default="1",
     )] = None,
-    schedule: Annotated[Optional[str], typer.Option(
+    schedule: Annotated[str | None, typer.Option(
         "--schedule", help="1f1b (each stage alternates forwards and backwards, holding at most as many "
         "micro-batches as stages after it) or gpipe (all forwards, then all backwards).", show_default="1f1b",
     )] = None,
@@ -85,9 +93,9 @@ def lora(
 
     Example: mlxpipe lora --model mlx-community/Llama-3.2-1B-Instruct-4bit --train --data data --iters 100
     """
+    from mlxpipe.cluster.target import resolve_target
     from mlxpipe.lora import run as training
     from mlxpipe.lora.report import LoraReporter
-    from mlxpipe.cluster.target import resolve_target
 
     flags = {
         "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,

@@ -8,7 +8,18 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.cli._options import (
-    Backend, Config, Hostfile, Json, LayoutOption, Model, Revision, Split, Strategy, Tp, WorkloadOption, parse_split,
+    Backend,
+    Config,
+    Hostfile,
+    Json,
+    LayoutOption,
+    Model,
+    Revision,
+    Split,
+    Strategy,
+    Tp,
+    WorkloadOption,
+    parse_split,
 )
 from mlxpipe.defaults import DEFAULT_CONTEXT
 
@@ -50,8 +61,9 @@ def plan(
     if json_out:
         data = the_plan.to_json()
         if choice is not None:
-            data["layouts"] = {"workload": choice.workload.name, "chosen": choice.chosen.name if choice.candidates else None,
-                               "reason": choice.reason if choice.candidates else None,
+            found = bool(choice.candidates)
+            data["layouts"] = {"workload": choice.workload.name, "chosen": choice.chosen.name if found else None,
+                               "reason": choice.reason if found else None,
                                "candidates": [c.estimate.to_json() for c in choice.candidates],
                                "refused": [{"layout": name, "why": why} for name, why in choice.refused]}
         if settled.note and target.layout_asked:  # asked for: say why no layout was weighed

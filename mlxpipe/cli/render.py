@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -223,7 +224,8 @@ def facts_table(facts: Any, path: Any) -> RenderableType:
     if facts.links:
         parts.append(links)
     if facts.collective is not None:
-        parts.append(Text(f"all-reduce of {len(facts.hosts)} ranks (every engine tick): {microseconds(facts.collective)}"))
+        every = microseconds(facts.collective)
+        parts.append(Text(f"all-reduce of {len(facts.hosts)} ranks (every engine tick): {every}"))
     return Group(*parts)
 
 

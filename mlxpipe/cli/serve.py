@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
 from mlxpipe.cli._options import (
-    FROM_PRESET, AdapterPath, Backend, ChatTemplateConfig, Config, DecodeBatch, FromController,
-    Hostfile, KvBits, KvGroupSize, LayoutOption, MaxKvSize, Model, NumDraftTokens, PrefillStepSize, QuantizedKvStart, Revision,
-    Split, Strategy, Timeout, Tp, TrustRemoteCode, UseDefaultChatTemplate, WorkloadOption, parse_split, tcp_port,
+    FROM_PRESET,
+    AdapterPath,
+    Backend,
+    ChatTemplateConfig,
+    Config,
+    DecodeBatch,
+    FromController,
+    Hostfile,
+    KvBits,
+    KvGroupSize,
+    LayoutOption,
+    MaxKvSize,
+    Model,
+    NumDraftTokens,
+    PrefillStepSize,
+    QuantizedKvStart,
+    Revision,
+    Split,
+    Strategy,
+    Timeout,
+    Tp,
+    TrustRemoteCode,
+    UseDefaultChatTemplate,
+    WorkloadOption,
+    parse_split,
+    tcp_port,
 )
 from mlxpipe.defaults import (
-    DEFAULT_CONTEXT, DEFAULT_DECODE_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PORT,
-    DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT, DEFAULT_STEP_TIMEOUT,
+    DEFAULT_CONTEXT,
+    DEFAULT_DECODE_BATCH,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    DEFAULT_QUEUE_TIMEOUT,
+    DEFAULT_STEP_TIMEOUT,
 )
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
@@ -23,13 +53,13 @@ Host = Annotated[str, typer.Option(
     "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."
 )]
 HttpPort = Annotated[int, typer.Option("--port", help="HTTP port of the API.", callback=tcp_port)]
-ApiKey = Annotated[Optional[str], typer.Option(
+ApiKey = Annotated[str | None, typer.Option(
     "--api-key", envvar="MLXPIPE_API_KEY", show_envvar=True,
     help="Require 'Authorization: Bearer KEY' on every endpoint but /health. Prefer the environment variable: "
     "a flag shows in the process list.",
     show_default="none: no key asked",
 )]
-MaxConcurrency = Annotated[Optional[int], typer.Option(
+MaxConcurrency = Annotated[int | None, typer.Option(
     "--max-concurrency", help="Requests computed at once: --decode-batch of them at each stage.",
     show_default="pipeline stages x --decode-batch",
 )]
@@ -49,20 +79,20 @@ MaxRestarts = Annotated[int, typer.Option(
 PromptCacheSize = Annotated[int, typer.Option(
     "--prompt-cache-size", help="Finished requests whose KV caches are kept for prefix reuse."
 )]
-DefaultMaxTokens = Annotated[Optional[int], typer.Option(
+DefaultMaxTokens = Annotated[int | None, typer.Option(
     "--max-tokens", "-n", help="Default max_tokens of a request.", show_default=f"{DEFAULT_MAX_TOKENS}, {FROM_PRESET}",
 )]
-ServeContext = Annotated[Optional[int], typer.Option(
+ServeContext = Annotated[int | None, typer.Option(
     "--context", help="Context length (tokens): the fit check's KV reserve, and the longest prompt and "
     "reply a request may make.", show_default=f"the model's max_position_embeddings; {DEFAULT_CONTEXT} for the fit check",
 )]
-ServeDraftModel = Annotated[Optional[str], typer.Option(
+ServeDraftModel = Annotated[str | None, typer.Option(
     "--draft-model",
     help="Speculative decoding, as mlx_lm.server's: requests then run one at a time (it is not batched). "
     "A hub repo id (fetched to every host) or a model directory at this path on every host.",
     show_default="none: no draft model",
 )]
-RingPort = Annotated[Optional[int], typer.Option(
+RingPort = Annotated[int | None, typer.Option(
     "--ring-port", help="First port of the ranks' ring.",
     show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=tcp_port,
 )]

@@ -10,8 +10,8 @@ never chosen: a Mac picks a new one at each start, so a hostfile naming one goes
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mlxpipe.cluster.macos import KINDS, Interface
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mlxpipe.cluster.addresses import LINK_LOCAL, address_kind
 from mlxpipe.cluster.survey import Machine, survey
@@ -144,7 +145,7 @@ def check(advert: Advertised, connect_timeout: int = SSH_CONNECT_TIMEOUT) -> Fou
         except SetupError as e:
             # An address's failure says more than the name's (which this machine may not resolve at all):
             # "connection refused" there is Remote Login off.
-            if error is None or destination != advert.server and error_from_name:
+            if error is None or (destination != advert.server and error_from_name):
                 error, error_from_name = e, destination == advert.server
             continue
         kinds = tuple((a, address_kind(a, machine.interfaces)) for a in advert.addresses)

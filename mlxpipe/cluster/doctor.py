@@ -31,19 +31,18 @@ from __future__ import annotations
 import json
 import subprocess
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
-from mlxpipe.cluster import remote
-
-from mlxpipe.cluster import storage
+from mlxpipe.cluster import remote, storage
+from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.cluster.probe import MARK
 from mlxpipe.console import human_bytes
-from mlxpipe.errors import LaunchError
-from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.defaults import DEFAULT_PORT
+from mlxpipe.errors import LaunchError
 from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan, make_plan

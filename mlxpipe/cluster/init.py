@@ -15,10 +15,11 @@ is complete and every host holds the addresses it names.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mlxpipe.cluster import addresses, thunderbolt
 from mlxpipe.cluster.macos import BRIDGE, WIFI

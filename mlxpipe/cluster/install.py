@@ -24,10 +24,11 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mlxpipe.cluster import remote, wheels
 from mlxpipe.cluster.survey import PACKAGES, VENV, Machine, Python, probe_python, survey

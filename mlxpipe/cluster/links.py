@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 from mlxpipe.cluster import chips
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
@@ -81,9 +82,7 @@ def measure(hostfile: Path | Hostfile, *, calibrate: bool = False, backend: str 
     ranks.start()
     try:
         events = _typed(ranks)
-        joined = 0
-        for event in _until(events, Joined, START_TIMEOUT, ranks):
-            joined += 1
+        for joined, _ in enumerate(_until(events, Joined, START_TIMEOUT, ranks), start=1):
             if joined == hosts.size:
                 break
         facts = _measure(ranks, events, hosts, chosen, calibrate, rounds, large, say)

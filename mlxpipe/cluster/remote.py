@@ -15,9 +15,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from mlxpipe.errors import DownloadError
 from mlxpipe.host import Host

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from mlxpipe.cluster import macos, remote
 from mlxpipe.cluster.macos import Interface, ThunderboltBus

@@ -6,19 +6,20 @@ model on ``hostfiles/local-2.json``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
+from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.cluster.presets import Preset, load_preset, pick
 from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_HOSTFILE
 from mlxpipe.errors import ModelError, UsageError
-from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.choose import Choice, candidates
 from mlxpipe.plan.facts import ClusterFacts
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, LAYOUTS, Workload, workload as workload_named
+from mlxpipe.plan.layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
+from mlxpipe.plan.layout import workload as workload_named
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
 
@@ -120,7 +121,8 @@ def load_model_metadata(target: Target, *, refresh: bool = False, progress=None)
     return meta
 
 
-def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT, backend: str | None = None) -> Plan:
+def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT,
+                backend: str | None = None) -> Plan:
     """The plan of ``target``'s model, split and tensor-parallel groups over its hosts (the balanced split weighs
     the hosts as the cluster's facts measured them, when there are any)."""
     from mlxpipe.cluster.links import load_facts
@@ -133,7 +135,8 @@ def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_C
 
 
 def _backend(target: Target, backend: str | None) -> str:
-    return pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND)
+    chosen: str = pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND)
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,8 @@ def settle_layout(target: Target, meta: ModelMetadata, *, context: int | None = 
     if refuses is not None:
         choice = _without_refused(choice, refuses)
     if not choice.candidates:
-        return Settled(pipeline, choice, facts, note=f"layout: no layout fits ({facts_path(target.hostfile.path).name})")
+        where = facts_path(target.hostfile.path).name
+        return Settled(pipeline, choice, facts, note=f"layout: no layout fits ({where})")
     chosen = choice.chosen.layout
     return Settled(replace(target, tp=chosen.tp, tp_flag="--layout auto", strategy=chosen.strategy,
                            layout="pipeline"), choice, facts)

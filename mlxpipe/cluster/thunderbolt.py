@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mlxpipe.cluster.survey import Machine
 from mlxpipe.errors import SetupError

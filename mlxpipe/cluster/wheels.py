@@ -17,9 +17,9 @@ import json
 import os
 import re
 import zipfile
+from collections.abc import Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from mlxpipe.errors import SetupError
 

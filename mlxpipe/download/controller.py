@@ -18,21 +18,20 @@ import os
 import subprocess
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO
 
-from mlxpipe.cluster import remote
-
-from mlxpipe.cluster import storage
-from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
+from mlxpipe.cluster import remote, storage
 from mlxpipe.download.fetch import FetchJob
-from mlxpipe.hub.cache import hub_cache_dir, repo_folder
+from mlxpipe.errors import DownloadError, MlxpipeError, UsageError
 from mlxpipe.host import LOCAL_HOST, Host
+from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.download import FETCH_EVENTS, Check, FetchError, FetchResult, FileDone, Fetching
+from mlxpipe.protocol.download import FETCH_EVENTS, Check, FetchError, Fetching, FetchResult, FileDone
 from mlxpipe.protocol.message import Event
 
 _STDERR_TAIL = 20

@@ -20,15 +20,16 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.errors import DownloadError, MlxpipeError
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.paths import write_atomic
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.download import Check, FetchError, FetchResult, FileDone, Fetching
+from mlxpipe.protocol.download import Check, FetchError, Fetching, FetchResult, FileDone
 
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
@@ -214,7 +215,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
             path = _download(job, name, count, force=isinstance(last, _Corrupt))
             _verify(job, name, path)
             return
-        except Exception as e:  # noqa: BLE001 - sorted below: retried, mapped, or re-raised
+        except Exception as e:  # sorted below: retried, mapped, or re-raised
             if counted[0]:
                 started = time.monotonic()  # data flowed: the hub is alive, the window starts again
                 if on_bytes:
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     except MlxpipeError as e:
         wire.emit(FetchError(message=e.message, hint=e.hint))
         return 1
-    except Exception as e:  # noqa: BLE001 - reported to the controller, then re-raised for the traceback
+    except Exception as e:  # reported to the controller, then re-raised for the traceback
         wire.emit(FetchError(message=f"{job.host}: {type(e).__name__}: {e}"))
         raise
     wire.emit(result)

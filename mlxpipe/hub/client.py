@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.errors import HubError, HubUnreachable, ModelError
 from mlxpipe.hub.cache import hub_cache_dir, offline, repo_folder

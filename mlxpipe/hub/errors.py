@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 from urllib.parse import urlsplit
 
 from mlxpipe.errors import HubError, HubUnreachable, MlxpipeError
@@ -25,7 +25,7 @@ def hub_errors(repo: str, host: str | None = None) -> Iterator[None]:
     """Turn huggingface_hub's and the network's exceptions into one-line ``HubError``s naming the repo."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - mapped below, or re-raised as it is
+    except Exception as e:  # mapped below, or re-raised as it is
         mapped = as_hub_error(e, repo, host)
         if mapped is None:
             raise

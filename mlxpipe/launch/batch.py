@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.timing import where_time_goes

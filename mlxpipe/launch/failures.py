@@ -19,9 +19,9 @@ import math
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.errors import LaunchError

@@ -10,9 +10,10 @@ can be pipelined and starts one worker per rank through ``mlx.launch``; the
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed

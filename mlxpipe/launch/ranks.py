@@ -46,10 +46,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any
 
 from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import Hostfile
@@ -57,17 +58,17 @@ from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.errors import LaunchError, WireError
 from mlxpipe.launch import frames
 from mlxpipe.launch.failures import FailureTracker, NodeExit
-from mlxpipe.paths import mlxpipe_home
-from mlxpipe.protocol import wire
-from mlxpipe.protocol.events import Log, rank_of
-from mlxpipe.protocol.message import Message, Wire, tag_of
-from mlxpipe.protocol.messages import Exit
 from mlxpipe.launch.supervisor import (
     HEARTBEAT_LINE,
     HEARTBEAT_SECONDS,
     KILL_GRACE_SECONDS,
     MAX_LEASE_SECONDS,
 )
+from mlxpipe.paths import mlxpipe_home
+from mlxpipe.protocol import wire
+from mlxpipe.protocol.events import Log, rank_of
+from mlxpipe.protocol.message import Message, Wire, tag_of
+from mlxpipe.protocol.messages import Exit
 
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0

@@ -9,10 +9,11 @@ this module runs it, and ``running_pipeline`` stops every rank on any way out.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from mlxpipe import console
 from mlxpipe.cluster import storage

@@ -23,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Sequence
+from collections.abc import Sequence
+from typing import IO, Any
 
 from mlxpipe.errors import WireError
 from mlxpipe.launch import frames

@@ -15,9 +15,10 @@ import collections
 import itertools
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mlxpipe.errors import ConfigError, LaunchError, UsageError, WireError
 from mlxpipe.paths import replacing
@@ -72,7 +73,7 @@ class TrainOptions:
     schedule: str = "1f1b"
 
     @classmethod
-    def build(cls, flags: dict[str, Any], config_file: Path | None = None) -> "TrainOptions":
+    def build(cls, flags: dict[str, Any], config_file: Path | None = None) -> TrainOptions:
         """Command-line flags (None: not given) over the ``-c`` YAML file over mlx_lm.lora's defaults."""
         values = {k: v for k, v in flags.items() if v is not None}
         if config_file is not None:
@@ -431,8 +432,8 @@ def train(config: PipelineConfig, options: TrainOptions, reporter: Reporter) -> 
     ``config`` is the ``PipelineConfig``; the reporter sees the plan and the memory estimate before launch.
     """
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.plan.training import training_memory
     from mlxpipe.launch.run import launch, prepare
+    from mlxpipe.plan.training import training_memory
 
     meta, the_plan = prepare(config)
     data = load_datasets(options, controller_model_dir(meta))

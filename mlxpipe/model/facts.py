@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def mlx_lm_model_types() -> frozenset[str]:
     return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _mlx_lm_constant(name: str) -> dict[Any, str]:
     """A remapping table of mlx_lm/utils.py, read from its source: importing it would import mlx."""
     tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())

@@ -13,15 +13,22 @@ import json
 import math
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from mlxpipe.errors import ModelError
 from mlxpipe.model.facts import (
-    CONFIG_DTYPE_BYTES, DTYPE_BYTES, LAYER_COUNT_KEYS, layer_windows, config_layer_count, mlx_lm_model_types,
-    resolve_model_type, text_config_of,
+    CONFIG_DTYPE_BYTES,
+    DTYPE_BYTES,
+    LAYER_COUNT_KEYS,
+    config_layer_count,
+    layer_windows,
+    mlx_lm_model_types,
+    resolve_model_type,
+    text_config_of,
 )
 
 WEIGHT_INDEX = "model.safetensors.index.json"

@@ -10,9 +10,10 @@ one whose every rank fits. ``choose`` ranks them by the seconds one request of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
+from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.errors import MlxpipeError
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
@@ -90,7 +91,7 @@ def candidates(meta: ModelMetadata, hosts: Sequence[Host], workload: Workload, *
             label = f"tp {tp}" if tp > 1 else "pipeline"
             try:
                 plan = make_plan(meta, hosts, strategy=name, tp=tp, facts=facts, workload=workload, backend=backend,
-                                 **({"context": context} if context else {}))
+                                 context=context or DEFAULT_CONTEXT)
             except MlxpipeError as e:
                 refused.append((f"{label} {name}" if stages > 1 else label, e.message))
                 break  # the group size itself is refused (heads, or more stages than layers)

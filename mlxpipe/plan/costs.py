@@ -8,8 +8,9 @@ reads the vocabulary head.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token

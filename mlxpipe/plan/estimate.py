@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass, field
-from typing import Sequence
+from itertools import pairwise
 
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
 from mlxpipe.model.facts import CONFIG_DTYPE_BYTES, DTYPE_BYTES, layer_windows
@@ -124,7 +126,7 @@ def model_work(meta: ModelMetadata) -> ModelWork:
         layer_flops=tuple(flops),
         # QK^T and AV: 2 FLOPs per multiply-add, each over heads x head_dim per context token.
         attention_flops=tuple(4 * heads * head_dim for _ in range(n)),
-        kv=tuple((per, w if w else None) for (per, _), w in zip(kv, windows)),
+        kv=tuple((per, w if w else None) for (per, _), w in zip(kv, windows, strict=True)),
         head_bytes=costs.head_work,
         head_flops=2 * (head_params or embed_params),
         hidden=hidden,
@@ -134,7 +136,7 @@ def model_work(meta: ModelMetadata) -> ModelWork:
     )
 
 
-def _params(name: str, dtype: str, shape: Sequence[int], quant: dict) -> int:
+def _params(name: str, dtype: str, shape: Sequence[int], quant: dict[str, Any]) -> int:
     """The weights a tensor holds: packed quantized ones (uint32) hold 32 / bits each."""
     count = math.prod(shape)
     if dtype.upper() not in ("U32", "I32") or not quant:
@@ -270,8 +272,8 @@ def allreduce(stage: Stage, net: Network, nbytes: float, whole_world: bool) -> f
     if len(r) == 2:
         return net.transfer(r[0], r[1], nbytes)
     if whole_world:
-        return 2 * (len(r) - 1) * max(net.transfer(a, b, nbytes / len(r)) for a, b in zip(r, r[1:]))
-    return 2 * sum(net.transfer(a, b, nbytes) for a, b in zip(r, r[1:]))
+        return 2 * (len(r) - 1) * max(net.transfer(a, b, nbytes / len(r)) for a, b in pairwise(r))
+    return 2 * sum(net.transfer(a, b, nbytes) for a, b in pairwise(r))
 
 
 def layer_times(work: ModelWork, stage: Stage, machine_: Machine, rows: int, context: float,
@@ -319,7 +321,7 @@ def hop_time(work: ModelWork, stage: Stage, net: Network, rows: int) -> float:
     nbytes = work.hidden_bytes(rows)
     first = stage.ranks[0]
     chain = list(range(first - 1, first - 1 - stage.tp, -1))  # the next stage's members, last to first
-    return net.transfer(first, chain[0], nbytes) + sum(net.transfer(a, b, nbytes) for a, b in zip(chain, chain[1:]))
+    return net.transfer(first, chain[0], nbytes) + sum(net.transfer(a, b, nbytes) for a, b in pairwise(chain))
 
 
 # --- what a layout does -----------------------------------------------------------------
@@ -406,10 +408,7 @@ def prefill_seconds(costing: Costing, layout: Layout, prompt: int) -> float:
     """Seconds from a ``prompt``-token prompt to its first token (see the module docstring)."""
     st, net, world = _setup(costing, layout)
     work = costing.work
-    if layout.hosts == 1:
-        step = MLX_LM_PREFILL_STEP
-    else:
-        step = PIPELINE_PREFILL_STEP
+    step = MLX_LM_PREFILL_STEP if layout.hosts == 1 else PIPELINE_PREFILL_STEP
     chunks = chunk_sizes(prompt - 1, step)
     first = len(st) - 1  # prompts enter at the highest stage (the first layers)
     tick = 0.0 if layout.hosts == 1 else _tick(st, net)
@@ -466,8 +465,8 @@ def phase_costs(costing: Costing, tp: int, stage_count: int, workload: Workload)
         per_chunk = [layer_times(work, stage, m, chunk, workload.prompt / 2, net, whole, caches=1)
                      for m in stage.machines]
         per_step = [layer_times(work, stage, m, rows, context, net, whole) for m in stage.machines]
-        prefill.append([max(column) / chunk for column in zip(*per_chunk)])
-        decode.append([max(column) / rows for column in zip(*per_step)])
+        prefill.append([max(column) / chunk for column in zip(*per_chunk, strict=True)])
+        decode.append([max(column) / rows for column in zip(*per_step, strict=True)])
     first = _stage(0, 0, n, tp, costing.facts)
     head_decode = max(head_time(work, first, m, rows, net, whole) for m in first.machines) / rows
     head_prefill = max(head_time(work, first, m, 1, net, whole) for m in first.machines) / max(workload.prompt, 1)

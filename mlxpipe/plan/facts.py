@@ -10,8 +10,9 @@ Units are SI throughout: seconds, bytes per second, FLOP per second.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mlxpipe.errors import HostfileError
 

@@ -82,7 +82,8 @@ class Workload:
     @property
     def describes(self) -> str:
         """``a chat turn (1,000-token prompt, 250 tokens out)``."""
-        what = {"chat": "a chat turn", "agent": "an agent step", "batch": "a batched request"}.get(self.name, "a request")
+        names = {"chat": "a chat turn", "agent": "an agent step", "batch": "a batched request"}
+        what = names.get(self.name, "a request")
         return f"{what} ({self.prompt:,}-token prompt, {self.generated:,} tokens out)"
 
 

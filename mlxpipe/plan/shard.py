@@ -14,23 +14,36 @@ stages, each stage's budget that of its smallest member, and every member gets a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
-from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.model.facts import kv_sharing_groups
-from mlxpipe.plan.costs import (
-    RUNTIME_OVERHEAD, Costs, active_experts, budget_bytes, kv_bytes, max_context, model_costs, rank_weight_bytes,
-)
+from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan import tensor
+from mlxpipe.plan.costs import (
+    RUNTIME_OVERHEAD,
+    Costs,
+    active_experts,
+    budget_bytes,
+    kv_bytes,
+    max_context,
+    model_costs,
+    rank_weight_bytes,
+)
 from mlxpipe.plan.estimate import Costing, model_work, phase_costs
 from mlxpipe.plan.facts import ClusterFacts
 from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
-    check_groups, choose_split, cut_group, layer_ranges, legal_split, proportional_split,
+    check_groups,
+    choose_split,
+    cut_group,
+    layer_ranges,
+    legal_split,
+    proportional_split,
 )
 
 

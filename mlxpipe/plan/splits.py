@@ -6,11 +6,11 @@ runs the LAST layers. Groups of layers that share a KV cache must not be cut.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
-from mlxpipe.host import Host
 from mlxpipe.errors import PlanError, UsageError
+from mlxpipe.host import Host
 from mlxpipe.plan.costs import budget_bytes
 
 STRATEGIES = ("even", "memory", "balanced", "split")
@@ -176,7 +176,8 @@ class PhaseCosts:
     generated: int  # tokens of its reply
     concurrent: bool  # many requests at once: every stage busy, the busiest one sets the pace
 
-    def stage(self, k: int, start: int, end: int, prefix: tuple[list[list[float]], list[list[float]]]) -> tuple[float, float]:
+    def stage(self, k: int, start: int, end: int,
+              prefix: tuple[list[list[float]], list[list[float]]]) -> tuple[float, float]:
         """Stage k on layers [start, end): (seconds per prompt token, seconds per generated token)."""
         pre, dec = prefix
         p = pre[k][end] - pre[k][start] + (self.head_prefill if k == 0 else 0.0)

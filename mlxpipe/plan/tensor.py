@@ -14,11 +14,12 @@ Pure: from the model's config and tensor names alone (no MLX).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
-from mlxpipe.host import Host
 from mlxpipe.errors import UsageError
+from mlxpipe.host import Host
 from mlxpipe.plan.costs import Costs, budget_bytes
 
 # Head counts in mlx-lm's ModelArgs spellings (the first one a config has counts; a list

@@ -7,7 +7,7 @@ the flag (``--decode-batch``), a message or job read on a rank names the field
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from mlxpipe.defaults import PIPELINE_MODES
 from mlxpipe.errors import UsageError

@@ -62,7 +62,7 @@ class FetchResult(Event):
     present_files: tuple[str, ...]
 
     @classmethod
-    def from_fields(cls, values: dict[str, Any]) -> "FetchResult":
+    def from_fields(cls, values: dict[str, Any]) -> FetchResult:
         return cls(**{**values, "fetched_files": tuple(values["fetched_files"]),
                       "present_files": tuple(values["present_files"])})
 

@@ -21,7 +21,6 @@ from mlxpipe.protocol.checks import at_least, check_mode, one_of, positive
 from mlxpipe.protocol.message import strict_fields
 from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
 
-
 FINE_TUNE_TYPES = ("lora", "dora")  # mlx_lm.lora's --fine-tune-type but full (a rank holds its layers frozen)
 OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")  # mlx_lm.lora's --optimizer
 
@@ -112,7 +111,7 @@ class JobSpec:
         return base64.urlsafe_b64encode(json.dumps(asdict(self)).encode()).decode()
 
     @classmethod
-    def decode(cls, text: str) -> "JobSpec":
+    def decode(cls, text: str) -> JobSpec:
         """Parse ``encode()``'s output; refuses fields this worker does not know (a controller newer than it)
         or lacks."""
         try:

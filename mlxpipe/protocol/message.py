@@ -11,8 +11,9 @@ its default, in the dataclass: no reader supplies one of its own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, Field, fields
-from typing import Any, ClassVar, Generic, Mapping, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from mlxpipe.errors import WireError
 
@@ -74,14 +75,14 @@ class Registry(Generic[W]):
         self.key = classes[0].KEY
         self.classes: dict[str, type[W]] = {}
         for cls in classes:
-            if cls.KEY != self.key or cls.TAG in self.classes:
+            if self.key != cls.KEY or cls.TAG in self.classes:
                 raise TypeError(f"{cls.__name__}: a second {cls.TAG!r}, or a kind under another key")
             self.classes[cls.TAG] = cls
 
     def __contains__(self, tag: object) -> bool:
         return tag in self.classes
 
-    def extended(self, *classes: type[W]) -> "Registry[W]":
+    def extended(self, *classes: type[W]) -> Registry[W]:
         """This registry and ``classes``."""
         return Registry(*self.classes.values(), *classes)
 

@@ -14,8 +14,9 @@ the ranks never guess it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.checks import at_least
@@ -69,7 +70,7 @@ class Batch(Message):
                 "decode_batch": self.decode_batch}
 
     @classmethod
-    def from_fields(cls, values: dict[str, Any]) -> "Batch":
+    def from_fields(cls, values: dict[str, Any]) -> Batch:
         return cls(**{**values, "requests": tuple(Request.from_wire(r) for r in values["requests"])})
 
 
@@ -148,7 +149,7 @@ class Eval(Message):
     batches: list[tuple[list[list[int]], list[list[int]]]]  # (token rows, loss spans) per batch
 
     @classmethod
-    def from_fields(cls, values: dict[str, Any]) -> "Eval":
+    def from_fields(cls, values: dict[str, Any]) -> Eval:
         return cls(**{**values, "batches": [(rows, spans) for rows, spans in values["batches"]]})
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.message import strict_fields
@@ -80,13 +81,13 @@ class Request:
     # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
     response_format: dict[str, Any] | None = None
 
-    def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> "Request":
+    def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> Request:
         """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
         ``float``); raises ``RequestError`` naming the first that is not. ``vocab_size`` bounds ``logit_bias``."""
         normalized = check_fields(asdict(self), name, vocab_size)
         return replace(self, **normalized) if normalized else self
 
-    def with_seed(self, seed: Callable[[], int]) -> "Request":
+    def with_seed(self, seed: Callable[[], int]) -> Request:
         """Sampled without a seed: give it one, so every rank samples alike and a run can be repeated."""
         return replace(self, seed=seed()) if self.temp > 0 and self.seed is None else self
 
@@ -100,7 +101,7 @@ class Request:
         return data
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "Request":
+    def from_wire(cls, data: Mapping[str, Any]) -> Request:
         """``to_wire``'s output back (the ``type`` of the message carrying it is left out); refuses fields it
         does not know."""
         values = strict_fields(cls, data, "the request", "worker", skip=("type",))

@@ -23,7 +23,8 @@ import base64
 import json
 import sys
 import threading
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 from mlxpipe.protocol.message import Event, Message, Wire
 

@@ -12,8 +12,9 @@ field (``messages[1].content[0].tool_use_id``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens

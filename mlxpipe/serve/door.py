@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import hmac
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Awaitable, TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response

@@ -8,8 +8,9 @@ are refused with a 400; options that tune Ollama's own runtime (``num_ctx``, ``n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies

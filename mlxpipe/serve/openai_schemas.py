@@ -8,8 +8,9 @@ OpenAI's name (or mlx_lm.server's, which is ``Request``'s own); only which field
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies

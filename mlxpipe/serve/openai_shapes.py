@@ -7,8 +7,9 @@ Only shapes: what goes in them is read from a ``serve.generation.Generation`` by
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from starlette.responses import JSONResponse
 

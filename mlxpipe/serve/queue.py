@@ -30,13 +30,15 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.defaults import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESTARTS, DEFAULT_PROMPT_CACHE_SIZE, DEFAULT_QUEUE_TIMEOUT
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.pipeline import Pipeline, RankStats
+from mlxpipe.launch.run import PipelineConfig, launch
 from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
@@ -44,7 +46,6 @@ from mlxpipe.protocol.events import Finished, Serving, Time, Token
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
 from mlxpipe.protocol.request import Request
-from mlxpipe.launch.run import PipelineConfig, launch
 
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout

@@ -10,8 +10,9 @@ template; ``tool_choice`` ``none`` withholds them, ``required`` and a named func
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies

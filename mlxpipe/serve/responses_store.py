@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_CAPACITY = 256
 DEFAULT_TTL_SECONDS = 3600.0

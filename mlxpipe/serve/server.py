@@ -14,8 +14,9 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import uvicorn
 

@@ -61,14 +61,16 @@ def _fit(times: list[float]) -> tuple[float, float]:
     """The least-squares line through (depth, time) for ``DEPTHS``: (the time of no layer, the time of one more)."""
     n = len(DEPTHS)
     mean_x, mean_y = sum(DEPTHS) / n, sum(times) / n
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(DEPTHS, times))
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(DEPTHS, times, strict=True))
              / sum((x - mean_x) ** 2 for x in DEPTHS))
     return mean_y - slope * mean_x, slope
 
 
 def _model(dims: dict[str, int], layers: int, dtype: Any) -> Any:
     args = qwen2.ModelArgs(model_type="qwen2", num_hidden_layers=layers, rms_norm_eps=1e-5, vocab_size=320,
-                           tie_word_embeddings=True, **dims)
+                           tie_word_embeddings=True, hidden_size=dims["hidden_size"],
+                           intermediate_size=dims["intermediate_size"], num_attention_heads=dims["num_attention_heads"],
+                           num_key_value_heads=dims["num_key_value_heads"])
     model = qwen2.Model(args)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
@@ -77,7 +79,8 @@ def _model(dims: dict[str, int], layers: int, dtype: Any) -> Any:
 
 def _layer_bytes(model: Any) -> int:
     """One layer's weight bytes."""
-    return sum(v.nbytes for _, v in tree_flatten(model.model.layers[0].parameters()))
+    weights: Any = tree_flatten(model.model.layers[0].parameters())  # [(name, array)], typed loosely by mlx
+    return sum(int(v.nbytes) for _, v in weights)
 
 
 def _itemsize(dtype: Any) -> int:

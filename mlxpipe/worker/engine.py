@@ -39,8 +39,9 @@ waiting for its input, waiting in the collective, idle without requests.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -55,16 +56,23 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
+from mlxpipe.worker.constraints import Constraint
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
+from mlxpipe.worker.reporters import Reporter, Timing
+from mlxpipe.worker.sampling import (
+    LogitsProcessor,
+    Sampler,
+    TokenLogprobs,
+    extra_eos_ids,
+    keyed_sampler,
+    logits_processors,
+    token_logprobs,
+)
+from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.stages.stage import Exchange
-from mlxpipe.worker.constraints import Constraint
-from mlxpipe.worker.sampling import (LogitsProcessor, Sampler, TokenLogprobs, extra_eos_ids, keyed_sampler,
-                                     logits_processors, token_logprobs)
-from mlxpipe.worker.reporters import Reporter, Timing
-from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
 
 _CLEAR_CACHE_TICKS = 256
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key

@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 import mlx.core as mx
 
@@ -183,10 +184,8 @@ def cores_share(share: int) -> Iterator[None]:
 
 def _set_affinity(threads: list[int], cores: set[int]) -> None:
     for tid in threads:
-        try:
+        with suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, cores)
-        except OSError:
-            pass  # a thread that ended meanwhile
 
 
 def chip_name() -> tuple[str, int | None]:

@@ -9,9 +9,10 @@ rank's peak memory is its share of the weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,8 +23,8 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
-from mlxpipe.worker.groups import Topology
 from mlxpipe.protocol.job import JobSpec
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.stages.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native
 from mlxpipe.worker.stages.layers import check_supported, find_layers
 from mlxpipe.worker.tensor import check_shardable, shard_model

@@ -247,7 +247,7 @@ def _quietly(work: Any, *args: Any) -> None:
     """Work aside whose failure only means it is done later, where its error reaches the request."""
     try:
         work(*args)
-    except Exception:  # noqa: BLE001, S110 - a constrained request rebuilds it and fails with the reason
+    except Exception:  # noqa: BLE001 - a constrained request rebuilds it and fails with the reason
         pass
 
 

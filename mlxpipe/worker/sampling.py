@@ -11,7 +11,8 @@ what it samples alone after ``mx.random.seed(seed)``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler

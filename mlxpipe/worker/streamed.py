@@ -9,8 +9,9 @@ mlx_lm.server runs them. A chat keeps its caches for the next turn.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate

@@ -31,8 +31,9 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 import pytest
-from fixtures.fake_hub import closed_port_endpoint
 
+from fixtures.fake_hub import closed_port_endpoint
 from mlxpipe.cluster import target as target_mod
 from tests.hub.test_offline import NET_HINT, assert_one_error, invoke
 

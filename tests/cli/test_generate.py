@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-from fixtures.tiny_models import TinyModels
 from typer.testing import CliRunner
 
+from fixtures.tiny_models import TinyModels
 from mlxpipe.cli import app
-from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
+from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
 from tests.e2e.test_generate import mlxpipe
 from tests.e2e.test_ssh_cluster import cli
 

@@ -12,9 +12,10 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from typer.main import get_command
@@ -22,10 +23,10 @@ from typer.testing import CliRunner
 
 from fixtures.fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe.cli import reference as cli_reference
 from mlxpipe.cli import VERSIONED, app
-from mlxpipe.cluster.presets import load_preset
+from mlxpipe.cli import reference as cli_reference
 from mlxpipe.cluster.hostfile import BACKENDS
+from mlxpipe.cluster.presets import load_preset
 from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.host import GB
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from mlxpipe.cli import app
-from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
+from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
 
 
 def test_serve_refuses_concurrency_with_a_draft_model(models) -> None:

@@ -7,13 +7,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from fixtures.cluster import skip_or_fail_in_ci
 from typer.testing import CliRunner
 
+from fixtures.cluster import skip_or_fail_in_ci
 from mlxpipe.cli import app
 from mlxpipe.cluster.doctor import (
     CheckResult,

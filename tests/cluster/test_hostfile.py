@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mlxpipe.errors import HostfileError
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
+from mlxpipe.errors import HostfileError
 from mlxpipe.host import Host
 
 REPO = Path(__file__).resolve().parents[2]

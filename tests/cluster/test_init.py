@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 

@@ -17,7 +17,7 @@ from tests.plan.test_facts import FACTS
 
 def hostfile(tmp_path: Path, *ips: str, name: str = "cluster.json") -> Path:
     path = tmp_path / name
-    path.write_text(json.dumps({"hosts": [{"ssh": ssh, "ips": [ip]} for ssh, ip in zip("ab", ips)]}))
+    path.write_text(json.dumps({"hosts": [{"ssh": ssh, "ips": [ip]} for ssh, ip in zip("ab", ips, strict=True)]}))
     return path
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.fake_hub import FAKE_TOKEN, FakeHub
-from fixtures.tiny_models import make_tiny_checkpoint
 from typer.testing import CliRunner
 
-from mlxpipe.download import fetch as fetch_mod
-from mlxpipe.cluster import remote
+from fixtures.fake_hub import FAKE_TOKEN, FakeHub
+from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
+from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.download import fetch as fetch_mod
 from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan, make_plan

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.tiny_models import make_tiny_checkpoint
-
 from mlxpipe.download import fetch as fetch_mod
-from mlxpipe.protocol import wire
-from mlxpipe.errors import DownloadError, HubError, ModelError
 from mlxpipe.download.fetch import FetchJob, check, fetch, is_present
+from mlxpipe.errors import DownloadError, HubError, ModelError
+from mlxpipe.protocol import wire
 
 TINY = "fetch/tiny"
 INDEX = "model.safetensors.index.json"

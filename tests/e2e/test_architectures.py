@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fixtures import arch_suite as suite
 from fixtures.arch_configs import model_types
-
 from mlxpipe.errors import ModelError
 
 STATUS = suite.load_status()

@@ -90,7 +90,8 @@ def test_mlx_launch_ring_across_two_hosts(cluster: Cluster, tmp_path: Path) -> N
 
 
 def test_teardown_leaves_nothing_even_after_a_crashed_run(cluster_session: Cluster) -> None:
-    from fixtures.cluster import Cluster as Fresh, _link_names, _netns_names, built_cluster
+    from fixtures.cluster import Cluster as Fresh
+    from fixtures.cluster import _link_names, _netns_names, built_cluster
 
     with built_cluster(1) as extra:
         first_sshd = int(extra.host(0).pidfile.read_text())

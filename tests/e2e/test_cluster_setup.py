@@ -16,16 +16,17 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from typer.testing import CliRunner
+
 from fixtures.cluster import Cluster, built_cluster
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub
 from fixtures.macs import FakeMac, advertise, clear_macs, make_mac, wifi_address
-from typer.testing import CliRunner
-
 from mlxpipe.cli import app
 
 REPO_ID = "e2e/cluster-setup"

@@ -7,9 +7,9 @@ import sys
 from typing import Any
 
 import pytest
-from fixtures.cluster import Cluster
 
-from tests.cluster.test_doctor import (  # noqa: F401,F811 (other_mlx_python: a fixture)
+from fixtures.cluster import Cluster
+from tests.cluster.test_doctor import (  # noqa: F401 (other_mlx_python: a fixture)
     OTHER_MLX,
     doctor,
     failures,

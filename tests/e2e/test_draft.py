@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
+
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import make_tiny_checkpoint
-
 from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8

@@ -17,16 +17,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
+from typer.testing import CliRunner
+
 from fixtures import faulty_worker
 from fixtures.cluster import Cluster
 from fixtures.processes import _alive, _is_worker, local_rank_processes
-from typer.testing import CliRunner
-
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
 from mlxpipe.launch.pipeline import Pipeline, Request, request_for

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fixtures.cluster import cluster, cluster_session  # noqa: F401
 
+from fixtures.cluster import cluster, cluster_session  # noqa: F401
 from tests.launch.test_frames import check_flood, flood
 
 
 @pytest.mark.cluster
-def test_a_flood_through_ssh_terminals_arrives_whole(cluster: Any) -> None:  # noqa: F811
+def test_a_flood_through_ssh_terminals_arrives_whole(cluster: Any) -> None:
     check_flood(flood(cluster.hostfile(3), 1000), 1000)

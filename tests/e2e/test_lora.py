@@ -24,7 +24,7 @@ from fixtures.tiny_models import make_tiny_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 240
-WORDS = "the cat sat on a mat while dogs ran far away from home in the rain and sun".split()
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the", "rain", "and", "sun"]
 # Adam turns float noise in near-zero gradients into steps of up to the learning rate, so a
 # modest one keeps the comparison about the pipeline, not about rounding (mlx_lm's default is 1e-5).
 FLAGS = {"batch_size": 4, "iters": 4, "num_layers": 3, "learning_rate": 1e-4, "steps_per_eval": 2,
@@ -198,10 +198,10 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
 
     from fixtures import faulty_trainer
     from fixtures.processes import local_rank_processes
-    from mlxpipe.lora import run as lora
+    from mlxpipe.cluster.target import resolve_target
     from mlxpipe.errors import LaunchError
     from mlxpipe.launch.run import PipelineConfig
-    from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.lora import run as lora
 
     out = workdir / "dies"
     target = resolve_target(str(workdir / "llama"), None, REPO / "hostfiles" / "local-2.json", None, None, None)

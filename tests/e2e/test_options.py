@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.tiny_models import make_tiny_checkpoint
-
 from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8

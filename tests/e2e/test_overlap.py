@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fixtures.ranks import PYTHON, LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
-
 from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
@@ -123,14 +123,14 @@ def _done(event: dict[str, Any], k: int, b: int = 1) -> dict[str, Any]:
     return next(e for e in _run(event, k, b)["events"] if e["event"] == "batch_done")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_model(path: str) -> tuple[Any, Any]:
     from mlx_lm import load
 
     return load(path)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(path: str, request_json: str) -> tuple[list[int], str]:
     """Single-process mlx-lm's tokens and text for one request, alone."""
     import mlx.core as mx

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest

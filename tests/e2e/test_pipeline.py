@@ -10,14 +10,14 @@ test checks one case against a reference computed in this process.
 from __future__ import annotations
 
 from dataclasses import asdict
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.ranks import LaunchResult, PYTHON, launch, launch_cases, local_hostfile, rank_dirs
-from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 
+from fixtures.ranks import PYTHON, LaunchResult, launch, launch_cases, local_hostfile, rank_dirs
+from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 from mlxpipe.protocol.job import JobSpec
 
 pytestmark = pytest.mark.ranks
@@ -147,7 +147,7 @@ def _case(case_results, num_ranks: int, case_id: str) -> list[dict[str, Any]]:
     return events  # type: ignore[return-value]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_model(path: str) -> tuple[Any, Any]:
     from mlx_lm import load
 
@@ -159,6 +159,7 @@ def reference_tokens(checkpoint: Path, turns: list[dict[str, Any]]) -> list[list
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
+
     from fixtures.ranks import reply_text
 
     model, tokenizer = _reference_model(str(checkpoint))

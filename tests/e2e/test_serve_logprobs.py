@@ -7,7 +7,7 @@ its own list; the values must equal mlx-lm's own log-softmax for the same prompt
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference(model_dir: str, prompt: str | None = None) -> tuple[list[int], list[list[float]], Any]:
     """Single-process mlx-lm, greedy: the tokens and each step's full log-softmax (as ``stream_generate`` gives it)."""
     from mlx_lm import stream_generate

@@ -18,10 +18,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -52,7 +53,7 @@ def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_model(path: str) -> tuple[Any, Any]:
     from mlx_lm import load
 
@@ -87,7 +88,7 @@ def _stream_text(client: openai.OpenAI, messages: list[dict[str, str]], **kwargs
     return text, chunks[-1].usage, chunks
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model_id(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
@@ -572,6 +573,6 @@ def _request_log(server: ServeProcess) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (_run_dir(server) / "requests.jsonl").read_text().splitlines()]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _eos(model_dir: Path) -> frozenset[int]:
     return frozenset(_reference_model(str(model_dir))[1].eos_token_ids)

@@ -16,14 +16,15 @@ import shlex
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.cluster import Cluster
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from mlxpipe.cli import app
 

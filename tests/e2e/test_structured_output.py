@@ -10,15 +10,15 @@ ranks in ``tests/protocol/test_request.py`` and ``tests/worker/test_constraints.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import jsonschema
 import numpy as np
 import openai
 import pytest
-
 
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import TinyModels

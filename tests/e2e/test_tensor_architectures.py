@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures import arch_suite, tp_suite
 
+from fixtures import arch_suite, tp_suite
 from mlxpipe.errors import ModelError
 
 STATUS = tp_suite.load_status()

@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fixtures import arch_suite
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
+from mlxpipe.protocol.job import JobSpec
 from tests.e2e.test_draft import first_layers_draft
 from tests.e2e.test_overlap import _reference
 from tests.e2e.test_pipeline import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
-
-from mlxpipe.protocol.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]
@@ -324,6 +324,7 @@ def test_serve_with_tp_gives_mlx_lms_replies_alone_together_and_after_a_cancel(t
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+
     from fixtures.option_reference import reference
 
     checkpoint = tiny_models["qwen2"]

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from fixtures.fake_hub import FAKE_TOKEN, FakeHub
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
-from mlxpipe.errors import HubError, ModelError
 from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.errors import HubError, ModelError
 from mlxpipe.hub.client import load_metadata
 from mlxpipe.model.metadata import load_local
 from mlxpipe.plan.shard import make_plan

@@ -127,10 +127,8 @@ def test_a_host_that_must_log_in_is_named_in_the_hint() -> None:
 
 
 def test_hub_errors_raises_the_mapped_error_and_lets_others_through() -> None:
-    with pytest.raises(HubError) as info:
-        with hub_errors("org/model"):
-            raise answered(404, hf.RepositoryNotFoundError)
+    with pytest.raises(HubError) as info, hub_errors("org/model"):
+        raise answered(404, hf.RepositoryNotFoundError)
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one line, no chained traceback
-    with pytest.raises(ZeroDivisionError):
-        with hub_errors("org/model"):
-            1 / 0
+    with pytest.raises(ZeroDivisionError), hub_errors("org/model"):
+        1 / 0

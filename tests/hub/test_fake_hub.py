@@ -249,7 +249,7 @@ def test_a_new_commit_leaves_the_old_one_reachable(hub_env: FakeHub, repo: str, 
 
 def test_hub_env_points_the_client_and_subprocesses_at_the_hub(hub_env: FakeHub, repo: str) -> None:
     hf_home = Path(os.environ["HF_HOME"])
-    assert constants.HF_HUB_CACHE == str(hf_home / "hub")
+    assert str(hf_home / "hub") == constants.HF_HUB_CACHE
     assert hf_hub_url(repo, "config.json").startswith(hub_env.endpoint + "/")
 
     script = f"from huggingface_hub import hf_hub_download; print(hf_hub_download({repo!r}, 'config.json'))"

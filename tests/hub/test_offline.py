@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint
 from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe.download import fetch as fetch_mod
 from mlxpipe.cli import app
+from mlxpipe.download import fetch as fetch_mod
 from mlxpipe.hub.client import load_metadata
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from fixtures import flood_worker
-from mlxpipe.launch import frames
 from mlxpipe.cluster.hostfile import load_hostfile
+from mlxpipe.launch import frames
 from mlxpipe.launch.ranks import LaunchSpec, Ranks
 
 READ = 8192  # what mlx.launch reads of a rank's pipe at once

@@ -9,8 +9,8 @@ import pytest
 
 from mlxpipe.errors import ModelError
 from mlxpipe.plan.shard import make_plan
-from tests.e2e.test_draft import models  # noqa: F401,F811 (a fixture)
-from tests.plan.test_tensor import REPO, four_hosts, tiny  # noqa: F401,F811 (four_hosts, tiny: fixtures)
+from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
+from tests.plan.test_tensor import REPO, four_hosts, tiny  # noqa: F401 (four_hosts, tiny: fixtures)
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.model.demo import (
     DEMO_MODEL_NAME,
     INDEX_FILE,
@@ -21,7 +22,6 @@ from mlxpipe.model.demo import (
     mlx_name,
     shard_groups,
 )
-from mlxpipe.errors import ModelError, UsageError
 
 NUM_LAYERS = 30
 SHARD_RE = re.compile(r"^model-(\d{5})-of-00010\.safetensors$")

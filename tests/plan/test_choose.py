@@ -1,4 +1,4 @@
-"""plan/choose.py: the feasible layouts of a model on a cluster, ranked for a workload, and fewer hosts that beat one."""
+"""plan/choose.py: the feasible layouts of a model on a cluster, ranked for a workload; fewer hosts that beat one."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def model(layers: int = 16, heads: int = 8, kv_heads: int = 4, **config: Any) ->
 
 def cluster(links: list[tuple[float, float]], collective: float = 1 * MS, memory_gb: float | None = None
             ) -> tuple[list[Host], ClusterFacts]:
-    """Hosts 0..n-1 whose ring links (i, i+1), and the last back to the first, are ``links``."""
+    """Hosts 0..n-1 whose ring links (i, i+1), and the last back to the first, are ``links`` (one link: 2 hosts)."""
     n = len(links) if len(links) > 1 else 2
     hosts = [Host(r, f"mac{r}", memory_gb=memory_gb) for r in range(n)]
     pairs = [(r, r + 1) for r in range(n - 1)] + ([(0, n - 1)] if n > 2 else [])
     facts = ClusterFacts(tuple(HostFacts(r, f"mac{r}", "Apple M4 Max", "gpu", 546e9, "apple", 17e12, MAC)
                                for r in range(n)),
-                         tuple(LinkFacts(p, lat, bw) for p, (lat, bw) in zip(pairs, links)), "ring", collective)
+                         tuple(LinkFacts(p, lat, bw) for p, (lat, bw) in zip(pairs, links, strict=True)), "ring", collective)
     return hosts, facts
 
 
@@ -83,7 +83,7 @@ def test_a_layout_whose_ranks_do_not_fit_is_refused() -> None:
 
 
 def test_the_workload_decides_between_long_prompts_and_many_at_once() -> None:
-    hosts, facts = cluster([FAST, FAST])
+    hosts, facts = cluster([FAST])
     m = model()
     chat, agent, batch = (candidates(m, hosts, w, facts=facts) for w in (CHAT, AGENT, BATCH))
     assert agent.chosen.estimate.prompt == 8000 and chat.chosen.estimate.prompt == 1000
@@ -93,7 +93,7 @@ def test_the_workload_decides_between_long_prompts_and_many_at_once() -> None:
 
 
 def test_near_ties_go_to_the_simpler_layout() -> None:
-    hosts, facts = cluster([FAST, FAST])
+    hosts, facts = cluster([FAST])
     tp, pipe = sorted(candidates(model(), hosts, CHAT, facts=facts).candidates, key=lambda c: -c.layout.tp)
     near = replace(pipe, estimate=replace(pipe.estimate, score=tp.estimate.score * (1 + TIE / 2)))
     far = replace(pipe, estimate=replace(pipe.estimate, score=tp.estimate.score * (1 + 2 * TIE)))
@@ -102,12 +102,12 @@ def test_near_ties_go_to_the_simpler_layout() -> None:
 
 
 def test_fewer_hosts_finds_the_first_host_alone_when_the_links_cost_more_than_they_give() -> None:
-    hosts, facts = cluster([(20 * MS, 0.01e9), (20 * MS, 0.01e9)], collective=40 * MS)
+    hosts, facts = cluster([(20 * MS, 0.01e9)], collective=40 * MS)
     m = model(layers=4)
     every = candidates(m, hosts, CHAT, facts=facts, tps=(2,))
     better = fewer_hosts(m, hosts, every.chosen, CHAT, facts=facts)
     assert better is not None and better.layout.hosts == 1
     assert better.estimate.score < every.chosen.estimate.score
-    fast_hosts, fast = cluster([FAST, FAST])
+    fast_hosts, fast = cluster([FAST])
     best = candidates(m, fast_hosts, CHAT, facts=fast).chosen
     assert fewer_hosts(m, fast_hosts, best, CHAT, facts=fast) is None

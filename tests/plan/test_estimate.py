@@ -12,8 +12,19 @@ import pytest
 
 from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.estimate import (
-    NOMINAL, NOMINAL_LATENCY, Costing, Machine, ModelWork, chunk_sizes, decode_token, estimate, machine, model_work,
-    network, prefill_seconds, aggregate_rate,
+    NOMINAL,
+    NOMINAL_LATENCY,
+    Costing,
+    Machine,
+    ModelWork,
+    aggregate_rate,
+    chunk_sizes,
+    decode_token,
+    estimate,
+    machine,
+    model_work,
+    network,
+    prefill_seconds,
 )
 from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.layout import BATCH, CHAT, Layout

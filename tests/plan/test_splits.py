@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
-from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.layout import BATCH
+from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import (
     PhaseCosts,
     balanced_split,

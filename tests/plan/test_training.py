@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_lora import workdir  # noqa: F401,F811 (a fixture)
+from tests.e2e.test_lora import workdir  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize(("model", "num_layers", "keys"), [("llama", 3, None), ("llama-4bit", 2, None),

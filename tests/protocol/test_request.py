@@ -12,7 +12,6 @@ import pytest
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request, RequestError
 
-
 # ---------------------------------------------------------------- the typed request
 
 
@@ -85,7 +84,7 @@ def test_every_number_is_checked_for_range_not_only_type(field: str, value: Any,
         ({5: 101.0}, "'logit_bias'[5] must be a number between -100 and 100, got 101"),
         ({5: float("nan")}, "'logit_bias'[5] must be a number between -100 and 100, got nan"),
         ({5: "high"}, "'logit_bias'[5] must be a number between -100 and 100, got 'high'"),
-        ({i: 1.0 for i in range(1025)}, "'logit_bias' must map at most 1024 token ids to biases"),
+        (dict.fromkeys(range(1025), 1.0), "'logit_bias' must map at most 1024 token ids to biases"),
     ],
 )
 def test_logit_bias_names_only_tokens_the_model_has(bias: dict[Any, Any], message: str) -> None:

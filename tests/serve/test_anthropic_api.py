@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import anthropic
 import pytest
-from fixtures.chat_reference import ScriptedQueue
-from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
+from fixtures.chat_reference import ScriptedQueue
+from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import RequestLog

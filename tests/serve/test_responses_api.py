@@ -6,16 +6,17 @@ Function calls the model writes, and malformed bodies through the Responses and 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import openai
 import pytest
-from fixtures.chat_reference import ScriptedQueue, prompt
-from fixtures.serve_process import KEY
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
+from fixtures.chat_reference import ScriptedQueue, prompt
+from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import RequestLog

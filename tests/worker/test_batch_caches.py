@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fixtures.tiny_models import TinyModels
 
+from fixtures.tiny_models import TinyModels
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.job import JobSpec
 

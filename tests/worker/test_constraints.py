@@ -8,8 +8,8 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
-from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 
+from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 from mlxpipe.worker.constraints import Constraint, compile_error
 from tests.e2e.test_structured_output import PERSON, _schema_format
 

@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 from fixtures.tiny_models import TinyModels
-
 from mlxpipe.protocol.job import JobSpec
 from tests.e2e.test_overlap import PREFILL_STEP, TINY_SPLITS, _reference
 
@@ -16,8 +15,8 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlxpipe.worker.load import load_rank
     from mlxpipe.protocol.messages import Batch
+    from mlxpipe.worker.load import load_rank
     from mlxpipe.worker.loop import RankLoop
 
     class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)

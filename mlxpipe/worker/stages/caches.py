@@ -9,6 +9,7 @@ from mlx_lm.models.cache import CacheList
 
 from mlxpipe.errors import ModelError
 
+
 def advance_cache(cache: Any, batch: int, num_tokens: int) -> None:
     """Advance a stand-in's cache by ``num_tokens`` without storing anything.
 

@@ -11,8 +11,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxpipe.errors import ModelError
-from mlxpipe.worker.groups import Topology
 from mlxpipe.protocol.job import layer_range
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.stages.layers import blocks_of, check_supported, has_native_pipeline, model_type_of
 from mlxpipe.worker.stages.layout import _HEADER_BYTES, _PROBE_TOKENS
 from mlxpipe.worker.stages.stage import Exchange, _Stage, _stage_class

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -19,7 +19,13 @@ from mlx_lm.models.cache import _BaseCache
 from mlxpipe.errors import ModelError
 from mlxpipe.worker.stages.caches import advance_cache, tie_into_cache
 from mlxpipe.worker.stages.layout import (
-    _PROBE_TOKENS, Layout, _layout_of, _made_up_extras, _pack, _packed_like, _unpack,
+    _PROBE_TOKENS,
+    Layout,
+    _layout_of,
+    _made_up_extras,
+    _pack,
+    _packed_like,
+    _unpack,
 )
 
 
@@ -227,7 +233,7 @@ def _put_hidden(where: int | str, x: mx.array, args: tuple, kwargs: dict) -> tup
     return args, {**kwargs, where: x}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _first_parameter(cls: type) -> str | None:
     """The name of the first parameter of ``cls.__call__`` after ``self``."""
     try:

@@ -19,7 +19,8 @@ only member 0 keeps it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

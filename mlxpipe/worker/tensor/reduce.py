@@ -10,8 +10,9 @@ group's neighbour exchange (``TensorGroup.all_sum``) as the sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

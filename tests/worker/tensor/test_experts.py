@@ -8,7 +8,8 @@ is run by ``tests/e2e/test_tensor_architectures.py`` and ``tests/e2e/test_tensor
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
