@@ -164,13 +164,20 @@ def init(
 
 def _measure_links(outcome: Outcome, hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
     """The links measured over the new hostfile (``doctor --links``' job), or why not: hosts without
-    this machine's mlx cannot run it yet, and a job that fails leaves the hostfile written all the same."""
+    this machine's mlx cannot run it yet (``cluster install`` measures them then)."""
+    if outcome.to_install:
+        return None, (f"not measured yet: after `mlxpipe cluster install`, `mlxpipe doctor --links --hostfile "
+                      f"{hostfile}` measures them")
+    return _links_job(hostfile, quiet)
+
+
+def _links_job(hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
+    """The links job over ``hostfile``, its facts written beside it; or why not (a job that fails leaves the
+    hostfile as it is, and says how to measure again)."""
     from mlxpipe.cluster import init as setup
     from mlxpipe.errors import MlxpipeError
 
     later = f"`mlxpipe doctor --links --hostfile {hostfile}` measures them"
-    if outcome.to_install:
-        return None, f"not measured yet: after `mlxpipe cluster install`, {later}"
 
     def say(text: str) -> None:
         if not quiet:
@@ -222,8 +229,9 @@ def install(
     Example: mlxpipe cluster install --hostfile cluster.json
     """
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.cluster.install import FAILED, Target, point_hostfile
+    from mlxpipe.cluster.install import FAILED, INSTALLED, Target, point_hostfile
     from mlxpipe.cluster.install import install as install_hosts
+    from mlxpipe.cluster.links import facts_path
     from mlxpipe.errors import UsageError
 
     if wheelhouse is not None and not wheelhouse.is_dir():
@@ -240,12 +248,17 @@ def install(
 
     results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, target=target)
     changed = point_hostfile(hostfile, results)
+    failed = [r for r in results if r.status == FAILED]
+    links, links_note = None, None
+    if not failed and (any(r.status == INSTALLED for r in results) or not facts_path(hostfile).is_file()):
+        links, links_note = _links_job(hostfile, quiet=json_out)  # the hosts can run MLX now: --layout auto's facts
     if json_out:
         console.print_json({"target": target.versions, "hosts": [r.to_json() for r in results],
-                            "hostfile_updated": changed})
+                            "hostfile_updated": changed, "links": links.to_json() if links is not None else None,
+                            "links_note": links_note})
     else:
         _print_installed(results, hostfile, changed)
-    failed = [r for r in results if r.status == FAILED]
+        _print_links(links, links_note, hostfile)
     if failed:
         first = failed[0]
         console.error(f"{len(failed)} host{'s' if len(failed) > 1 else ''} failed: {first.detail}", first.fix)
@@ -312,20 +325,26 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any, links_note: 
     if written is None or outcome.data is None:
         return
     _line(f"wrote {written} ({len(outcome.data['hosts'])} hosts)")
-    if links is None:
-        _line(f"links: {links_note}")
-    else:
-        from mlxpipe.cli.render import link_lines
-        from mlxpipe.cluster.links import facts_path
-
-        for text in link_lines(links):
-            _line(f"links: {text}")
-        _line(f"wrote {facts_path(written)}")
+    _print_links(links, links_note, written)
     if outcome.to_install:
         _line(f"next: mlxpipe cluster install --hostfile {written}  (mlxpipe, mlx and mlx-lm for "
               f"{', '.join(outcome.to_install)})")
     else:
         _line(f"next: mlxpipe doctor --hostfile {written}")
+
+
+def _print_links(links: Any, note: str | None, hostfile: Path) -> None:
+    """What the links job measured, one line per link, and where it wrote it; or why it did not run."""
+    from mlxpipe.cli.render import link_lines
+    from mlxpipe.cluster.links import facts_path
+
+    if links is None:
+        if note:
+            _line(f"links: {note}")
+        return
+    for text in link_lines(links):
+        _line(f"links: {text}")
+    _line(f"wrote {facts_path(hostfile)}")
 
 
 def _init_json(outcome: Outcome, written: Path | None, links: Any, links_note: str | None) -> dict[str, Any]:
