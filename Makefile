@@ -47,6 +47,7 @@ bench: install demo-model
 	$(PY) bench/bench_serve.py
 	$(PY) bench/bench_lora.py
 	$(PY) bench/bench_tp.py
+	$(PY) bench/bench_layout.py
 
 # docs/cli.md: every command's --help, generated from the app (tests/cli/test_reference.py checks it).
 docs: install
