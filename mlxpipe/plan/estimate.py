@@ -263,14 +263,15 @@ def _stage(g: int, start: int, end: int, tp: int, facts: ClusterFacts | None) ->
 
 
 def allreduce(stage: Stage, net: Network, nbytes: float, whole_world: bool) -> float:
-    """One all-reduce of ``nbytes`` over the stage's group (``worker/groups.py``): 2 members swap (one message
-    each way at once); more pass partial sums down their chain and the total back up; a group that is the
-    whole world uses MLX's ring all_sum (2 (T - 1) steps of a T-th of the data)."""
+    """One all-reduce of ``nbytes`` over the stage's group (``worker/groups.py``): 2 members swap, member 0 sending
+    its part once member 1's arrived (so that neither waits on a full socket), so a swap is a round trip; more
+    pass partial sums down their chain and the total back up; a group that is the whole world uses MLX's ring
+    all_sum (2 (T - 1) steps, every member sending a T-th of the data at once)."""
     r = stage.ranks
     if len(r) == 1:
         return 0.0
     if len(r) == 2:
-        return net.transfer(r[0], r[1], nbytes)
+        return 2 * net.transfer(r[0], r[1], nbytes)
     if whole_world:
         return 2 * (len(r) - 1) * max(net.transfer(a, b, nbytes / len(r)) for a, b in pairwise(r))
     return 2 * sum(net.transfer(a, b, nbytes) for a, b in pairwise(r))

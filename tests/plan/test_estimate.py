@@ -91,9 +91,9 @@ def test_a_pipeline_token_crosses_every_stage_one_tick_each() -> None:
 
 def test_tensor_parallelism_halves_the_layers_and_adds_two_all_reduces_per_layer() -> None:
     seconds, _ = decode_token(costing(2), Layout(2, (4,), "even", 2), context=0)
-    swap = 1 * MS + 4000 / 1e9  # 2 members swap their partial sums: one message each way at once
+    swap = 2 * (1 * MS + 4000 / 1e9)  # 2 members swap their partial sums: member 1's, then member 0's: a round trip
     per_layer = 10e6 / 2 / 1e9 + 1 * MS + 2 * swap
-    head = 2.5 * MS + (1 * MS + 500 * 4 / 2 / 1e9)  # half the head, then its logits gathered (a swap of halves)
+    head = 2.5 * MS + 2 * (1 * MS + 500 * 4 / 2 / 1e9)  # half the head, then its logits gathered (a swap of halves)
     assert seconds == pytest.approx(4 * per_layer + head + 3 * MS + 2 * MS)  # one tick
 
 
@@ -102,9 +102,9 @@ def test_added_latency_costs_tensor_parallelism_far_more_than_a_pipeline() -> No
     fast, slow = costing(2, latency=50e-6, collective=100e-6), costing(2, latency=5 * MS, collective=10 * MS)
     assert decode_token(fast, tp, 0)[0] < decode_token(fast, pipe, 0)[0]
     assert decode_token(slow, tp, 0)[0] > decode_token(slow, pipe, 0)[0]
-    # Per token: 8 all-reduces of 5 ms more under tp; one hop and two collectives (10 ms more each) on the pipeline.
+    # Per token: 8 all-reduces and the head's gather, each a round trip of 10 ms more, and the collective under tp.
     assert decode_token(slow, tp, 0)[0] - decode_token(fast, tp, 0)[0] == pytest.approx(
-        9 * (5 * MS - 50e-6) + (10 * MS - 100e-6))
+        9 * 2 * (5 * MS - 50e-6) + (10 * MS - 100e-6))
 
 
 def test_a_group_of_more_than_two_passes_its_sums_down_its_chain_and_back() -> None:
