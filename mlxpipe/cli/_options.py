@@ -92,6 +92,21 @@ Tp = Annotated[int | None, typer.Option(
     "decode over RDMA links (JACCL); see docs/tensor-parallel.md.",
     show_default="the --config preset's, else 1: pipeline only", metavar="N",
 )]
+LayoutOption = Annotated[str | None, typer.Option(
+    "--layout",
+    help="auto: the layout the cost model predicts fastest for --workload, from the cluster's measured facts "
+    "(`mlxpipe doctor --links` writes them beside the hostfile): a pipeline with each split strategy, --tp for "
+    "each group size that fits, and both; without facts, a pipeline. pipeline: the split of --strategy, no cost "
+    "model. See docs/layout.md.",
+    show_default="auto, unless --tp or --split is given (by flag or --config preset)", metavar="auto|pipeline",
+)]
+WorkloadOption = Annotated[str | None, typer.Option(
+    "--workload",
+    help="What --layout auto and the balanced split weigh: chat (a 1,000-token prompt, 250 tokens out, one at a "
+    "time: prefill and single-stream decode), agent (an 8,000-token prompt: long-prompt prefill), batch (many "
+    "requests at once: aggregate throughput).",
+    show_default="chat", metavar="chat|agent|batch",
+)]
 Config = Annotated[Path | None, typer.Option(
     "--config", help="A preset from configs/*.yaml; flags override it.", show_default="none"
 )]

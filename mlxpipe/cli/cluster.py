@@ -152,19 +152,47 @@ def init(
             outcome = setup.make(machines, versions=versions(), python=python)
         outcome.steps[:0] = steps
     written = outcome.complete
-    links = None
+    links: Any = None
+    links_note = None
     if written:
         setup.check_and_write(outcome, output)
-        links = setup.measure_links(output)
+        links, links_note = _measure_links(outcome, output, quiet=json_out)
     if json_out:
-        console.print_json(_init_json(outcome, output if written else None, links))
+        console.print_json(_init_json(outcome, output if written else None, links, links_note))
     else:
-        _print_init(outcome, output if written else None, links)
+        _print_init(outcome, output if written else None, links, links_note)
     if not written:
         count = sum(s.blocking for s in outcome.steps)
         console.error(f"{output} not written: {count} step{'s' if count != 1 else ''} to do first (above)",
                       "do them, then run the same `mlxpipe cluster init` again")
         raise typer.Exit(1)
+
+
+def _measure_links(outcome: Outcome, hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
+    """The links measured over the new hostfile (``doctor --links``' job), or why not: hosts without
+    this machine's mlx cannot run it yet (``cluster install`` measures them then)."""
+    if outcome.to_install:
+        return None, (f"not measured yet: after `mlxpipe cluster install`, `mlxpipe doctor --links --hostfile "
+                      f"{hostfile}` measures them")
+    return _links_job(hostfile, quiet)
+
+
+def _links_job(hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
+    """The links job over ``hostfile``, its facts written beside it; or why not (a job that fails leaves the
+    hostfile as it is, and says how to measure again)."""
+    from mlxpipe.cluster import init as setup
+    from mlxpipe.errors import MlxpipeError
+
+    later = f"`mlxpipe doctor --links --hostfile {hostfile}` measures them"
+
+    def say(text: str) -> None:
+        if not quiet:
+            console.err.print(text, markup=False, highlight=False)
+
+    try:
+        return setup.measure_links(hostfile, say), None
+    except MlxpipeError as e:
+        return None, f"not measured ({e.message}); {later}"
 
 
 def _nothing() -> AbstractContextManager[None]:
@@ -208,8 +236,9 @@ def install(
     Example: mlxpipe cluster install --hostfile cluster.json
     """
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.cluster.install import FAILED, Target, point_hostfile
+    from mlxpipe.cluster.install import FAILED, INSTALLED, Target, point_hostfile
     from mlxpipe.cluster.install import install as install_hosts
+    from mlxpipe.cluster.links import facts_path
     from mlxpipe.errors import UsageError
 
     if wheelhouse is not None and not wheelhouse.is_dir():
@@ -226,12 +255,17 @@ def install(
 
     results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, target=target)
     changed = point_hostfile(hostfile, results)
+    failed = [r for r in results if r.status == FAILED]
+    links, links_note = None, None
+    if not failed and (any(r.status == INSTALLED for r in results) or not facts_path(hostfile).is_file()):
+        links, links_note = _links_job(hostfile, quiet=json_out)  # the hosts can run MLX now: --layout auto's facts
     if json_out:
         console.print_json({"target": target.versions, "hosts": [r.to_json() for r in results],
-                            "hostfile_updated": changed})
+                            "hostfile_updated": changed, "links": links.to_json() if links is not None else None,
+                            "links_note": links_note})
     else:
         _print_installed(results, hostfile, changed)
-    failed = [r for r in results if r.status == FAILED]
+        _print_links(links, links_note, hostfile)
     if failed:
         first = failed[0]
         console.error(f"{len(failed)} host{'s' if len(failed) > 1 else ''} failed: {first.detail}", first.fix)
@@ -277,7 +311,7 @@ def _found_table(found: Sequence[Found]) -> Table:
     return t
 
 
-def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
+def _print_init(outcome: Outcome, written: Path | None, links: Any, links_note: str | None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -298,7 +332,7 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
     if written is None or outcome.data is None:
         return
     _line(f"wrote {written} ({len(outcome.data['hosts'])} hosts)")
-    _line("links: measured" if links is not None else "links: not measured (this mlxpipe cannot measure them yet)")
+    _print_links(links, links_note, written)
     if outcome.to_install:
         _line(f"next: mlxpipe cluster install --hostfile {written}  (mlxpipe, mlx and mlx-lm for "
               f"{', '.join(outcome.to_install)})")
@@ -306,7 +340,21 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         _line(f"next: mlxpipe doctor --hostfile {written}")
 
 
-def _init_json(outcome: Outcome, written: Path | None, links: Any) -> dict[str, Any]:
+def _print_links(links: Any, note: str | None, hostfile: Path) -> None:
+    """What the links job measured, one line per link, and where it wrote it; or why it did not run."""
+    from mlxpipe.cli.render import link_lines
+    from mlxpipe.cluster.links import facts_path
+
+    if links is None:
+        if note:
+            _line(f"links: {note}")
+        return
+    for text in link_lines(links):
+        _line(f"links: {text}")
+    _line(f"wrote {facts_path(hostfile)}")
+
+
+def _init_json(outcome: Outcome, written: Path | None, links: Any, links_note: str | None) -> dict[str, Any]:
     return {
         "written": str(written) if written else None,
         "hostfile": outcome.data,
@@ -317,7 +365,8 @@ def _init_json(outcome: Outcome, written: Path | None, links: Any) -> dict[str, 
         "notes": outcome.notes,
         "steps": [{"host": s.host, "step": s.what, "blocking": s.blocking} for s in outcome.steps],
         "to_install": outcome.to_install,
-        "links": links,
+        "links": links.to_json() if links is not None else None,
+        "links_note": links_note,
     }
 
 

@@ -7,7 +7,19 @@ from typing import Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
+from mlxpipe.cli._options import (
+    Config,
+    Hostfile,
+    Json,
+    LayoutOption,
+    Model,
+    Revision,
+    Split,
+    Strategy,
+    Tp,
+    WorkloadOption,
+    parse_split,
+)
 from mlxpipe.errors import UsageError
 
 
@@ -18,6 +30,8 @@ def download(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     rank: Annotated[int | None, typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
@@ -43,13 +57,14 @@ def download(
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """  # noqa: E501 - the example is one command line, as the help prints it
+    from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cli.render import controller_line, download_table, tasks_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
     from mlxpipe.console import download_progress
     from mlxpipe.download import controller as dl
     from mlxpipe.launch.run import require_fit
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     hosts = target.hostfile.hosts
     if local and rank is None:
         here = [h.rank for h in hosts if h.is_local]
@@ -65,6 +80,7 @@ def download(
         meta = load_model_metadata(target, progress=progress)
     if not from_controller:
         dl.require_hub(meta)
+    target = settle_layout(target, quiet=json_out, backend=None, context=None, meta=meta).target  # the layout that runs
     the_plan = plan_target(target, meta)
     require_fit(the_plan)  # shares that no run could load are not worth fetching (nor listing: exit 1)
     tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
+from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
 from mlxpipe.cli._options import (
     AdapterPath,
     Backend,
@@ -24,6 +24,7 @@ from mlxpipe.cli._options import (
     Json,
     KvBits,
     KvGroupSize,
+    LayoutOption,
     MaxKvSize,
     MaxTokens,
     MinP,
@@ -47,6 +48,7 @@ from mlxpipe.cli._options import (
     Tp,
     TrustRemoteCode,
     UseDefaultChatTemplate,
+    WorkloadOption,
     XtcProbability,
     XtcThreshold,
     parse_split,
@@ -90,6 +92,8 @@ def generate(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -156,13 +160,16 @@ def generate(
     check_draft_flags(draft_model, max_kv_size)
     if prompt == "-":
         prompt = sys.stdin.read()
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    if workload is None and prompts_file is not None:
+        workload = "batch"  # many prompts at once: judged by aggregate throughput
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=json_out, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    run_config = settle_config(run_config, quiet=json_out)
     if prompts_file is not None:
         _generate_batch(run_config, options, prompts_file, concurrency, output, json_out, decode_batch)
         return
@@ -240,6 +247,8 @@ def chat(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     max_tokens: MaxTokens = None,
     temp: Temp = None,
@@ -279,13 +288,14 @@ def chat(
 
     flags = RequestFlags.of(locals())
     check_draft_flags(draft_model, max_kv_size)
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
         adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
     )
+    run_config = settle_config(run_config, quiet=False)
     with running_pipeline(run_config) as pipe:
         _chat_turns(pipe, options)
 

@@ -136,7 +136,7 @@ def lora(
         raise UsageError(f"--tp {tp}: LoRA training does not run on tensor-parallel groups yet",
                          "drop --tp: each rank trains its own layers of the pipeline")
     options = training.TrainOptions.build(flags, train_config)
-    target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None)
+    target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None, layout="pipeline")
     run_config = pipeline_config(target, backend=backend, port=port, timeout=timeout,
                                  trust_remote_code=options.trust_remote_code, quiet=json_out,
                                  from_controller=from_controller)

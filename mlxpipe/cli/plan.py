@@ -7,7 +7,20 @@ from typing import Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import Config, Hostfile, Json, Model, Revision, Split, Strategy, Tp, parse_split
+from mlxpipe.cli._options import (
+    Backend,
+    Config,
+    Hostfile,
+    Json,
+    LayoutOption,
+    Model,
+    Revision,
+    Split,
+    Strategy,
+    Tp,
+    WorkloadOption,
+    parse_split,
+)
 from mlxpipe.defaults import DEFAULT_CONTEXT
 
 
@@ -18,7 +31,10 @@ def plan(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
+    backend: Backend = None,
     context: Annotated[int, typer.Option(
         "--context", help="Context length (tokens) the fit check reserves KV cache for."
     )] = DEFAULT_CONTEXT,
@@ -27,20 +43,40 @@ def plan(
 ) -> None:
     """Show which layers each host runs, what it must hold and fetch, and whether it fits.
 
-    Reads only metadata (config, weight index, safetensors headers): no weights.
+    Reads only metadata (config, weight index, safetensors headers): no weights. With the cluster's
+    measured facts beside the hostfile (`mlxpipe doctor --links`), every feasible layout is shown with
+    its predicted decode, prefill and aggregate tok/s, and --layout auto (the default) plans the one
+    predicted fastest for --workload.
 
     Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """  # noqa: E501 - the example is one command line, as the help prints it
-    from mlxpipe.cli.render import plan_table
+    from mlxpipe.cli._generation import settle_layout
+    from mlxpipe.cli.render import layouts_table, plan_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, refresh=refresh, progress=progress)
-    the_plan = plan_target(target, meta, context=context)
+    settled = settle_layout(target, quiet=json_out, backend=backend, context=context, meta=meta, say=False)
+    the_plan = plan_target(settled.target, meta, context=context, backend=backend)
+    choice = settled.choice
     if json_out:
-        console.print_json(the_plan.to_json())
+        data = the_plan.to_json()
+        if choice is not None:
+            found = bool(choice.candidates)
+            data["layouts"] = {"workload": choice.workload.name, "chosen": choice.chosen.name if found else None,
+                               "reason": choice.reason if found else None,
+                               "candidates": [c.estimate.to_json() for c in choice.candidates],
+                               "refused": [{"layout": name, "why": why} for name, why in choice.refused]}
+        if settled.note and target.layout_asked:  # asked for: say why no layout was weighed
+            data["layout_note"] = settled.note
+        console.print_json(data)
     else:
+        if choice is not None and choice.candidates:
+            console.out.print(layouts_table(choice))
+            console.out.print(f"layout: {choice.reason}", markup=False, highlight=False, soft_wrap=True)
+        elif settled.note and target.layout_asked:
+            console.out.print(f"[dim]{settled.note}[/]", highlight=False)
         console.out.print(plan_table(the_plan))
         for note in the_plan.notes:
             console.out.print(f"[dim]note: {note}[/]")
@@ -53,6 +89,3 @@ def plan(
         )
         console.error(f"{bad} cannot hold its share at --context {context}", hint)
         raise typer.Exit(1)
-
-
-

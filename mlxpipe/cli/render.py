@@ -191,3 +191,73 @@ def doctor_table(results: Sequence[CheckResult]) -> Table:
         previous = (r.host, r.ranks)
         t.add_row(host, r.check, _STATUS_STYLE.get(r.status, r.status), escape(r.detail), escape(r.fix or ""))
     return t
+
+
+# --- the cluster's facts and the layouts (``doctor --links``, ``plan``) ----------------------------------------
+
+
+def link_lines(facts: Any) -> list[str]:
+    """One line per measured link: ``rank 0 (a) <-> rank 1 (b): 48 us, 2.1 GB/s``."""
+    hosts = facts.hosts
+    lines = [f"rank {a} ({hosts[a].ssh}) <-> rank {b} ({hosts[b].ssh}): {microseconds(link.latency)}, "
+             f"{link.bandwidth / 1e9:.2f} GB/s" for link in facts.links for a, b in [link.ranks]]
+    if facts.collective is not None:
+        lines.append(f"all-reduce of {len(hosts)} ranks: {microseconds(facts.collective)}")
+    return lines
+
+
+def microseconds(seconds: float) -> str:
+    """``0.000048`` -> ``48 us``; ``0.0051`` -> ``5.10 ms``."""
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def facts_table(facts: Any, path: Any) -> RenderableType:
+    """``doctor --links``: each machine's figures, then each link's."""
+    hosts = Table(padding=(0, 1))
+    for name, justify in (("rank", "right"), ("host", "left"), ("chip", "left"), ("memory bandwidth", "right"),
+                          ("source", "left"), ("matmul", "right"), ("calibrated: decode", "right"),
+                          ("prefill", "right"), ("per layer", "right")):
+        hosts.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for h in facts.hosts:
+        c = h.calibration
+        calibrated = ([f"{c.decode_bandwidth / 1e9:.1f} GB/s", f"{c.prefill_flops / 1e9:.1f} GFLOP/s",
+                       microseconds(c.layer_overhead)] if c is not None else ["-", "-", "-"])
+        hosts.add_row(str(h.rank), h.ssh, f"{h.chip} ({h.device})", f"{h.memory_bandwidth / 1e9:.1f} GB/s",
+                      h.memory_bandwidth_source, f"{h.compute / 1e9:.1f} GFLOP/s", *calibrated)
+    links = Table(padding=(0, 1))
+    for name in ("ranks", "hosts", "latency", "bandwidth", "round trips"):
+        links.add_column(name, justify="left" if name in ("ranks", "hosts") else "right")
+    for link in facts.links:
+        a, b = link.ranks
+        links.add_row(f"{a} <-> {b}", f"{facts.hosts[a].ssh} <-> {facts.hosts[b].ssh}", microseconds(link.latency),
+                      f"{link.bandwidth / 1e9:.2f} GB/s", str(link.rounds))
+    parts: list[RenderableType] = [Text(f"cluster facts ({facts.backend} backend): {path}", style="bold"), hosts]
+    if facts.links:
+        parts.append(links)
+    if facts.collective is not None:
+        every = microseconds(facts.collective)
+        parts.append(Text(f"all-reduce of {len(facts.hosts)} ranks (every engine tick): {every}"))
+    return Group(*parts)
+
+
+def layouts_table(choice: Any) -> RenderableType:
+    """``plan``: every feasible layout with its predicted figures, the chosen one first."""
+    first = choice.candidates[0].estimate if choice.candidates else None
+    title = f"layouts for {choice.workload.describes}"
+    if not choice.measured:
+        title += " (no measured facts: nominal hosts and links)"
+    t = Table(padding=(0, 1))
+    t.add_column("layout", overflow="fold")
+    t.add_column("flags", overflow="fold")
+    t.add_column("decode tok/s", justify="right")
+    t.add_column(f"prefill tok/s ({first.prompt:,} tok)" if first else "prefill tok/s", justify="right")
+    t.add_column(f"{first.concurrency} at once tok/s" if first else "aggregate tok/s", justify="right")
+    t.add_column("s / request", justify="right")
+    for i, c in enumerate(choice.candidates):
+        e = c.estimate
+        name = f"[bold]{c.name}[/] (chosen)" if i == 0 else c.name
+        t.add_row(name, c.layout.flags or "-", f"{e.decode:.1f}", f"{e.prefill:.1f}", f"{e.aggregate:.1f}",
+                  f"{e.score:.2f}")
+    for name, why in choice.refused:
+        t.add_row(f"[dim]{name}[/]", "-", "-", "-", "-", f"[dim]{why}[/]")
+    return titled(title, t)

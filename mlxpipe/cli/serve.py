@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config
+from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
 from mlxpipe.cli._options import (
     FROM_PRESET,
     AdapterPath,
@@ -18,6 +18,7 @@ from mlxpipe.cli._options import (
     Hostfile,
     KvBits,
     KvGroupSize,
+    LayoutOption,
     MaxKvSize,
     Model,
     NumDraftTokens,
@@ -30,6 +31,7 @@ from mlxpipe.cli._options import (
     Tp,
     TrustRemoteCode,
     UseDefaultChatTemplate,
+    WorkloadOption,
     parse_split,
     tcp_port,
 )
@@ -128,6 +130,8 @@ def serve(
     strategy: Strategy = None,
     split: Split = None,
     tp: Tp = None,
+    layout: LayoutOption = None,
+    workload: WorkloadOption = None,
     config: Config = None,
     host: Host = "127.0.0.1",
     port: HttpPort = 8080,
@@ -179,7 +183,7 @@ def serve(
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp)
+    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
     defaults = flags.request(Preset(max_tokens=target.preset.max_tokens))
     check_draft_flags(draft_model, max_kv_size)
@@ -197,6 +201,7 @@ def serve(
     check_decode_batch(decode_batch)
     if max_concurrency is not None:
         at_least(max_concurrency, 1, "--max-concurrency")
+    run_config = settle_config(run_config, quiet=False)
     options = server.ServeOptions(
         max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,

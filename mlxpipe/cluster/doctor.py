@@ -18,6 +18,10 @@ bind. The checks compare those facts across hosts and against the plan:
   layer per token, so its speed is its links' latency: a group whose hosts talk
   over TCP (the ring backend, or MPI, over Ethernet) gets a warning pointing to
   JACCL over Thunderbolt 5 RDMA. A group on one machine needs no network.
+* ``layout`` (with a model and the cluster's measured facts): a warning, with the
+  predicted figures of both, when the layout is predicted slower than the
+  hostfile's first hosts alone would be (``plan/choose.py``: "adding a Mac made it
+  slower", said before the run).
 
 ``preflight`` is what ``generate`` runs before it starts any rank.
 """
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.cluster import remote, storage
 from mlxpipe.cluster.hostfile import Hostfile
@@ -43,11 +47,14 @@ from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan, make_plan
 
+if TYPE_CHECKING:
+    from mlxpipe.cluster.target import Target
+
 CONNECT_TIMEOUT = 5
 PROBE_TIMEOUT = 30.0
 MIN_PYTHON = (3, 10)
 PACKAGES = ("mlx", "mlx-lm", "mlxpipe")
-CHECKS = ("ssh", "python", "versions", "ports", "memory", "disk", "tp links")
+CHECKS = ("ssh", "python", "versions", "ports", "memory", "disk", "tp links", "layout")
 # Backends whose ranks reach each other over RDMA (Thunderbolt 5: JACCL) or a GPU fabric (NCCL), not TCP.
 FAST_BACKENDS = ("jaccl", "jaccl-ring", "nccl")
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -346,6 +353,44 @@ def tp_link_checks(hostfile: Hostfile, tp: int, backend: str) -> list[CheckResul
                    "or keep --tp groups on one machine and pipeline across the slower links")
         results.append(CheckResult(members[0].ssh, tuple(ranks), "tp links", status, detail, fix))
     return results
+
+
+def layout_checks(target: Target, meta: ModelMetadata, plan: Plan, backend: str | None = None) -> list[CheckResult]:
+    """The plan's layout against the hostfile's first hosts alone, as the cluster's facts predict them; nothing
+    without facts."""
+    from mlxpipe.cluster.links import load_facts
+    from mlxpipe.plan.choose import Candidate, fewer_hosts
+    from mlxpipe.plan.estimate import Costing, estimate, model_work
+    from mlxpipe.plan.layout import Layout
+
+    hostfile = target.hostfile
+    facts, _ = load_facts(hostfile)
+    if facts is None or hostfile.size < 2:
+        return []
+    chosen = backend or target.preset.backend or hostfile.backend or "ring"
+    layout = Layout(plan.tp, plan.split, plan.strategy, hostfile.size)
+    mine = Candidate(layout, plan, estimate(Costing(model_work(meta), facts, chosen), layout, target.workload),
+                     (plan.strategy,))
+    better = fewer_hosts(meta, hostfile.hosts, mine, target.workload, facts=facts, backend=chosen,
+                         context=plan.context)
+    first = hostfile.hosts[0]
+    here = f"{mine.name} on {hostfile.size} hosts: {_figures(mine.estimate)}"
+    if better is None:
+        return [CheckResult(first.ssh, tuple(range(hostfile.size)), "layout", OK,
+                            f"{here}; no layout on fewer of these hosts is predicted faster")]
+    k = better.layout.hosts
+    alone = ", ".join(h.ssh for h in hostfile.hosts[:k])
+    return [CheckResult(
+        first.ssh, tuple(range(hostfile.size)), "layout", WARN,
+        f"predicted slower than fewer hosts: {here}; {better.name} on the first {k} ({alone}): "
+        f"{_figures(better.estimate)} ({target.workload.describes})",
+        f"run on {alone} alone (a hostfile of {'it' if k == 1 else 'them'}), or see `mlxpipe plan --layout auto` "
+        "for a faster layout of every host")]
+
+
+def _figures(e: Any) -> str:
+    return (f"{e.decode:.1f} tok/s decode, {e.prefill:.1f} tok/s prefill, {e.aggregate:.1f} tok/s at "
+            f"{e.concurrency} at once, {e.score:.2f} s a request")
 
 
 def _memory_checks(probes: Sequence[_Probe], hostfile: Hostfile, plan: Plan, meta: ModelMetadata) -> list[CheckResult]:

@@ -6,17 +6,21 @@ model on ``hostfiles/local-2.json``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.cluster.presets import Preset, load_preset, pick
-from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_HOSTFILE
-from mlxpipe.errors import ModelError
+from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_CONTEXT, DEFAULT_HOSTFILE
+from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
+from mlxpipe.plan.choose import Choice, candidates
+from mlxpipe.plan.facts import ClusterFacts
+from mlxpipe.plan.layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
+from mlxpipe.plan.layout import workload as workload_named
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
 
@@ -36,6 +40,9 @@ class Target:
     preset: Preset
     tp: int = 1  # ranks per tensor-parallel group: each group of tp consecutive hosts is one pipeline stage
     tp_flag: str = "--tp"  # where tp came from, for its errors: the flag, or the preset's key
+    layout: str = "pipeline"  # auto: the cost model chooses tp and the split (``settle_layout``)
+    layout_asked: bool = False  # --layout was given (not the default): say why a layout could not be weighed
+    workload: Workload = DEFAULT_WORKLOAD  # what --layout auto and the balanced split weigh
 
     def __post_init__(self) -> None:
         check_tp(self.tp, self.hostfile.size, self.tp_flag)
@@ -54,14 +61,24 @@ def resolve_target(
     split: Sequence[int] | None,
     config: Path | None,
     tp: int | None = None,
+    layout: str | None = None,
+    workload: str | None = None,
 ) -> Target:
-    """Apply flag > preset > default and read the hostfile."""
+    """Apply flag > preset > default and read the hostfile.
+
+    ``layout``: auto (the default where neither ``--tp`` nor ``--split`` is given, by flag or preset)
+    or pipeline (the split of ``--strategy``, no cost model)."""
     preset = load_preset(config)
     chosen_model = pick(model, preset.model)
     if chosen_model is None:
         chosen_model = str(default_model())
     if split is None and strategy is None:
         split, strategy = preset.split, preset.strategy
+    given = pick(tp, preset.tp) is not None or split is not None
+    if layout is not None and layout not in LAYOUTS:
+        raise UsageError(f"--layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "auto" and given:
+        raise UsageError("--layout auto chooses --tp and the split itself", "give --layout auto, or --tp / --split")
     return Target(
         model=chosen_model,
         # A preset's revision belongs to the preset's model, not to one given by --model.
@@ -72,6 +89,9 @@ def resolve_target(
         preset=preset,
         tp=pick(tp, preset.tp, 1),
         tp_flag="--tp" if tp is not None or preset.tp is None else f"{config}: key 'tp'",
+        layout=layout or ("pipeline" if given else "auto"),
+        layout_asked=layout is not None,
+        workload=workload_named(workload),
     )
 
 
@@ -105,8 +125,71 @@ def load_model_metadata(target: Target, *, refresh: bool = False, progress: Prog
     return meta
 
 
-def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT) -> Plan:
-    """The plan of ``target``'s model, split and tensor-parallel groups over its hosts."""
+def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_CONTEXT,
+                backend: str | None = None) -> Plan:
+    """The plan of ``target``'s model, split and tensor-parallel groups over its hosts (the balanced split weighs
+    the hosts as the cluster's facts measured them, when there are any)."""
+    from mlxpipe.cluster.links import load_facts
+
+    facts, _ = load_facts(target.hostfile)
     return make_plan(
-        meta, target.hostfile.hosts, strategy=target.strategy, split=target.split, context=context, tp=target.tp
+        meta, target.hostfile.hosts, strategy=target.strategy, split=target.split, context=context, tp=target.tp,
+        facts=facts, workload=target.workload, backend=_backend(target, backend),
     )
+
+
+def _backend(target: Target, backend: str | None) -> str:
+    chosen: str = pick(backend, target.preset.backend, target.hostfile.backend or DEFAULT_BACKEND)
+    return chosen
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A target whose layout is fixed, and how: the layouts weighed (None when none were), or why not."""
+
+    target: Target
+    choice: Choice | None = None
+    facts: ClusterFacts | None = None
+    note: str | None = None  # why --layout auto kept the pipeline
+
+
+Refusal = Callable[[int, int], "str | None"]  # (tp, stages) -> why the model cannot run so, or None
+
+
+def settle_layout(target: Target, meta: ModelMetadata, *, context: int | None = None, backend: str | None = None,
+                  tps: Sequence[int] | None = None, refuses: Refusal | None = None) -> Settled:
+    """``--layout auto``: the layout the cost model predicts fastest for the target's workload, fixed into the
+    target (its ``tp`` and strategy; the split follows from them). Without the cluster's measured facts the
+    pipeline stays (its figures would be guesses: ``doctor --links`` measures them). ``tps``: only these group
+    sizes; ``refuses``: what the ranks would refuse (the sharder's checks), on top of the plan's own."""
+    if target.layout != "auto":
+        return Settled(target)
+    from mlxpipe.cluster.links import facts_path, load_facts
+
+    pipeline = replace(target, layout="pipeline")
+    facts, why = load_facts(target.hostfile)
+    if facts is None:
+        measure = f"`mlxpipe doctor --links --hostfile {target.hostfile.path}`"
+        return Settled(pipeline, note=f"layout: a pipeline ({why}; {measure} measures them, then --layout auto "
+                                      "weighs --tp too)")
+    choice = candidates(meta, target.hostfile.hosts, target.workload, facts=facts, backend=_backend(target, backend),
+                        strategy=target.strategy, tps=tps, **({"context": context} if context else {}))
+    if refuses is not None:
+        choice = _without_refused(choice, refuses)
+    if not choice.candidates:
+        where = facts_path(target.hostfile.path).name
+        return Settled(pipeline, choice, facts, note=f"layout: no layout fits ({where})")
+    chosen = choice.chosen.layout
+    return Settled(replace(target, tp=chosen.tp, tp_flag="--layout auto", strategy=chosen.strategy,
+                           layout="pipeline"), choice, facts)
+
+
+def _without_refused(choice: Choice, refuses: Refusal) -> Choice:
+    kept, refused = [], list(choice.refused)
+    for c in choice.candidates:
+        why = refuses(c.layout.tp, c.layout.stages) if c.layout.tp > 1 else None
+        if why is None:
+            kept.append(c)
+        else:
+            refused.append((c.name, why))
+    return replace(choice, candidates=tuple(kept), refused=tuple(refused))

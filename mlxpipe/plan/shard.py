@@ -34,6 +34,9 @@ from mlxpipe.plan.costs import (
     model_costs,
     rank_weight_bytes,
 )
+from mlxpipe.plan.estimate import Costing, model_work, phase_costs
+from mlxpipe.plan.facts import ClusterFacts
+from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,
     choose_split,
@@ -110,15 +113,24 @@ def make_plan(
     split: Sequence[int] | None = None,
     context: int = DEFAULT_CONTEXT,
     tp: int = 1,
+    facts: ClusterFacts | None = None,
+    workload: Workload = DEFAULT_WORKLOAD,
+    backend: str = "ring",
 ) -> Plan:
-    """Plan ``meta`` over ``hosts``, in groups of ``tp`` (checked by ``tensor.check_tp``) per stage."""
+    """Plan ``meta`` over ``hosts``, in groups of ``tp`` (checked by ``tensor.check_tp``) per stage.
+
+    ``balanced`` weighs ``workload``'s two phases on each stage's hosts, as ``facts`` measured them
+    (``plan/estimate.py``; without facts, like hosts)."""
     if context <= 0:
         raise UsageError(f"--context must be positive, got {context}")
     tensor.check_heads(meta.text_config, tp, meta.source)
     n = meta.num_layers
     costs = tensor.member_costs(model_costs(meta), tp, meta.text_config)
     stages = tensor.stage_hosts(hosts, tp)
-    strategy, chosen = choose_split(strategy, split, n, stages, (costs.layer_work, costs.head_work), tp=tp)
+    work = None
+    if split is None and strategy in (None, "balanced"):
+        work = phase_costs(Costing(model_work(meta), facts, backend), tp, len(stages), workload)
+    strategy, chosen = choose_split(strategy, split, n, stages, work, tp=tp)
     groups = kv_sharing_groups(meta.text_config)
     chosen = _keep_groups(strategy, chosen, groups, n)
     max_positions = int(meta.text_config.get("max_position_embeddings") or 1 << 20)
@@ -136,7 +148,8 @@ def make_plan(
         model_bytes=sum(t.nbytes for t in meta.tensors if _runs_within(meta.layer_of(t), n)),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
-        notes=_notes(hosts) + tensor.notes(tp, len(stages), meta.text_config) + _strategy_notes(strategy, costs, meta)
+        notes=_notes(hosts) + tensor.notes(tp, len(stages), meta.text_config)
+        + _strategy_notes(strategy, costs, meta, workload)
         + _group_notes(groups),
         tp=tp,
     )
@@ -274,15 +287,22 @@ def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:
     return ()
 
 
-def _strategy_notes(strategy: str, costs: Costs, meta: ModelMetadata) -> tuple[str, ...]:
+def _strategy_notes(strategy: str, costs: Costs, meta: ModelMetadata, workload: Workload) -> tuple[str, ...]:
     experts = " (routed experts: the share each token uses)" if active_experts(meta.text_config)[1] else ""
     if strategy != "balanced" or not (costs.head_work or experts):
         return ()
     layer = sum(costs.layer_work) / len(costs.layer_work)
     head = f"{costs.head_work / layer:.1f} layers" if layer else "nothing"
+    if workload.concurrent:
+        return (
+            f"balanced, for {workload.describes}: every stage is busy at once, so each does about the same share of a "
+            f"request, its layers on every prompt and generated token{experts}; rank 0 also runs the vocabulary "
+            f"head, worth {head} in bytes, on every generated token.",
+        )
     return (
-        f"balanced: each stage reads about the same weight bytes per token{experts}; rank 0 also runs the "
-        f"vocabulary head, worth {head}.",
+        f"balanced, for {workload.describes}: a prompt goes at the pace of its busiest stage, so each stage gets "
+        f"about the same work per prompt token{experts}; rank 0's vocabulary head, worth {head} in bytes, runs on "
+        "every generated token but once per prompt.",
     )
 
 

@@ -6,7 +6,8 @@ runs the LAST layers. Groups of layers that share a KV cache must not be cut.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
@@ -117,7 +118,7 @@ def check_groups(split: Sequence[int], groups: Sequence[tuple[int, int]]) -> Non
     )
 
 
-def balanced_split(layer_work: Sequence[int], head_work: int, size: int) -> list[int]:
+def balanced_split(layer_work: Sequence[float], head_work: float, size: int) -> list[int]:
     """The split whose busiest stage has the least work per token (exact).
 
     A stage's work is the sum of its layers' ``layer_work``, plus ``head_work``
@@ -125,32 +126,121 @@ def balanced_split(layer_work: Sequence[int], head_work: int, size: int) -> list
     splits with the least maximum, the earlier stages (higher ranks) take as
     many layers as they can, so uniform layers without a head split evenly.
     """
-    n = len(layer_work)
-    prefix = [0]
-    for w in layer_work:
-        prefix.append(prefix[-1] + w)
+    prefix = _prefix(layer_work)
+    return minimax_split(lambda k, s, e: prefix[e] - prefix[s] + (head_work if k == 0 else 0), len(layer_work), size)
 
-    def work(start: int, end: int, stages_left: int) -> int:
-        """Layers [start, end) as the stage with ``stages_left`` stages after it (0: rank 0)."""
-        return prefix[end] - prefix[start] + (head_work if stages_left == 0 else 0)
 
-    # least[k][s]: the least maximum work for layers [s, n) over the last k stages.
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def minimax_split(cost: Callable[[int, int, int], float], n: int, size: int) -> list[int]:
+    """The split of ``n`` layers over ``size`` stages whose costliest stage costs least (exact); ``cost(k, s, e)``
+    is stage ``k`` (0: the last layers) running layers [s, e). Ties: the earlier stages take all they can."""
+    # least[k][s]: the least maximum for layers [s, n) over the last k stages (stages k-1 .. 0).
     inf = float("inf")
     least: list[list[float]] = [[inf] * (n + 1) for _ in range(size + 1)]
     least[0][n] = 0
     for k in range(1, size + 1):
         for s in range(n - k, -1, -1):
-            least[k][s] = min(
-                max(work(s, e, k - 1), least[k - 1][e]) for e in range(s + 1, n - (k - 1) + 1)
-            )
-    best = least[size][0]
+            least[k][s] = min(max(cost(k - 1, s, e), least[k - 1][e]) for e in range(s + 1, n - (k - 1) + 1))
+    best = least[size][0] * (1 + _EPS)
     split_in_pipeline_order, s = [], 0
     for k in range(size, 0, -1):
         e = max(e for e in range(s + 1, n - (k - 1) + 1)
-                if work(s, e, k - 1) <= best and least[k - 1][e] <= best)
+                if cost(k - 1, s, e) <= best and least[k - 1][e] <= best)
         split_in_pipeline_order.append(e - s)
         s = e
     return split_in_pipeline_order[::-1]  # rank order: rank 0 runs the last stage
+
+
+_EPS = 1e-9  # float sums of the same costs in another order differ in their last bits
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """What one token costs each layer in each phase, on each stage's hosts (``plan/estimate.py``: seconds).
+
+    ``prefill[k][i]``: layer i on stage k per prompt token; ``decode[k][i]``: per generated token (per
+    token of a decode group when ``concurrent``); the head runs on stage 0 only, once per prompt
+    (``head_prefill``, per prompt token) and on every generated token (``head_decode``).
+    """
+
+    prefill: Sequence[Sequence[float]]
+    decode: Sequence[Sequence[float]]
+    head_prefill: float
+    head_decode: float
+    prompt: int  # tokens of a request's prompt
+    generated: int  # tokens of its reply
+    concurrent: bool  # many requests at once: every stage busy, the busiest one sets the pace
+
+    def stage(self, k: int, start: int, end: int,
+              prefix: tuple[list[list[float]], list[list[float]]]) -> tuple[float, float]:
+        """Stage k on layers [start, end): (seconds per prompt token, seconds per generated token)."""
+        pre, dec = prefix
+        p = pre[k][end] - pre[k][start] + (self.head_prefill if k == 0 else 0.0)
+        d = dec[k][end] - dec[k][start] + (self.head_decode if k == 0 else 0.0)
+        return p, d
+
+
+def phase_split(costs: PhaseCosts, size: int) -> list[int]:
+    """The split under which a request takes least time, both phases counted (exact).
+
+    One stream at a time (chat, agent): a prompt's chunks follow each other through the stages, so
+    its prefill goes at the pace of the busiest stage, while each generated token crosses every
+    stage in turn: least ``prompt * max(stage prefill) + generated * sum(stage decode)``. With uniform
+    layers on like hosts the decode sum is the same for every split, and this is the split of the
+    least busy prefill stage: the head, which runs once per prompt, barely counts. Many requests at
+    once (batch): every stage is busy, and a request costs each stage its prompt's and its reply's
+    share: least ``max(prompt * stage prefill + generated * stage decode)``, the head counted on every
+    generated token.
+    """
+    n = len(costs.prefill[0])
+    prefix = ([_prefix(row) for row in costs.prefill], [_prefix(row) for row in costs.decode])
+    if costs.concurrent:
+        def cost(k: int, s: int, e: int) -> float:
+            p, d = costs.stage(k, s, e, prefix)
+            return costs.prompt * p + costs.generated * d
+        return minimax_split(cost, n, size)
+    return _stream_split(costs, n, size, prefix)
+
+
+def _stream_split(costs: PhaseCosts, n: int, size: int,
+                  prefix: tuple[list[list[float]], list[list[float]]]) -> list[int]:
+    """``phase_split`` for one stream: the Pareto fronts of (busiest prefill, decode sum) of every suffix."""
+    # front[k][s]: for layers [s, n) over the last k stages, the points (max prefill, decode sum, the first of
+    # those stages' end, the point of front[k-1][end] it continues) none of which another beats in both sums.
+    Point = tuple[float, float, int, int]
+    front: list[list[list[Point]]] = [[[] for _ in range(n + 1)] for _ in range(size + 1)]
+    front[0][n] = [(0.0, 0.0, n, -1)]
+    for k in range(1, size + 1):
+        for s in range(n - k, -1, -1):
+            points: list[Point] = []
+            for e in range(n - (k - 1), s, -1):  # the longest first stage first: it wins ties
+                p, d = costs.stage(k - 1, s, e, prefix)
+                points += [(max(p, q[0]), d + q[1], e, j) for j, q in enumerate(front[k - 1][e])]
+            front[k][s] = _pareto(points)
+    options = front[size][0]
+    least = min(costs.prompt * q[0] + costs.generated * q[1] for q in options)
+    point = next(q for q in options if costs.prompt * q[0] + costs.generated * q[1] <= least * (1 + _EPS))
+    split_in_pipeline_order, s = [], 0
+    for k in range(size, 0, -1):
+        _, _, e, j = point
+        split_in_pipeline_order.append(e - s)
+        s, point = e, front[k - 1][e][j] if k > 1 else point
+    return split_in_pipeline_order[::-1]  # rank order: rank 0 runs the last stage
+
+
+def _pareto(points: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
+    """The points no other beats in both sums (of equal ones the first: the longest first stage)."""
+    kept: list[tuple[float, float, int, int]] = []
+    for point in sorted(points, key=lambda q: (q[0], q[1])):  # stable: equal points keep their order
+        if not kept or point[1] < kept[-1][1] * (1 - _EPS):
+            kept.append(point)
+    return kept
 
 
 def choose_split(
@@ -158,13 +248,14 @@ def choose_split(
     split: Sequence[int] | None,
     num_layers: int,
     hosts: Sequence[Host],
-    work: tuple[list[int], int] | None = None,
+    work: PhaseCosts | None = None,
     tp: int = 1,
 ) -> tuple[str, list[int]]:
     """Resolve the strategy (default: memory when every host declares it, else balanced).
 
-    ``work`` (each layer's work per token, the head's) is what ``balanced`` weighs; without
-    it the default is mlx-lm's even split. With ``tp`` > 1, ``hosts`` holds one host per stage.
+    ``work`` (what each layer costs in each phase, on each stage's hosts) is what ``balanced``
+    weighs; without it the default is mlx-lm's even split. With ``tp`` > 1, ``hosts`` holds one
+    host per stage.
     """
     size = len(hosts)
     if size > num_layers:
@@ -197,7 +288,7 @@ def choose_split(
     if strategy == "balanced":
         if work is None:
             raise UsageError("--strategy balanced needs the model's tensors")
-        return strategy, balanced_split(work[0], work[1], size)
+        return strategy, phase_split(work, size)
     raise UsageError(f"unknown strategy {strategy!r}", f"use one of: {', '.join(STRATEGIES[:3])} or --split")
 
 

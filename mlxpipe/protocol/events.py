@@ -5,7 +5,8 @@ A rank writes its events behind ``wire.EVENT_PREFIX`` (``wire.emit``); its super
 (``started``, ``alive``, ``exited``, ``log``), and the controller's frame reader adds
 ``lost`` for frames it could not put back (``launch.frames``). ``CONTROL`` is what the
 failure tracker reads (``launch.failures``); ``EVENTS`` is a serving run's stream,
-``TRAIN_EVENTS`` a training run's (``mlxpipe lora``, whose ``done`` differs).
+``TRAIN_EVENTS`` a training run's (``mlxpipe lora``, whose ``done`` differs), ``LINKS_EVENTS`` a links
+job's (``mlxpipe doctor --links``).
 
 Figures of memory are in GB, times in seconds.
 """
@@ -285,9 +286,63 @@ class Adapter(Event):
     data: str
 
 
+# --- a links job's rank (``worker.links``: ``mlxpipe doctor --links``) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    """The rank joined the job's group: it takes measurements now."""
+
+    TAG = "joined"
+    rank: int
+    host: str
+
+
+@dataclass(frozen=True)
+class HostMeasured(Event):
+    """A machine, measured by one of its ranks (``measure_host``). Rates in bytes/s and FLOP/s."""
+
+    TAG = "host_measured"
+    rank: int
+    host: str
+    chip: str  # the CPU's brand string: "Apple M2 Ultra", or a Linux CPU's model name
+    performance_cores: int | None  # a Mac's performance cores (tells apart the binned chips of one name)
+    device: str  # where MLX computes: gpu or cpu
+    memory_bandwidth: float  # a large array read once
+    compute: float  # a large matrix product, in ``dtype``
+    dtype: str
+    calibration: dict[str, float] | None = None  # with calibrate: plan.facts.Calibration's fields
+
+
+@dataclass(frozen=True)
+class LinkMeasured(Event):
+    """Ranks ``rank`` and ``peer`` measured (``measure_link``): ``latency`` is half the median round trip of a small
+    message, ``bandwidth`` the best of 3 one-way transfers of ``large`` bytes (its latency taken off)."""
+
+    TAG = "link_measured"
+    rank: int
+    peer: int
+    latency: float
+    bandwidth: float
+    rounds: int
+    large: int
+    round_trips: list[float]  # the 10th, 50th and 90th percentiles, seconds
+
+
+@dataclass(frozen=True)
+class CollectiveMeasured(Event):
+    """The median of ``rounds`` small all-reduces over every rank (``measure_collective``)."""
+
+    TAG = "collective_measured"
+    rank: int
+    seconds: float
+    rounds: int
+
+
 CONTROL: Registry[Event] = Registry(Started, Alive, Exited, Log, Lost, Error, Progress, Bye)
 EVENTS: Registry[Event] = CONTROL.extended(Loaded, Token, Done, Result, BatchDone, Serving, Finished, Time)
 TRAIN_EVENTS: Registry[Event] = CONTROL.extended(Loaded, TrainDone, Adapter)
+LINKS_EVENTS: Registry[Event] = CONTROL.extended(Joined, HostMeasured, LinkMeasured, CollectiveMeasured)
 
 
 def rank_of(data: Wire) -> int:

@@ -3,7 +3,9 @@
 A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
 (``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
 ``cancel`` as requests come and go); a training rank (``worker.train``, ``mlxpipe lora``) takes ``resume``,
-``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank. ``exit`` ends either.
+``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
+(``worker.links``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
+``measure_collective``. ``exit`` ends any of them.
 
 A request travels flat, its fields beside the message's ``type`` (``{"type": "generate", "prompt": ...}``).
 The batch and serve messages say their concurrency: the controller decides it (``PipelineConfig.concurrency``),
@@ -169,4 +171,54 @@ class Save(Message):
 
 TrainMessage = Resume | Step | Eval | Save
 
-MESSAGES: Registry[Message] = Registry(Generate, Batch, Serve, Submit, Cancel, Exit, Resume, Step, Eval, Save)
+
+# --- mlxpipe doctor --links: a links job's rank (``worker.links``), one measurement at a time --------------------
+
+
+@dataclass(frozen=True)
+class MeasureHost(Message):
+    """Rank ``rank`` measures its machine (memory bandwidth, matrix throughput; with ``calibrate``, real
+    transformer layers too) and says ``host_measured``; the others wait on their standard input, idle. A CPU
+    that ``share`` ranks of the job share is measured on its share of the cores, as each of them will run."""
+
+    TAG = "measure_host"
+    rank: int
+    calibrate: bool = False
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        at_least(self.share, 1, "share")
+
+
+@dataclass(frozen=True)
+class MeasureLink(Message):
+    """Ring neighbours ``a`` and ``b`` time ``rounds`` round trips of a small message, then ``large`` bytes one
+    way (the best of 3); ``a`` says ``link_measured``. The others wait, idle."""
+
+    TAG = "measure_link"
+    a: int
+    b: int
+    rounds: int
+    large: int
+
+    def __post_init__(self) -> None:
+        at_least(self.rounds, 1, "rounds")
+        at_least(self.large, 1, "large")
+
+
+@dataclass(frozen=True)
+class MeasureCollective(Message):
+    """Every rank: ``rounds`` small all-reduces on the CPU stream (the engine's per-tick collective); rank 0 says
+    ``collective_measured``."""
+
+    TAG = "measure_collective"
+    rounds: int
+
+    def __post_init__(self) -> None:
+        at_least(self.rounds, 1, "rounds")
+
+
+LinksMessage = MeasureHost | MeasureLink | MeasureCollective
+
+MESSAGES: Registry[Message] = Registry(Generate, Batch, Serve, Submit, Cancel, Exit, Resume, Step, Eval, Save,
+                                       MeasureHost, MeasureLink, MeasureCollective)

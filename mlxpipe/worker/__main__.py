@@ -1,4 +1,5 @@
-"""Entry point of a rank: ``python -m mlxpipe.worker --job <base64 JSON>``."""
+"""Entry point of a rank: ``python -m mlxpipe.worker --job <base64 JSON>``; a links job's rank (``mlxpipe doctor
+--links``): ``python -m mlxpipe.worker --links <ranks>``."""
 
 from __future__ import annotations
 
@@ -16,13 +17,20 @@ from mlxpipe.protocol.events import Error
 def main(argv: list[str] | None = None) -> int:
     """Run one rank until ``exit``; 0 on success, 1 after an ``error`` event."""
     parser = argparse.ArgumentParser(prog="python -m mlxpipe.worker")
-    parser.add_argument("--job", required=True, help="the JobSpec, as JobSpec.encode() writes it")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--job", help="the JobSpec, as JobSpec.encode() writes it")
+    what.add_argument("--links", type=int, metavar="RANKS", help="measure the job's hosts and links (worker.links)")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
         # Imported here so that an import failure is reported as an event too.
         from mlxpipe.protocol.job import JobSpec
 
+        if args.links is not None:
+            from mlxpipe.worker.links import main as links
+
+            links(args.links)
+            return 0
         if JobSpec.decode(args.job).train is not None:
             from mlxpipe.worker.train import run
         else:

@@ -390,7 +390,8 @@ def kv_shared_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_computed_split_keeps_kv_sharing_layers_on_one_rank(kv_shared_model: Path) -> None:
-    result = invoke("plan", "--model", str(kv_shared_model), "--hostfile", str(REPO / "hostfiles" / "local-3.json"))
+    result = invoke("plan", "--model", str(kv_shared_model), "--hostfile", str(REPO / "hostfiles" / "local-3.json"),
+                    "--strategy", "even")  # the balanced split weighs the full-attention layer 1 at a chat's context
     assert result.exit_code == 0, result.output
     # Even would cut at 2 and 4; the cut at 4 moves to 3.
     assert rows(result.stdout) == [
@@ -406,3 +407,70 @@ def test_a_split_that_cuts_kv_sharing_layers_is_refused(kv_shared_model: Path) -
         "error: --split 2,4 cuts layers 3-5, which share KV caches and must run on one rank"
     )
     assert "try --split 3,3" in result.stderr
+
+
+# --- --layout auto: the layouts weighed from the cluster's facts --------------------------------------------
+
+
+def _facts_beside(hostfile: Path, latency: float) -> None:
+    """Facts of a calibrated CPU on every host, links of ``latency``, written beside ``hostfile``."""
+    from mlxpipe.cluster.links import ring_pairs, write_facts
+    from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+
+    hosts = load_hostfile(hostfile).hosts
+    cal = Calibration(decode_bandwidth=4e9, prefill_flops=6e9, layer_overhead=1e-4, step_overhead=1e-4)
+    write_facts(ClusterFacts(
+        tuple(HostFacts(h.rank, h.ssh, "AMD EPYC", "cpu", 5e9, "measured", 3e9, cal) for h in hosts),
+        tuple(LinkFacts(p, latency, 2e9) for p in ring_pairs(len(hosts))), "ring", 2 * latency,
+        addresses=tuple((h.ssh, tuple(h.ips)) for h in hosts)), hostfile)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen2 whose layers outweigh the fixed costs of a decode step on a CPU (8 layers, hidden 512)."""
+    from fixtures.layouts import build_qwen2
+
+    return build_qwen2(tmp_path_factory.mktemp("wide") / "qwen2", 8)
+
+
+@pytest.mark.parametrize(("latency", "chosen"), [(5e-5, "tp 2"), (5e-3, "pipeline balanced/even 4,4")])
+def test_layout_auto_shows_every_layout_and_plans_the_fastest(wide: Path, tmp_path: Path, latency: float,
+                                                              chosen: str) -> None:
+    hostfile = tmp_path / "two.json"
+    hostfile.write_text(LOCAL_2.read_text())
+    _facts_beside(hostfile, latency)
+    result = invoke("plan", "--model", str(wide), "--hostfile", str(hostfile), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    layouts = data["layouts"]
+    assert (layouts["workload"], layouts["chosen"]) == ("chat", chosen)
+    assert {c["layout"] for c in layouts["candidates"]} == {"tp 2", "pipeline balanced 4,4"}
+    assert data["tp"] == (2 if chosen == "tp 2" else 1)
+    table = invoke("plan", "--model", str(wide), "--hostfile", str(hostfile))
+    assert table.exit_code == 0, table.output
+    assert "layouts for a chat turn (1,000-token prompt, 250 tokens out)" in table.stdout
+    assert f"layout: {chosen}: a chat turn (1,000-token prompt, 250 tokens out) is predicted to take" in \
+        " ".join(table.stdout.split())
+
+
+def test_layout_auto_without_facts_says_how_to_measure_them(wide: Path, tmp_path: Path) -> None:
+    hostfile = tmp_path / "two.json"
+    hostfile.write_text(LOCAL_2.read_text())
+    quiet = invoke("plan", "--model", str(wide), "--hostfile", str(hostfile), "--json")
+    assert "layout_note" not in json.loads(quiet.stdout)  # the default stays the pipeline it always was, quietly
+    asked = invoke("plan", "--model", str(wide), "--hostfile", str(hostfile), "--layout", "auto", "--json")
+    assert json.loads(asked.stdout)["layout_note"] == (
+        f"layout: a pipeline (no two.facts.json beside two.json: links not measured; `mlxpipe doctor --links "
+        f"--hostfile {hostfile}` measures them, then --layout auto weighs --tp too)")
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--layout", "auto", "--tp", "2"], "error: --layout auto chooses --tp and the split itself\n"
+                                        "hint: give --layout auto, or --tp / --split\n"),
+    (["--layout", "best"], "error: --layout 'best': use one of auto, pipeline\n"),
+    (["--workload", "chatty"], "error: --workload 'chatty': use one of chat, agent, batch\n"),
+])
+def test_layout_flags_are_refused_by_name(model: Path, args: list[str], error: str) -> None:
+    result = invoke("plan", "--model", str(model), *args)
+    assert result.exit_code == 2
+    assert result.stderr == error

@@ -237,3 +237,54 @@ def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
     assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
     assert "one machine" in links[0]["detail"]
+
+
+# --- the layout's check: predicted slower than fewer hosts ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fixtures.layouts import build_qwen2
+
+    return build_qwen2(tmp_path_factory.mktemp("doctor-layout") / "qwen2", 8)
+
+
+@pytest.mark.parametrize(("latency", "status"), [(50e-6, "ok"), (50e-3, "warn")])
+def test_a_layout_slower_than_fewer_hosts_is_warned_with_both_figures(wide_model: Path, tmp_path: Path,
+                                                                       latency: float, status: str) -> None:
+    from mlxpipe.cluster.doctor import layout_checks
+    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
+    from tests.cli.test_plan import _facts_beside
+
+    hostfile = tmp_path / "two.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    _facts_beside(hostfile, latency)
+    target = resolve_target(str(wide_model), None, hostfile, None, None, None, None, "pipeline")
+    meta = load_model_metadata(target)
+    (check,) = layout_checks(target, meta, plan_target(target, meta))
+    assert (check.check, check.status, check.ranks) == ("layout", status, (0, 1))
+    if status == "ok":
+        assert check.detail.endswith("no layout on fewer of these hosts is predicted faster")
+        return
+    # 50 ms links: a pipeline token pays a hop and two collectives of 100 ms; one host pays none.
+    assert check.detail.startswith("predicted slower than fewer hosts: pipeline balanced 4,4 on 2 hosts: ")
+    assert "; 1 host on the first 1 (127.0.0.1): " in check.detail and "tok/s decode" in check.detail
+    assert check.fix == ("run on 127.0.0.1 alone (a hostfile of it), or see `mlxpipe plan --layout auto` for a "
+                         "faster layout of every host")
+
+
+def test_no_layout_check_without_facts(wide_model: Path, tmp_path: Path) -> None:
+    from mlxpipe.cluster.doctor import layout_checks
+    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
+
+    hostfile = tmp_path / "two.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    target = resolve_target(str(wide_model), None, hostfile, None, None, None, None, "pipeline")
+    meta = load_model_metadata(target)
+    assert layout_checks(target, meta, plan_target(target, meta)) == []
+
+
+def test_calibrate_goes_with_links() -> None:
+    result = invoke("doctor", "--calibrate")
+    assert result.exit_code == 2
+    assert result.stderr == "error: --calibrate goes with --links\nhint: mlxpipe doctor --links --calibrate\n"

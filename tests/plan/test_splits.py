@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
+from mlxpipe.plan.layout import BATCH
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import (
+    PhaseCosts,
     balanced_split,
     choose_split,
     cut_group,
     even_split,
     layer_ranges,
     legal_split,
+    phase_split,
     proportional_split,
 )
 from tests.plan.test_shard import GEMMA3N, MB, T, _compositions, hosts, meta, uniform
@@ -128,19 +132,26 @@ def test_balanced_split_of_uniform_layers_without_a_head_is_even(size: int) -> N
 
 
 @pytest.mark.parametrize("head", ["lm_head", "model.embed_tokens"], ids=["own-head", "tied-embedding"])
-def test_balanced_plan_gives_rank_0_fewer_layers_for_the_vocabulary_head(head: str) -> None:
+def test_balanced_plan_weighs_the_vocabulary_head_by_the_phase_it_runs_in(head: str) -> None:
     tensors = [T(f"model.layers.{i}.mlp.down_proj.weight", MB, "w.safetensors") for i in range(30)]
     tensors.append(T(f"{head}.weight", 3 * MB, "w.safetensors"))
     if head == "lm_head":  # an untied model also has its embedding, which costs no work per token
         tensors.append(T("model.embed_tokens.weight", 3 * MB, "w.safetensors"))
+    # One chat at a time (the default): a prompt goes at the pace of its busiest stage, and the head runs once
+    # per prompt, so it barely counts: the layers split evenly, as for prefill they should.
     plan = make_plan(meta(tensors, 30), hosts(2), strategy="balanced")
-    # Rank 0: 13 layers + the head (3 layers' worth) = 16, rank 1: 17; 14 + 3 and 16 tie at 17,
-    # and of equal splits the first stage (rank 1) takes all it can.
-    assert (plan.strategy, plan.split) == ("balanced", (13, 17))
+    assert (plan.strategy, plan.split) == ("balanced", (15, 15))
     assert plan.notes[-1] == (
-        "balanced: each stage reads about the same weight bytes per token; rank 0 also runs the vocabulary head, "
-        "worth 3.0 layers."
+        "balanced, for a chat turn (1,000-token prompt, 250 tokens out): a prompt goes at the pace of its busiest "
+        "stage, so each stage gets about the same work per prompt token; rank 0's vocabulary head, worth 3.0 layers "
+        "in bytes, runs on every generated token but once per prompt."
     )
+    # Many requests at once: every stage is busy, and the head (3 layers' bytes, read on each of a request's 250
+    # generated tokens) weighs against the layers' work on its 1,000 prompt tokens too: rank 0 takes one layer
+    # fewer, where the decode-only balance of old took two (13, 17: see balanced_split below).
+    batch = make_plan(meta(tensors, 30), hosts(2), strategy="balanced", workload=BATCH)
+    assert batch.split == (14, 16)
+    assert balanced_split([MB] * 30, 3 * MB, 2) == [13, 17]
     assert make_plan(meta(tensors, 30), hosts(2), strategy="even").split == (15, 15)
 
 
@@ -206,10 +217,16 @@ def test_memory_split_every_rank_gets_a_layer_and_its_share() -> None:
     ],
 )
 def test_default_strategy(cluster: list[Host], strategy: str, split: list[int]) -> None:
-    work = ([1] * 12, 2)
+    work = _decode_only([1] * 12, 2, len(cluster))
     assert choose_split(None, None, 12, cluster, work) == (strategy, split)
     if strategy == "balanced":
         assert choose_split(None, None, 12, cluster) == ("even", even_split(12, len(cluster)))
+
+
+def _decode_only(layer_work: list[float], head: float, stages: int) -> PhaseCosts:
+    """Phase costs that weigh only generated tokens, many at once: the balance of each layer's work per token."""
+    return PhaseCosts(prefill=[[0.0] * len(layer_work)] * stages, decode=[list(layer_work)] * stages,
+                      head_prefill=0.0, head_decode=head, prompt=0, generated=1, concurrent=True)
 
 
 @pytest.mark.parametrize(
@@ -304,3 +321,53 @@ def test_no_split_keeps_the_group_whole() -> None:
         PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"
     ):
         make_plan(uniform(4, MB, **config), hosts(2), strategy="even")
+
+
+# --- The two-phase split: a request's prompt and its reply, both counted ---------------------------------
+
+
+def _phase_time(costs: PhaseCosts, split: Sequence[int]) -> float:
+    """What ``phase_split`` minimizes, computed the long way for ``split`` (rank order)."""
+    stages = []
+    for k, (s, e) in enumerate(layer_ranges(split)):
+        p = sum(costs.prefill[k][s:e]) + (costs.head_prefill if k == 0 else 0.0)
+        d = sum(costs.decode[k][s:e]) + (costs.head_decode if k == 0 else 0.0)
+        stages.append((p, d))
+    if costs.concurrent:
+        return max(costs.prompt * p + costs.generated * d for p, d in stages)
+    return costs.prompt * max(p for p, _ in stages) + costs.generated * sum(d for _, d in stages)
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "many-at-once"])
+def test_phase_split_is_the_least_time_of_all_splits(concurrent: bool) -> None:
+    rng = random.Random(31)
+    for _ in range(250):
+        n = rng.randint(1, 10)
+        size = rng.randint(1, min(n, 4))
+        # Each stage's hosts differ (their own costs per layer), as hosts of other chips do.
+        prefill = [[rng.choice([0.5, 1, 2, 7]) for _ in range(n)] for _ in range(size)]
+        decode = [[rng.choice([1, 3, 4, 20]) for _ in range(n)] for _ in range(size)]
+        costs = PhaseCosts(prefill, decode, head_prefill=rng.choice([0, 0.01]), head_decode=rng.choice([0, 5, 40]),
+                           prompt=rng.choice([10, 1000]), generated=rng.choice([1, 250]), concurrent=concurrent)
+        split = phase_split(costs, size)
+        assert sum(split) == n and len(split) == size and min(split) >= 1
+        least = min(_phase_time(costs, c) for c in _compositions(n, size))
+        assert _phase_time(costs, split) == pytest.approx(least), (costs, split)
+
+
+def test_one_stream_on_like_hosts_splits_by_prefill_alone_whatever_the_head() -> None:
+    # The issue's model: 12 like layers and a head worth 35 of them in bytes. One chat at a time: a prompt goes at
+    # its busiest stage's pace and every generated token crosses every stage anyway, so the even split is best.
+    costs = PhaseCosts([[1.0] * 12] * 2, [[1.0] * 12] * 2, head_prefill=35 / 1000, head_decode=35.0, prompt=1000,
+                       generated=250, concurrent=False)
+    assert phase_split(costs, 2) == [6, 6]
+    # Many at once: every stage is busy, and rank 0's share of each request includes the head on every token.
+    assert phase_split(replace(costs, concurrent=True), 2) == [2, 10]  # 1,250 x 2 + 8,785 vs 1,250 x 10
+    assert balanced_split([1] * 12, 35, 2) == [1, 11]  # the decode-only balance the issue measured
+
+
+def test_one_stream_moves_layers_to_the_host_that_decodes_them_faster() -> None:
+    # Host 1 (rank 1, the first layers) reads weights twice as fast: fewer seconds of decode per layer there.
+    costs = PhaseCosts([[1.0] * 8, [1.0] * 8], [[2.0] * 8, [1.0] * 8], 0.0, 0.0, prompt=1, generated=100,
+                       concurrent=False)
+    assert phase_split(costs, 2) == [1, 7]

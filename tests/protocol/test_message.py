@@ -32,6 +32,9 @@ SAMPLES: list[Wired] = [
     messages.Step(id=2, it=1, batch=[[1, 2, 3]], lengths=[[0, 3]], micro_batches=1, schedule="1f1b"),
     messages.Eval(id=3, it=None, what="test", batches=[([[1, 2]], [[0, 2]])]),
     messages.Save(id=4, it=1, checkpoint=True),
+    messages.MeasureHost(rank=1, calibrate=True, share=2),
+    messages.MeasureLink(a=0, b=1, rounds=200, large=1 << 24),
+    messages.MeasureCollective(rounds=100),
     events.Started(rank=1, pid=100, supervisor=99),
     events.Alive(rank=1),
     events.Exited(rank=1, returncode=-9, signal="SIGKILL", stopped=None, finished=False),
@@ -60,6 +63,14 @@ SAMPLES: list[Wired] = [
     events.TrainDone(id=2, kind="step", rank=0, seconds=0.5, peak_memory=0.5, host="h", it=1, compute_seconds=0.4,
                      loss=2.5, ntoks=30, learning_rate=1e-5),
     events.Adapter(id=4, rank=0, data="AAAA"),
+    events.Joined(rank=1, host="h"),
+    events.HostMeasured(rank=0, host="h", chip="Apple M2 Ultra", performance_cores=16, device="gpu",
+                        memory_bandwidth=6.5e11, compute=2e13, dtype="float16",
+                        calibration={"decode_bandwidth": 5e11, "prefill_flops": 1.5e13, "layer_overhead": 5e-5,
+                                     "step_overhead": 1e-4}),
+    events.LinkMeasured(rank=0, peer=1, latency=4.8e-5, bandwidth=2.1e9, rounds=200, large=1 << 24,
+                        round_trips=[9e-5, 9.6e-5, 1.2e-4]),
+    events.CollectiveMeasured(rank=0, seconds=1.3e-4, rounds=100),
     download.FetchError(message="offline", hint="go online"),
     download.Check(present=["config.json"], missing=["model.safetensors"]),
     download.Fetching(bytes=1024),
@@ -68,8 +79,8 @@ SAMPLES: list[Wired] = [
                          present_files=("b",)),
     NodeExit(rank=1, line="Node with rank 1 exited with code 3", code=3),
 ]
-REGISTRIES: list[Registry[Any]] = [messages.MESSAGES, events.EVENTS, events.TRAIN_EVENTS, download.FETCH_EVENTS,
-                                   TRACKED]
+REGISTRIES: list[Registry[Any]] = [messages.MESSAGES, events.EVENTS, events.TRAIN_EVENTS, events.LINKS_EVENTS,
+                                   download.FETCH_EVENTS, TRACKED]
 
 
 def registry_of(sample: Wired) -> Registry[Any]:

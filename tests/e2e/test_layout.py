@@ -1,0 +1,134 @@
+"""Links measured by a real MLX job, and the cost model's order of layouts against the order measured on real ranks.
+
+* ``doctor --links`` on two local ranks writes the facts beside the hostfile, and ``plan`` weighs every
+  layout from them.
+* On the namespace hosts (``fixtures/cluster.py``), ``tc netem delay`` on one host's link shows in the
+  measured latency: half the round trip it adds, within 30%.
+* The order the cost model predicts is the order measured (``fixtures/layouts.py``; the machine calibrated
+  once per session): the pipeline against ``--tp 2`` in single-stream decode on the namespace hosts with
+  0 and 5 ms added each way (tensor parallelism pays two all-reduces per layer), and the even split against
+  the one ``--strategy balanced`` gives for ``--workload batch`` (the head weighed on every generated token)
+  in the prefill of a 600-token prompt on two local ranks. The margins are wide: these are the order, not
+  the figures, and other work shares this machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from fixtures.cluster import Cluster
+from fixtures.layouts import BIG_VOCABULARY, added_latency, build_qwen2, measure_layout, predict
+from mlxpipe.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+ADDED_MS = 4.0  # on one host's link: the round trip grows by it, the latency (half the round trip) by half
+
+
+def cli(*args: str) -> Any:
+    result = CliRunner().invoke(app, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def local_hostfile(dest: Path) -> Path:
+    path = dest / "local-2.json"
+    path.write_text((REPO / "hostfiles" / "local-2.json").read_text())
+    return path
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_qwen2(tmp_path_factory.mktemp("layout") / "qwen2-8", 8)
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """This machine's compute, calibrated once (a links job with --calibrate on two local ranks)."""
+    from mlxpipe.cluster.links import measure
+
+    facts = measure(local_hostfile(tmp_path_factory.mktemp("calibrate")), calibrate=True)
+    return facts.hosts[0].calibration
+
+
+# --- the links job -----------------------------------------------------------------------------------
+
+
+@pytest.mark.ranks
+def test_doctor_links_writes_the_facts_that_plan_weighs(wide: Path, tmp_path: Path) -> None:
+    hostfile = local_hostfile(tmp_path)
+    result = cli("doctor", "--links", "--hostfile", str(hostfile), "--json")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.stdout)["facts"]
+    assert json.loads((tmp_path / "local-2.facts.json").read_text()) == facts
+    (link,) = facts["links"]
+    assert link["ranks"] == [0, 1] and 1e-6 < link["latency"] < 0.01 and link["bandwidth"] > 1e7
+    assert 0 < facts["collective"] < 0.1
+    assert [h["memory_bandwidth_source"] for h in facts["hosts"]] == ["measured", "measured"]  # no Apple chip here
+    plan = cli("plan", "--model", str(wide), "--hostfile", str(hostfile), "--json")
+    assert plan.exit_code == 0, plan.output
+    assert {c["layout"] for c in json.loads(plan.stdout)["layouts"]["candidates"]} == {"tp 2",
+                                                                                      "pipeline balanced 4,4"}
+
+
+@pytest.mark.ranks
+@pytest.mark.cluster
+def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster) -> None:
+    from mlxpipe.cluster.links import measure
+
+    hostfile = cluster.hostfile(2)
+    before = measure(hostfile, rounds=50).links[0].latency
+    with added_latency([cluster.host(1).veth], ADDED_MS):
+        after = measure(hostfile, rounds=50).links[0].latency
+    assert after - before == pytest.approx(ADDED_MS / 2 * 1e-3, rel=0.3), (before, after)
+
+
+# --- the predicted order of layouts is the measured one --------------------------------------------------
+
+
+@pytest.mark.ranks
+@pytest.mark.cluster
+@pytest.mark.parametrize("milliseconds", [0, 5])
+def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wide: Path, calibration: Any,
+                                                           milliseconds: float) -> None:
+    from mlxpipe.cluster.links import measure, write_facts
+
+    hostfile = cluster.hostfile(2)
+    with added_latency([cluster.host(0).veth, cluster.host(1).veth], milliseconds):
+        facts = measure(hostfile).with_calibration(calibration)
+        write_facts(facts, hostfile)
+        measured, predicted = {}, {}
+        for tp in (1, 2):
+            m = measure_layout(wide, hostfile, tp=tp, figures=("decode",), runs=2, decode_tokens=24, pin=True)
+            measured[tp] = m.decode
+            predicted[tp] = predict(wide, hostfile, m.split, tp=tp, facts=facts).decode
+            cluster.kill_leftovers()
+    order = sorted(measured, key=measured.__getitem__)
+    assert sorted(predicted, key=predicted.__getitem__) == order, (predicted, measured)
+    assert order[-1] == (2 if milliseconds == 0 else 1), (predicted, measured)  # tp wins on fast links only
+
+
+@pytest.mark.ranks
+def test_even_against_balanced_for_a_batch_in_the_predicted_prefill_order(tmp_path: Path, calibration: Any) -> None:
+    from mlxpipe.cluster.links import measure, write_facts
+
+    model = build_qwen2(tmp_path / "qwen2-vocab", 12, BIG_VOCABULARY)
+    hostfile = local_hostfile(tmp_path)
+    facts = measure(hostfile).with_calibration(calibration)
+    write_facts(facts, hostfile)
+    measured, predicted, splits = {}, {}, {}
+    for strategy, workload in (("even", None), ("balanced", "batch")):
+        m = measure_layout(model, hostfile, strategy=strategy, workload=workload, figures=("prefill",), runs=2,
+                           pin=True)
+        splits[strategy], measured[strategy] = m.split, m.prefill
+        predicted[strategy] = predict(model, hostfile, m.split, facts=facts).prefill
+    # Many requests at once, the head (~35 layers in bytes, read every generated token) takes rank 0's place:
+    # the first stage gets nearly every layer, and a long prompt goes at its pace.
+    assert splits["even"] == (6, 6) and splits["balanced"][0] < 4, splits
+    order = sorted(measured, key=measured.__getitem__)
+    assert sorted(predicted, key=predicted.__getitem__) == order == ["balanced", "even"], (predicted, measured)
