@@ -11,7 +11,7 @@ headers (``anthropic-version``, ``anthropic-beta``) change nothing here. Every r
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -27,11 +27,16 @@ from mlxpipe.serve.text import Delta, tool_calls
 
 DOOR = "anthropic"  # this door's name in the server's output and request log
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class AnthropicApi:
     """The Anthropic Messages endpoints over the request queue."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+    def __init__(
+        self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog
+    ) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
@@ -49,7 +54,9 @@ class AnthropicApi:
             return shapes.error_response(refused(self.log, request, DOOR, e))
         except ClientDisconnect:
             return gone(request)
-        return JSONResponse({"input_tokens": len(parsed.request.tokens)})
+        tokens = parsed.request.tokens
+        assert tokens is not None  # parse tokenizes the prompt
+        return JSONResponse({"input_tokens": len(tokens)})
 
     async def messages(self, request: Request) -> Response:
         try:

@@ -11,12 +11,12 @@ that request alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from mlxpipe.serve.anthropic_api import AnthropicApi
 from mlxpipe.serve.cluster_view import ClusterView, page_routes
@@ -27,8 +27,17 @@ from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_api import ResponsesApi
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
+
+class _Door(Protocol):
+    """What the app reads of an API door: its routes."""
+
+    def routes(self) -> list[Route]: ...
+
+
+def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog) -> Starlette:
     """The Starlette app serving ``queue``."""
 
     async def health(request: Request) -> Response:
@@ -44,9 +53,9 @@ def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log
         error = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
         return error_response(refused(log, request, "http", error))
 
-    doors = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
+    doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
-    routes = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
+    routes: list[BaseRoute] = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
     view = ClusterView(queue, log, settings.model_id)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)

@@ -13,12 +13,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # options field -> Request field.
 _OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -46,14 +49,14 @@ def served_name(settings: ServerSettings) -> str:
 def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
     """The model named (Ollama's clients add ``:latest``), which must be one this server answers to
     (``ServerSettings.answers_to``); 404 otherwise."""
-    model = field(body, "model", str, settings.model_id)
+    model: str = field(body, "model", str, settings.model_id)
     if not settings.answers_to(model.removesuffix(":latest")):
         raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r} "
                             "(--served-model-name adds names, --any-model-name takes any)", param="model")
     return model
 
 
-def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
     """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     model = check_model(body, settings)

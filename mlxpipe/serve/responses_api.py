@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -31,11 +31,14 @@ from mlxpipe.serve.text import Delta, tool_calls
 
 DOOR = "responses"  # this door's name in the server's output and request log
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class ResponsesApi:
     """The Responses endpoints over the request queue, with their store."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog,
+    def __init__(self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog,
                  store: ResponseStore | None = None) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         self.store = store or ResponseStore()
