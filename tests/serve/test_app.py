@@ -314,3 +314,26 @@ def test_a_prompt_over_the_context_is_a_400_with_both_counts_in_each_door_s_shap
     assert words in message, message
     counts = [int(n) for n in re.findall(r"\d+", message)]
     assert 64 in counts and any(n > 64 for n in counts), message  # both counts: the context, and the prompt's
+
+
+class BrokenQueue(ScriptedQueue):
+    """A queue with a bug: its ``submit`` raises what no door expects."""
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Stream:
+        raise RuntimeError("a bug in the queue")
+
+
+def test_a_bug_in_the_server_is_a_500_and_one_line_too(demo_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = load_tokenizer(demo_model)
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
+    log = RequestLog()
+    app = build_app(BrokenQueue(tokenizer, "Paris."), tokenizer, settings, log)  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        capsys.readouterr()
+        response = client.post("/v1/chat/completions", headers=_AUTH,
+                               json={"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "the server failed: RuntimeError: a bug in the queue"
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("refused ")]
+    assert line == "refused POST /v1/chat/completions (http): 500: the server failed: RuntimeError: a bug in the queue"
+    assert log.figures()[0][0]["status"] == "500"
