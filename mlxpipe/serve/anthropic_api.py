@@ -25,10 +25,10 @@ from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
+DOOR = "anthropic"  # this door's name in the server's output and request log
+
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-DOOR = "anthropic"  # this door's name in the server's output and request log
 
 
 class AnthropicApi:

@@ -53,10 +53,17 @@ def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: Server
         error = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
         return error_response(refused(log, request, "http", error))
 
+    # A bug in the server (no door's refusal): one line and a record as well, so that a client's failure is never
+    # silent; Starlette still logs the traceback after this answer.
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        error = ApiError(500, f"the server failed: {type(exc).__name__}: {exc}", code="internal_error",
+                         kind="server_error")
+        return error_response(refused(log, request, "http", error))
+
     doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
     view = ClusterView(queue, log, settings.model_id)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: failed})

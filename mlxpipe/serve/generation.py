@@ -68,9 +68,10 @@ def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     """Where the reply's text starts, as ``mlx_lm.server`` decides it: in the model's reasoning when the prompt
     ends inside an open think block (templates that open one for the reply), or in the state the tokenizer's
     response format names; else in plain text."""
-    opened = (getattr(tokenizer, "has_thinking", False) and bool(prompt)
+    opened = (tokenizer.has_thinking and bool(prompt)
               and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt))
-    return getattr(tokenizer, "response_initial_state", None) or ("reasoning" if opened else "normal")
+    state: str = tokenizer.response_initial_state or ("reasoning" if opened else "normal")
+    return state
 
 
 class ReplyShapes(Protocol):

@@ -26,10 +26,10 @@ from mlxpipe.serve.openai_schemas import Parsed, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
+DOOR = "openai"  # this door's name in the server's output and request log
+
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-DOOR = "openai"  # this door's name in the server's output and request log
 
 
 class OpenAIApi:

@@ -29,10 +29,10 @@ from mlxpipe.serve.responses_schemas import Parsed, flat_name, parse
 from mlxpipe.serve.responses_store import ResponseStore
 from mlxpipe.serve.text import Delta, tool_calls
 
+DOOR = "responses"  # this door's name in the server's output and request log
+
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-DOOR = "responses"  # this door's name in the server's output and request log
 
 
 class ResponsesApi:

@@ -1,5 +1,6 @@
 """serve/app.py: the HTTP app over a scripted queue, in-process: the doors' routes behind the key, unknown routes,
-every refusal said in the server's output and the request log, the names the model answers to.
+every refusal said in the server's output and the request log, the names the model answers to, what agents
+send taken in every door, a prompt over the context in each door's words.
 
 (``/health`` asks the queue for more than the scripted queue has; a real server answers it in
 ``tests/e2e/test_serve_openai.py``.)
@@ -8,6 +9,7 @@ every refusal said in the server's output and the request log, the names the mod
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,3 +196,144 @@ def test_the_model_is_listed_under_each_name_and_answers_to_each(
                                                           "messages": [{"role": "user", "content": "Hi"}]})
     assert reply.status_code == 200
 
+
+
+# What coding agents add to a plain body in each door (Claude Code, Codex, and what OpenAI's and Ollama's clients
+# send): a system turn in mid-conversation, fields only the APIs' own servers act on, hosted tools, a reply longer
+# than the context leaves. Each is taken (200), not refused.
+_SYSTEM_LATE = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Capital of France?"}]
+_AGENT_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions?beta=true": {
+        "model": "scripted", "max_tokens": 64000, "messages": [{"role": "developer", "content": "Be brief."},
+                                                                *_SYSTEM_LATE],
+        "store": False, "metadata": {"session": "s1"}, "prompt_cache_key": "conv-1", "user": "me",
+        "service_tier": "auto", "parallel_tool_calls": True, "reasoning_effort": "low",
+        "tools": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
+                  {"type": "custom", "custom": {"name": "apply_patch"}}],
+        "web_search_options": {}},
+    "/v1/messages?beta=true": {
+        "model": "claude-haiku-4-5", "max_tokens": 32000, "stream": False,
+        "system": [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral",
+                                                                                                  "ttl": "1h"}}]},
+                     {"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Capital of France?"}],
+        "thinking": {"type": "adaptive"}, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+        "output_config": {"effort": "medium"}, "metadata": {"user_id": "u1"}, "service_tier": "auto",
+        "tools": [{"name": "Read", "description": "Read a file", "input_schema": {"type": "object"},
+                   "cache_control": {"type": "ephemeral"}},
+                  {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]},
+    "/v1/responses?beta=true": {
+        "model": "gpt-5-codex", "max_output_tokens": 64000, "instructions": "You are an agent.",
+        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                   "text": "Capital of France?"}]}],
+        "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "conv-1",
+        "client_metadata": {"x-codex-turn": "1"}, "metadata": {"session": "s1"}, "parallel_tool_calls": False,
+        "reasoning": {"effort": "low", "summary": "auto"}, "text": {"verbosity": "low"}, "stream": False,
+        "tools": [{"type": "function", "name": "shell_command", "parameters": {"type": "object"}},
+                  {"type": "namespace", "name": "mcp__fs", "tools": [
+                      {"type": "function", "name": "read", "parameters": {"type": "object"}}]},
+                  {"type": "web_search", "external_web_access": False}]},
+    "/api/chat?beta=true": {
+        "model": "anything:latest", "stream": False, "think": False, "keep_alive": "5m",
+        "options": {"num_predict": 64000, "num_ctx": 65536}, "messages": _SYSTEM_LATE},
+}
+
+
+@pytest.fixture(scope="module")
+def agents_app(demo_model: Path) -> Iterator[tuple[TestClient, ScriptedQueue]]:
+    """The scripted app as agents meet it: any model name answered (--any-model-name)."""
+    tokenizer = load_tokenizer(demo_model)
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096, any_model_name=True)
+    queue = ScriptedQueue(tokenizer, "Paris.")
+    with TestClient(build_app(queue, tokenizer, settings, RequestLog())) as client:  # type: ignore[arg-type]
+        yield client, queue
+
+
+@pytest.mark.parametrize("path", list(_AGENT_BODIES))
+def test_every_door_takes_what_agents_send(agents_app: tuple[TestClient, ScriptedQueue],
+                                           capsys: pytest.CaptureFixture[str], path: str) -> None:
+    client, queue = agents_app
+    capsys.readouterr()
+    response = client.post(path, json=_AGENT_BODIES[path], headers={**_AUTH, "x-api-key": KEY,
+                                                                    "anthropic-beta": "context-management-2025-06-27",
+                                                                    "anthropic-version": "2023-06-01"})
+    assert response.status_code == 200, response.text
+    assert "Paris." in response.text
+    sent = queue.requests[-1]
+    assert sent.tokens and sent.max_tokens == 4096 - len(sent.tokens)  # clamped to what the context leaves
+    shown = queue.tokenizer.decode(sent.tokens)
+    assert "Be brief." in shown and "Capital of France?" in shown  # the late system turn reached the template
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "tok/s" in line]
+    assert " -> " in line and ": what the context (4096) leaves" in line, line  # the clamp, said
+
+
+# A prompt over the context is a 400 in each door's own shape with both counts: the error agents act on (Claude Code
+# compacts on Anthropic's "prompt is too long").
+_LONG = "word " * 200
+_TOO_LONG: dict[str, tuple[dict[str, Any], str]] = {
+    "/v1/chat/completions": ({"max_tokens": 8, "messages": [{"role": "user", "content": _LONG}]},
+                             "maximum context length is 64 tokens. However, your messages resulted in"),
+    "/v1/completions": ({"max_tokens": 8, "prompt": _LONG}, "maximum context length is 64 tokens."),
+    "/v1/messages": ({"max_tokens": 8, "messages": [{"role": "user", "content": _LONG}]}, "prompt is too long: "),
+    "/v1/messages/count_tokens": ({"messages": [{"role": "user", "content": _LONG}]}, "prompt is too long: "),
+    "/v1/responses": ({"input": _LONG}, "maximum context length is 64 tokens."),
+    "/api/chat": ({"messages": [{"role": "user", "content": _LONG}], "stream": False},
+                  "maximum context length is 64 tokens."),
+    "/api/generate": ({"prompt": _LONG, "stream": False}, "maximum context length is 64 tokens."),
+}
+
+
+@pytest.fixture(scope="module")
+def narrow(demo_model: Path) -> Iterator[TestClient]:
+    tokenizer = load_tokenizer(demo_model)
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=64)
+    app = build_app(ScriptedQueue(tokenizer, "Paris."), tokenizer, settings, RequestLog())  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", list(_TOO_LONG))
+def test_a_prompt_over_the_context_is_a_400_with_both_counts_in_each_door_s_shape(narrow: TestClient,
+                                                                                 path: str) -> None:
+    body, words = _TOO_LONG[path]
+    response = narrow.post(path, json=body, headers={**_AUTH, "x-api-key": KEY})
+    assert response.status_code == 400, response.text
+    reply = response.json()
+    error = reply["error"]
+    if path.startswith("/api/"):  # Ollama's shape: the message alone
+        message = error
+    elif path.startswith("/v1/messages"):  # Anthropic's: the type, and the message
+        assert reply["type"] == "error" and error["type"] == "invalid_request_error"
+        message = error["message"]
+    else:  # OpenAI's: the message, its code and the field
+        assert error["code"] == "context_length_exceeded" and error["param"] in ("messages", "prompt", "input")
+        message = error["message"]
+    assert words in message, message
+    counts = [int(n) for n in re.findall(r"\d+", message)]
+    assert 64 in counts and any(n > 64 for n in counts), message  # both counts: the context, and the prompt's
+
+
+class BrokenQueue(ScriptedQueue):
+    """A queue with a bug: its ``submit`` raises what no door expects."""
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Stream:
+        raise RuntimeError("a bug in the queue")
+
+
+def test_a_bug_in_the_server_is_a_500_and_one_line_too(demo_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = load_tokenizer(demo_model)
+    settings = ServerSettings(model_id="scripted", api_key=KEY, context=4096)
+    log = RequestLog()
+    app = build_app(BrokenQueue(tokenizer, "Paris."), tokenizer, settings, log)  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        capsys.readouterr()
+        response = client.post("/v1/chat/completions", headers=_AUTH,
+                               json={"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "the server failed: RuntimeError: a bug in the queue"
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("refused ")]
+    assert line == "refused POST /v1/chat/completions (http): 500: the server failed: RuntimeError: a bug in the queue"
+    assert log.figures()[0][0]["status"] == "500"
