@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import tool_compile_error
 from mlxpipe.worker.tool_grammar import SUPPORTED, Markers, format_of, loosened, resolve
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 _FORMATS = ", ".join(SUPPORTED)
 
@@ -70,7 +73,7 @@ def checked_names(names: list[Any], tools: list[Any] | None, param: str) -> tupl
 
 
 def enforce(request: Request, tools: list[Any] | None, choice: Choice, parallel: bool,
-            strict: Collection[str], tokenizer: Any, settings: ServerSettings,
+            strict: Collection[str], tokenizer: TokenizerWrapper, settings: ServerSettings,
             notes: list[str] | None = None) -> Request:
     """``request`` (as the ranks run it: its prompt as tokens) with the tool calls its reply is held to; unchanged
     when there is nothing to hold (no tools, ``none``, or ``auto`` where no grammar can). Raises ``ApiError``."""
@@ -97,7 +100,7 @@ def enforce(request: Request, tools: list[Any] | None, choice: Choice, parallel:
     return replace(request, tool_calls=_held(calls, strict, tokenizer, list(request.tokens or ()), choice, notes))
 
 
-def _cannot(request: Request, tokenizer: Any, settings: ServerSettings) -> str | None:
+def _cannot(request: Request, tokenizer: TokenizerWrapper, settings: ServerSettings) -> str | None:
     """Why no grammar can hold this request's tool calls, or None."""
     if settings.draft_model:
         return "this server runs a draft model (--draft-model), whose sampling no grammar reaches; serve without one"
@@ -117,7 +120,7 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
 
 
-def _held(calls: ToolCalls, strict: Collection[str], tokenizer: Any, prompt: list[int], choice: Choice,
+def _held(calls: ToolCalls, strict: Collection[str], tokenizer: TokenizerWrapper, prompt: list[int], choice: Choice,
           notes: list[str] | None) -> ToolCalls:
     """``calls`` once its grammar compiles: a tool that is not strict and that the format cannot hold exactly is
     loosened; a strict one is a 400."""

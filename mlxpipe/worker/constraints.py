@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,9 +26,13 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import ToolCalls
 from mlxpipe.worker.tool_grammar import Inexpressible, Markers, format_of, grammar, starts_in_reasoning
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): llguidance's default allows any whitespace
 # between tokens, in which a small or unsure model can wander until max_tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_of(response_format: dict[str, Any]) -> Any:
@@ -46,7 +50,7 @@ def grammar_of(response_format: dict[str, Any]) -> str:
     return LLMatcher.grammar_from_json_schema(json.dumps(schema_of(response_format)), defaults=JSON_OPTIONS)
 
 
-def tool_grammar_of(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> str:
+def tool_grammar_of(calls: ToolCalls, tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     """The llguidance grammar of a request's ``tool_calls`` for mlx-lm's ``tokenizer`` (``prompt``: its token
     ids, which say whether the reply starts inside the model's reasoning); raises ``ValueError`` (``Inexpressible``
     naming a tool) when the model's format cannot hold it."""
@@ -58,7 +62,9 @@ def tool_grammar_of(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> str:
     return LLMatcher.grammar_from_lark(lark)
 
 
-def tool_compile_error(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> tuple[str | None, str] | None:
+def tool_compile_error(
+    calls: ToolCalls, tokenizer: TokenizerWrapper, prompt: list[int]
+) -> tuple[str | None, str] | None:
     """Why ``calls`` cannot be a grammar for this model: (the tool at fault, or None for the whole, the reason);
     None when it can. A JSON schema llguidance cannot compile is found tool by tool."""
     from llguidance import LLMatcher
@@ -79,7 +85,7 @@ def tool_compile_error(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> t
     return None, error
 
 
-def request_grammar(request: Request, tokenizer: Any) -> str:
+def request_grammar(request: Request, tokenizer: TokenizerWrapper) -> str:
     """The grammar of a constrained request (``Request.constrained``): its ``response_format``'s, else its tool
     calls'."""
     if request.response_format is not None:
@@ -101,14 +107,14 @@ def compile_error(response_format: dict[str, Any]) -> str | None:
 
 
 @lru_cache(maxsize=4)
-def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
+def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:  # transformers' tokenizer
     """llguidance's view of the tokenizer (about a second to build for a 50k vocabulary: built once)."""
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
-def warm(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+def warm(tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]) -> None:
     """Build llguidance's tokenizer ahead of the first constrained request (rank 0, when serving starts), so that
     request does not stall the pipeline for it."""
     _ll_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), vocab_size, tuple(sorted(eos_ids)))
@@ -117,7 +123,7 @@ def warm(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
 class Constraint:
     """One request's grammar state on the rank that samples: the mask before each token, the token after."""
 
-    def __init__(self, grammar: str, tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+    def __init__(self, grammar: str, tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]) -> None:
         from llguidance import LLMatcher
 
         hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF tokenizer
