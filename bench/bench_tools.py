@@ -1,6 +1,6 @@
 """The decode cost of enforced tool calls (issue 32): free decoding against the grammar engine, on 2 ranks.
 
-    python bench/bench_tools.py            # what `make bench` runs (a few minutes)
+    python bench/bench_tools.py            # what `make bench` runs (~9 minutes on a loaded 2-core CPU)
     python bench/bench_tools.py --quick    # smoke run: one short generation per mode
     python bench/bench_tools.py --runs 9 --max-tokens 160
 

@@ -9,7 +9,7 @@ Every door with tools reads its own spelling into a ``Choice`` and calls ``enfor
   out half-formed; ``parallel`` false: at most one.
 - a strict tool (``strict: true``): its arguments must validate against its schema, so a schema the format cannot
   hold is a 400 naming it; a tool that is not strict and cannot be held exactly is loosened (any arguments that
-  still parse), said in the request's notes.
+  still parse), with one warning line in the server's output naming it.
 
 A model whose tool-call format no grammar here writes (``worker.tool_grammar.SUPPORTED``), or a server with a draft
 model (whose sampling no grammar reaches), refuses what must be enforced (``required``, a named tool, a strict
@@ -20,13 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mlxpipe import console
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import tool_compile_error
 from mlxpipe.worker.tool_grammar import SUPPORTED, Markers, format_of, loosened, resolve
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 _FORMATS = ", ".join(SUPPORTED)
 
@@ -70,8 +74,7 @@ def checked_names(names: list[Any], tools: list[Any] | None, param: str) -> tupl
 
 
 def enforce(request: Request, tools: list[Any] | None, choice: Choice, parallel: bool,
-            strict: Collection[str], tokenizer: Any, settings: ServerSettings,
-            notes: list[str] | None = None) -> Request:
+            strict: Collection[str], tokenizer: TokenizerWrapper, settings: ServerSettings) -> Request:
     """``request`` (as the ranks run it: its prompt as tokens) with the tool calls its reply is held to; unchanged
     when there is nothing to hold (no tools, ``none``, or ``auto`` where no grammar can). Raises ``ApiError``."""
     if not tools or choice.mode == "none":
@@ -82,9 +85,7 @@ def enforce(request: Request, tools: list[Any] | None, choice: Choice, parallel:
         if must:
             param = choice.field if choice.mode == "required" else "tools"
             raise ApiError(400, f"'{param}' cannot be enforced: {why}", param=param)
-        if notes is not None:
-            notes.append(f"tool calls not held to a grammar: {why}")
-        return request
+        return request  # auto: the calls are the model's alone, as without a grammar
     wanted = set(choice.names) if choice.names is not None else None
     offered = [f for f in functions(tools) if wanted is None or f["name"] in wanted]
     if not offered:
@@ -94,10 +95,10 @@ def enforce(request: Request, tools: list[Any] | None, choice: Choice, parallel:
         return request
     calls = ToolCalls(str(format_of(tokenizer)), tuple(Tool(f["name"], _parameters(f)) for f in offered),
                       required=choice.mode == "required", parallel=parallel)
-    return replace(request, tool_calls=_held(calls, strict, tokenizer, list(request.tokens or ()), choice, notes))
+    return replace(request, tool_calls=_held(calls, strict, tokenizer, list(request.tokens or ()), choice, must))
 
 
-def _cannot(request: Request, tokenizer: Any, settings: ServerSettings) -> str | None:
+def _cannot(request: Request, tokenizer: TokenizerWrapper, settings: ServerSettings) -> str | None:
     """Why no grammar can hold this request's tool calls, or None."""
     if settings.draft_model:
         return "this server runs a draft model (--draft-model), whose sampling no grammar reaches; serve without one"
@@ -117,22 +118,28 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
 
 
-def _held(calls: ToolCalls, strict: Collection[str], tokenizer: Any, prompt: list[int], choice: Choice,
-          notes: list[str] | None) -> ToolCalls:
+def _held(calls: ToolCalls, strict: Collection[str], tokenizer: TokenizerWrapper, prompt: list[int],
+          choice: Choice, must: bool) -> ToolCalls | None:
     """``calls`` once its grammar compiles: a tool that is not strict and that the format cannot hold exactly is
-    loosened; a strict one is a 400."""
+    loosened; a strict one is a 400. A grammar that cannot compile as a whole is a 400 where the body ``must``
+    be held, and nothing held under ``auto`` (the calls are then the model's alone, as without a grammar)."""
     for _ in range(len(calls.tools) + 1):
         error = tool_compile_error(calls, tokenizer, prompt)
         if error is None:
             return calls
         tool, reason = error
         if tool is None:
+            if not must:
+                return None
             raise ApiError(400, f"'{choice.field}' cannot be enforced: {reason[:300]}", param=choice.field)
         if tool in strict:
             raise ApiError(400, f"'tools': the tool {tool!r} is strict, but its parameters cannot be held to its "
                                 f"schema in this model's tool-call format: {reason[:300]}", param="tools",
                            code="invalid_function_parameters")
-        if notes is not None:
-            notes.append(f"the tool {tool!r}'s arguments are held to parse, not to its schema: {reason[:200]}")
+        # The request goes on (the tool is not strict), but whoever runs the server can see why its calls may not
+        # validate.
+        console.warn(f"tools: the tool {tool!r}'s arguments are held to parse, not to its schema: {reason[:200]}")
         calls = loosened(calls, tool)
+    if not must:
+        return None
     raise ApiError(400, f"'{choice.field}' cannot be enforced", param=choice.field)

@@ -50,7 +50,7 @@ def grammar_of(response_format: dict[str, Any]) -> str:
     return LLMatcher.grammar_from_json_schema(json.dumps(schema_of(response_format)), defaults=JSON_OPTIONS)
 
 
-def tool_grammar_of(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> str:
+def tool_grammar_of(calls: ToolCalls, tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     """The llguidance grammar of a request's ``tool_calls`` for mlx-lm's ``tokenizer`` (``prompt``: its token
     ids, which say whether the reply starts inside the model's reasoning); raises ``ValueError`` (``Inexpressible``
     naming a tool) when the model's format cannot hold it."""
@@ -62,7 +62,9 @@ def tool_grammar_of(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> str:
     return LLMatcher.grammar_from_lark(lark)
 
 
-def tool_compile_error(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> tuple[str | None, str] | None:
+def tool_compile_error(
+    calls: ToolCalls, tokenizer: TokenizerWrapper, prompt: list[int]
+) -> tuple[str | None, str] | None:
     """Why ``calls`` cannot be a grammar for this model: (the tool at fault, or None for the whole, the reason);
     None when it can. A JSON schema llguidance cannot compile is found tool by tool."""
     from llguidance import LLMatcher
@@ -83,7 +85,7 @@ def tool_compile_error(calls: ToolCalls, tokenizer: Any, prompt: list[int]) -> t
     return None, error
 
 
-def request_grammar(request: Request, tokenizer: Any) -> str:
+def request_grammar(request: Request, tokenizer: TokenizerWrapper) -> str:
     """The grammar of a constrained request (``Request.constrained``): its ``response_format``'s, else its tool
     calls'."""
     if request.response_format is not None:

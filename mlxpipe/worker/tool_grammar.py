@@ -24,9 +24,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.tools import Tool, ToolCalls
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # JSON as chat templates write it (``tojson``: ", " and ": "), as structured output writes it too.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -64,7 +67,7 @@ class Markers:
     args_header: bool = False  # Mistral's template writes ``name[ARGS]{...}``, not a JSON list
 
     @classmethod
-    def of(cls, tokenizer: Any) -> Markers:
+    def of(cls, tokenizer: TokenizerWrapper) -> Markers:
         """The markers of mlx-lm's ``TokenizerWrapper``."""
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         # Every added token, special or not (Qwen's <tool_call> is not): llguidance never reads one as text.
@@ -93,7 +96,7 @@ class Markers:
         return sorted(i for t, i in self.specials.items() if i not in self.ends and t != self.start)
 
 
-def format_of(tokenizer: Any) -> str | None:
+def format_of(tokenizer: TokenizerWrapper) -> str | None:
     """The tool-call format of mlx-lm's tokenizer: its tool parser's module (``json_tools``...), None without one.
     A model whose response format routes its own tool calls (gpt-oss's channels) has none here either."""
     parser = getattr(tokenizer, "tool_parser", None)
@@ -105,7 +108,7 @@ def format_of(tokenizer: Any) -> str | None:
     return str(getattr(parser, "__module__", "")).rsplit(".", 1)[-1] or None
 
 
-def starts_in_reasoning(tokenizer: Any, tokens: list[int]) -> bool:
+def starts_in_reasoning(tokenizer: TokenizerWrapper, tokens: list[int]) -> bool:
     """Whether the reply starts inside the model's reasoning (the prompt opened a think block), as mlx-lm's server
     decides it."""
     if not getattr(tokenizer, "has_thinking", False) or not tokens:
