@@ -1,4 +1,5 @@
-"""Shared pytest set-up: every test runs with its own HOME and Hugging Face cache, seeded.
+"""Shared pytest set-up: every test runs with its own HOME and Hugging Face cache, seeded; mlxpipe's own files
+(run logs, the prompt cache on disk) go to a temp dir even from session fixtures.
 
 Fixtures that build expensive things (models, the fake hub, the test cluster)
 live in ``tests/fixtures/`` and are session-scoped; they are imported here. Sampling is seeded by
@@ -9,6 +10,7 @@ request to a local server that names none.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,16 @@ from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded
 from fixtures.serve_process import server  # noqa: F401
 from fixtures.tiny_models import tiny_models  # noqa: F401
 from fixtures.tool_model import tool_model  # noqa: F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_mlxpipe_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point MLXPIPE_HOME at a temp dir for the whole session: session and module fixtures start before
+    ``isolated_home``, and mlxpipe's own files (run logs, the prompt cache's disk tier) never land in ~/.cache."""
+    home = tmp_path_factory.mktemp("mlxpipe-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXPIPE_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(autouse=True)

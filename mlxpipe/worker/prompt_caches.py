@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
 
 from mlxpipe.protocol.job import JobSpec
@@ -40,8 +42,8 @@ class Found:
 class PromptCaches:
     """A rank's prompt cache tiers; ``fetch`` and ``keep`` run at the same tick on every rank."""
 
-    def __init__(self, model: Any, job: JobSpec, group: Any, memory: LRUPromptCache | None = None,
-                 disk: DiskCache | None = None, disk_tier: bool = False) -> None:
+    def __init__(self, model: nn.Module, job: JobSpec, group: mx.distributed.Group,
+                 memory: LRUPromptCache | None = None, disk: DiskCache | None = None, disk_tier: bool = False) -> None:
         """``disk_tier``: the ranks serve with a disk tier (each takes part in its agreements, ``disk`` None on a
         rank that could not open its folder)."""
         self.model, self.job, self.group = model, job, group
