@@ -44,7 +44,9 @@ def doctor(
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
     )] = None,
     backend: Backend = None,
-    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = DEFAULT_CONTEXT,
+    context: Annotated[int, typer.Option(
+        "--context", help="Context length (tokens) the memory check reserves KV cache for."
+    )] = DEFAULT_CONTEXT,
     links: Annotated[bool, typer.Option(
         "--links", help="Once every check passes, measure the links by a real MLX job over the hostfile's backend "
         "(each neighbour pair's latency and bandwidth, each machine's memory bandwidth and matrix throughput) and "
@@ -65,7 +67,7 @@ def doctor(
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
 
     Example: mlxpipe doctor --links --hostfile cluster.json
-    """
+    """  # noqa: E501 - the examples are one command line each, as the help prints them
     from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cli.render import doctor_table
     from mlxpipe.cluster.doctor import layout_checks, preflight
