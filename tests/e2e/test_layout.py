@@ -2,14 +2,14 @@
 
 * ``doctor --links`` on two local ranks writes the facts beside the hostfile, and ``plan`` weighs every
   layout from them.
-* On the namespace hosts (``fixtures/cluster.py``), ``tc netem delay`` on one host's link shows in the
-  measured latency: half the round trip it adds, within 30%.
+* On the namespace hosts (``fixtures/cluster.py``), a delay on one host's link (``tc netem delay``'s, done in
+  user space: this kernel has no netem; ``fixtures/delay_wire.py``) shows in the measured latency, within 30%.
 * The order the cost model predicts is the order measured (``fixtures/layouts.py``; the machine calibrated
   once per session): the pipeline against ``--tp 2`` in single-stream decode on the namespace hosts with
-  0 and 5 ms added each way (tensor parallelism pays two all-reduces per layer), and the even split against
-  the one ``--strategy balanced`` gives for ``--workload batch`` (the head weighed on every generated token)
-  in the prefill of a 600-token prompt on two local ranks. The margins are wide: these are the order, not
-  the figures, and other work shares this machine's cores.
+  0 and 5 ms added each way on one host's link (tensor parallelism pays two all-reduces per layer), and
+  the even split against the one ``--strategy balanced`` gives for ``--workload batch`` (the head weighed
+  on every generated token) in the prefill of a 600-token prompt on two local ranks. The margins are
+  wide: these are the order, not the figures, and other work shares this machine's cores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fixtures.layouts import BIG_VOCABULARY, added_latency, build_qwen2, measure
 from mlxpipe.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-ADDED_MS = 4.0  # on one host's link: the round trip grows by it, the latency (half the round trip) by half
+ADDED_MS = 4.0  # each way on one host's link: the round trip grows by twice it, the latency (half the round trip) by it
 
 
 def cli(*args: str) -> Any:
@@ -83,9 +83,9 @@ def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster)
 
     hostfile = cluster.hostfile(2)
     before = measure(hostfile, rounds=50).links[0].latency
-    with added_latency([cluster.host(1).veth], ADDED_MS):
+    with added_latency(cluster.bridge, [cluster.host(1).veth], ADDED_MS):
         after = measure(hostfile, rounds=50).links[0].latency
-    assert after - before == pytest.approx(ADDED_MS / 2 * 1e-3, rel=0.3), (before, after)
+    assert after - before == pytest.approx(ADDED_MS * 1e-3, rel=0.3), (before, after)
 
 
 # --- the predicted order of layouts is the measured one --------------------------------------------------
@@ -99,7 +99,7 @@ def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wid
     from mlxpipe.cluster.links import measure, write_facts
 
     hostfile = cluster.hostfile(2)
-    with added_latency([cluster.host(0).veth, cluster.host(1).veth], milliseconds):
+    with added_latency(cluster.bridge, [cluster.host(1).veth], milliseconds):
         facts = measure(hostfile).with_calibration(calibration)
         write_facts(facts, hostfile)
         measured, predicted = {}, {}
