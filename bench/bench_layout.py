@@ -139,7 +139,7 @@ def namespace_cases(tmp: Path, runs: int, calibration: Any) -> list[dict[str, An
     cases = []
     with locked("/tmp/mlxpipe-cluster.lock"), built_cluster(2) as cluster:
         os.environ["PATH"] = cluster.path_env()
-        hostfile = cluster.hostfile(2, backend="ring")
+        hostfile = cluster.hostfile(2, backend="ring", model_dir=lambda h: h.dir / "models")
         for ms in (0, 5):
             with added_latency(cluster.bridge, [cluster.host(1).veth], ms):
                 facts = measure_facts(hostfile, calibration)

@@ -81,10 +81,16 @@ def test_doctor_links_writes_the_facts_that_plan_weighs(wide: Path, tmp_path: Pa
 def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster) -> None:
     from mlxpipe.cluster.links import measure
 
-    hostfile = cluster.hostfile(2)
-    before = measure(hostfile, rounds=50).links[0].latency
+    hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
+
+    def latency() -> float:
+        # The least of two jobs' medians: on this shared machine a rank waits for a core now and then, which only
+        # ever adds to a round trip; the delay is there every time.
+        return min(measure(hostfile, rounds=50).links[0].latency for _ in range(2))
+
+    before = latency()
     with added_latency(cluster.bridge, [cluster.host(1).veth], ADDED_MS):
-        after = measure(hostfile, rounds=50).links[0].latency
+        after = latency()
     assert after - before == pytest.approx(ADDED_MS * 1e-3, rel=0.3), (before, after)
 
 
@@ -98,9 +104,12 @@ def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wid
                                                            milliseconds: float) -> None:
     from mlxpipe.cluster.links import measure, write_facts
 
-    hostfile = cluster.hostfile(2)
+    hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
     with added_latency(cluster.bridge, [cluster.host(1).veth], milliseconds):
-        facts = measure(hostfile).with_calibration(calibration)
+        # The facts of the less loaded of two links jobs: a wait for a core during one inflates the all-reduces
+        # that --tp 2 pays per layer (as in test_added_latency_on_a_link_shows_in_the_measured_latency).
+        facts = min((measure(hostfile) for _ in range(2)), key=lambda f: f.links[0].latency)
+        facts = facts.with_calibration(calibration)
         write_facts(facts, hostfile)
         measured, predicted = {}, {}
         for tp in (1, 2):
@@ -108,6 +117,7 @@ def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wid
             measured[tp] = m.decode
             predicted[tp] = predict(wide, hostfile, m.split, tp=tp, facts=facts).decode
             cluster.kill_leftovers()
+    print(f"+{milliseconds} ms, decode tok/s by --tp: predicted {predicted}, measured {measured}")
     order = sorted(measured, key=measured.__getitem__)
     assert sorted(predicted, key=predicted.__getitem__) == order, (predicted, measured)
     assert order[-1] == (2 if milliseconds == 0 else 1), (predicted, measured)  # tp wins on fast links only
@@ -127,6 +137,7 @@ def test_even_against_balanced_for_a_batch_in_the_predicted_prefill_order(tmp_pa
                            pin=True)
         splits[strategy], measured[strategy] = m.split, m.prefill
         predicted[strategy] = predict(model, hostfile, m.split, facts=facts).prefill
+    print(f"600-token prefill tok/s: splits {splits}, predicted {predicted}, measured {measured}")
     # Many requests at once, the head (~35 layers in bytes, read every generated token) takes rank 0's place:
     # the first stage gets nearly every layer, and a long prompt goes at its pace.
     assert splits["even"] == (6, 6) and splits["balanced"][0] < 4, splits
