@@ -16,8 +16,9 @@ Cases:
   the issue's 12-layer model with a 151,936-token vocabulary (its head worth ~35 layers in bytes), the
   600-token prompt under the even split and under the split `--strategy balanced` gives for
   `--workload batch` (which weighs the head on every generated token);
-* 2 namespace hosts (`tests/fixtures/cluster.py`, root only) with 0 and 5 ms added to each host's link
-  (`tc netem delay` on both: 5 ms more each way): the 8-layer model as a pipeline and as `--tp 2`.
+* 2 namespace hosts (`tests/fixtures/cluster.py`, root only) with 0 and 5 ms added each way on one host's
+  link (what `tc netem delay` would add; this machine's kernel has none, so `tests/fixtures/delay_wire.py`
+  does it in user space): the 8-layer model as a pipeline and as `--tp 2`.
 
 The measuring holds /tmp/mlxpipe-ranks.lock (and the cluster lock for the namespace hosts), so no other
 ranks share the two cores meanwhile.
@@ -138,9 +139,9 @@ def namespace_cases(tmp: Path, runs: int, calibration: Any) -> list[dict[str, An
     cases = []
     with locked("/tmp/mlxpipe-cluster.lock"), built_cluster(2) as cluster:
         os.environ["PATH"] = cluster.path_env()
-        hostfile = cluster.hostfile(2, backend="ring")
+        hostfile = cluster.hostfile(2, backend="ring", model_dir=lambda h: h.dir / "models")
         for ms in (0, 5):
-            with added_latency([cluster.host(0).veth, cluster.host(1).veth], ms):
+            with added_latency(cluster.bridge, [cluster.host(1).veth], ms):
                 facts = measure_facts(hostfile, calibration)
                 cases.append(run_case(f"2 namespace hosts, +{ms} ms each way", model, hostfile,
                                       [("pipeline", 1, None, None), ("--tp 2", 2, None, None)], FIGURES, runs, facts))

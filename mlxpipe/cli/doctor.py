@@ -67,7 +67,7 @@ def doctor(
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
 
     Example: mlxpipe doctor --links --hostfile cluster.json
-    """  # noqa: E501 - the example is one command line, as the help prints it
+    """  # noqa: E501 - the examples are one command line each, as the help prints them
     from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cli.render import doctor_table
     from mlxpipe.cluster.doctor import layout_checks, preflight

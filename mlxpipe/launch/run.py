@@ -20,7 +20,13 @@ from mlxpipe.cluster import storage
 from mlxpipe.cluster.hostfile import check_backend, check_port
 from mlxpipe.cluster.presets import pick
 from mlxpipe.cluster.target import Target, load_model_metadata, plan_target
-from mlxpipe.defaults import DEFAULT_BACKEND, DEFAULT_STEP_TIMEOUT, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
+from mlxpipe.defaults import (
+    DEFAULT_BACKEND,
+    DEFAULT_CONTEXT,
+    DEFAULT_STEP_TIMEOUT,
+    MLX_LM_PREFILL_STEP,
+    PIPELINE_PREFILL_STEP,
+)
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.launch.pipeline import WORKER, Pipeline, RankStats
 from mlxpipe.model.metadata import ModelMetadata
@@ -127,7 +133,7 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     target = config.target
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
         meta = load_model_metadata(target, progress=progress)
-    the_plan = plan_target(target, meta, **({"context": config.context} if config.context else {}))
+    the_plan = plan_target(target, meta, context=config.context or DEFAULT_CONTEXT)
     require_fit(the_plan)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=config.ring_port(), backend=config.chosen_backend))

@@ -38,9 +38,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any
 
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
 from mlxpipe.model.facts import CONFIG_DTYPE_BYTES, DTYPE_BYTES, layer_windows

@@ -2,14 +2,14 @@
 
 * ``doctor --links`` on two local ranks writes the facts beside the hostfile, and ``plan`` weighs every
   layout from them.
-* On the namespace hosts (``fixtures/cluster.py``), ``tc netem delay`` on one host's link shows in the
-  measured latency: half the round trip it adds, within 30%.
+* On the namespace hosts (``fixtures/cluster.py``), a delay on one host's link (``tc netem delay``'s, done in
+  user space: this kernel has no netem; ``fixtures/delay_wire.py``) shows in the measured latency, within 30%.
 * The order the cost model predicts is the order measured (``fixtures/layouts.py``; the machine calibrated
   once per session): the pipeline against ``--tp 2`` in single-stream decode on the namespace hosts with
-  0 and 5 ms added each way (tensor parallelism pays two all-reduces per layer), and the even split against
-  the one ``--strategy balanced`` gives for ``--workload batch`` (the head weighed on every generated token)
-  in the prefill of a 600-token prompt on two local ranks. The margins are wide: these are the order, not
-  the figures, and other work shares this machine's cores.
+  0 and 5 ms added each way on one host's link (tensor parallelism pays two all-reduces per layer), and
+  the even split against the one ``--strategy balanced`` gives for ``--workload batch`` (the head weighed
+  on every generated token) in the prefill of a 600-token prompt on two local ranks. The margins are
+  wide: these are the order, not the figures, and other work shares this machine's cores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fixtures.layouts import BIG_VOCABULARY, added_latency, build_qwen2, measure
 from mlxpipe.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-ADDED_MS = 4.0  # on one host's link: the round trip grows by it, the latency (half the round trip) by half
+ADDED_MS = 4.0  # each way on one host's link: the round trip grows by twice it, the latency (half the round trip) by it
 
 
 def cli(*args: str) -> Any:
@@ -81,11 +81,17 @@ def test_doctor_links_writes_the_facts_that_plan_weighs(wide: Path, tmp_path: Pa
 def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster) -> None:
     from mlxpipe.cluster.links import measure
 
-    hostfile = cluster.hostfile(2)
-    before = measure(hostfile, rounds=50).links[0].latency
-    with added_latency([cluster.host(1).veth], ADDED_MS):
-        after = measure(hostfile, rounds=50).links[0].latency
-    assert after - before == pytest.approx(ADDED_MS / 2 * 1e-3, rel=0.3), (before, after)
+    hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
+
+    def latency() -> float:
+        # The least of two jobs' medians: on this shared machine a rank waits for a core now and then, which only
+        # ever adds to a round trip; the delay is there every time.
+        return min(measure(hostfile, rounds=50).links[0].latency for _ in range(2))
+
+    before = latency()
+    with added_latency(cluster.bridge, [cluster.host(1).veth], ADDED_MS):
+        after = latency()
+    assert after - before == pytest.approx(ADDED_MS * 1e-3, rel=0.3), (before, after)
 
 
 # --- the predicted order of layouts is the measured one --------------------------------------------------
@@ -98,9 +104,12 @@ def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wid
                                                            milliseconds: float) -> None:
     from mlxpipe.cluster.links import measure, write_facts
 
-    hostfile = cluster.hostfile(2)
-    with added_latency([cluster.host(0).veth, cluster.host(1).veth], milliseconds):
-        facts = measure(hostfile).with_calibration(calibration)
+    hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
+    with added_latency(cluster.bridge, [cluster.host(1).veth], milliseconds):
+        # The facts of the less loaded of two links jobs: a wait for a core during one inflates the all-reduces
+        # that --tp 2 pays per layer (as in test_added_latency_on_a_link_shows_in_the_measured_latency).
+        facts = min((measure(hostfile) for _ in range(2)), key=lambda f: f.links[0].latency)
+        facts = facts.with_calibration(calibration)
         write_facts(facts, hostfile)
         measured, predicted = {}, {}
         for tp in (1, 2):
@@ -108,6 +117,7 @@ def test_pipeline_against_tp_decode_in_the_predicted_order(cluster: Cluster, wid
             measured[tp] = m.decode
             predicted[tp] = predict(wide, hostfile, m.split, tp=tp, facts=facts).decode
             cluster.kill_leftovers()
+    print(f"+{milliseconds} ms, decode tok/s by --tp: predicted {predicted}, measured {measured}")
     order = sorted(measured, key=measured.__getitem__)
     assert sorted(predicted, key=predicted.__getitem__) == order, (predicted, measured)
     assert order[-1] == (2 if milliseconds == 0 else 1), (predicted, measured)  # tp wins on fast links only
@@ -127,6 +137,7 @@ def test_even_against_balanced_for_a_batch_in_the_predicted_prefill_order(tmp_pa
                            pin=True)
         splits[strategy], measured[strategy] = m.split, m.prefill
         predicted[strategy] = predict(model, hostfile, m.split, facts=facts).prefill
+    print(f"600-token prefill tok/s: splits {splits}, predicted {predicted}, measured {measured}")
     # Many requests at once, the head (~35 layers in bytes, read every generated token) takes rank 0's place:
     # the first stage gets nearly every layer, and a long prompt goes at its pace.
     assert splits["even"] == (6, 6) and splits["balanced"][0] < 4, splits

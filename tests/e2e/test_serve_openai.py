@@ -400,7 +400,10 @@ def test_health_names_every_rank(server: ServeProcess, demo_model: Path) -> None
     assert [(r["rank"], r["layers"], r["state"]) for r in health["ranks"]] == [
         (r.rank, [r.start, r.end], "ready") for r in the_plan.ranks
     ]
-    assert the_plan.split == (8, 22)  # the default split counts rank 0's vocabulary head, worth 13 layers here
+    # The default split weighs both phases of a chat turn: rank 0's vocabulary head (worth 13 layers here) works
+    # once per generated token, the layers once per prompt token too (issue 31; it was (8, 22) when the head was
+    # weighed on every token).
+    assert the_plan.split == (15, 15)
 
 
 def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.OpenAI) -> None:

@@ -36,7 +36,8 @@ def cluster(links: list[tuple[float, float]], collective: float = 1 * MS, memory
     pairs = [(r, r + 1) for r in range(n - 1)] + ([(0, n - 1)] if n > 2 else [])
     facts = ClusterFacts(tuple(HostFacts(r, f"mac{r}", "Apple M4 Max", "gpu", 546e9, "apple", 17e12, MAC)
                                for r in range(n)),
-                         tuple(LinkFacts(p, lat, bw) for p, (lat, bw) in zip(pairs, links, strict=True)), "ring", collective)
+                         tuple(LinkFacts(p, lat, bw) for p, (lat, bw) in zip(pairs, links, strict=True)), "ring",
+                         collective)
     return hosts, facts
 
 
