@@ -95,7 +95,8 @@ def _single_process_main(model: str, runs: int, max_tokens: int, draft: str | No
 
 
 def _prompt_tokens(tokenizer: Any) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": PROMPT}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -129,7 +130,8 @@ def build_short_draft(model: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Pa
     weights: dict[str, Any] = {}
     for f in model.glob("*.safetensors"):
         weights.update(mx.load(str(f)))
-    kept = {k: v for k, v in weights.items() if not (".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= layers)}
+    kept = {k: v for k, v in weights.items()
+            if not (".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= layers)}
     mx.save_safetensors(str(dest / "model.safetensors"), kept, metadata={"format": "mlx"})
     config = json.loads((model / "config.json").read_text())
     (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))

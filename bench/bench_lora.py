@@ -60,7 +60,8 @@ def build(dest: Path) -> tuple[Path, Path]:
     data = dest / "data"
     data.mkdir()
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the", "rain"]
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the",
+             "rain"]
     for name, n in (("train", 64), ("valid", 8)):
         lines = []
         for _ in range(n):
@@ -181,7 +182,7 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
         estimate = training_memory(run.meta, run.plan, options, lora.longest_sequence(run.datasets.train))
         peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
         how = "naive" if micro == 1 else schedule
-        for m, r in zip(estimate, run.plan.ranks):
+        for m, r in zip(estimate, run.plan.ranks, strict=True):
             lines.append(f"| {how}, M = {micro} | {m.rank} | {r.start}-{r.end - 1} | {m.total_bytes / 1e6:.1f} MB | "
                          f"{peaks[m.rank] / 1e6:.1f} MB | {peaks[m.rank] / m.total_bytes:.2f} |")
     return "\n".join(lines)
@@ -189,7 +190,8 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
 
 def table(single: Row, small: Row, rows: list[Row]) -> str:
     naive = next(r.tps for r in rows if r.micro == 1)
-    lines = ["| setup | placement | M | trained tok/s | vs naive | vs single process |", "|---|---|---:|---:|---:|---:|",
+    lines = ["| setup | placement | M | trained tok/s | vs naive | vs single process |",
+             "|---|---|---:|---:|---:|---:|",
              f"| {single.how} | {placement(0)} | - | {single.tps:.1f} | - | 1.00x |",
              f"| {small.how} (M = 8's micro-batch alone) | {placement(0)} | - | {small.tps:.1f} | - | "
              f"{small.tps / single.tps:.2f}x |"]

@@ -124,7 +124,7 @@ def write_checkpoint(directory: Path) -> tuple[int, int]:
         shards[min(int(done / per_shard), NUM_SHARDS - 1)].append(t)
         done += nbytes(t)
     weight_map = {}
-    for name, specs in zip(files, shards):
+    for name, specs in zip(files, shards, strict=True):
         write_sparse_safetensors(directory / name, specs)
         weight_map.update({t[0]: name for t in specs})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

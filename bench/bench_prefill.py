@@ -36,7 +36,8 @@ QWEN2_PREFILL = {
 }
 QWEN2_LAYERS = 12
 LENGTHS = (600, 2000)
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "judge", "boxing", "matches"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly",
+         "judge", "boxing", "matches"]
 
 
 @dataclass(frozen=True)

@@ -617,8 +617,8 @@ def notes(args: argparse.Namespace, client: str, levels: list[Level], skipped: d
         f"(temperature 0), max_tokens {args.max_tokens}, fixed one-line prompts{prompt}, the chat template applied by "
         "the server; a different prompt for every request of the run so that no prompt-cache hit crosses levels; "
         "sent by K closed-loop clients (K = concurrency) with the "
-        f"{'`openai` package' if client == 'openai' else 'standard library (http.client)'}, stream_options.include_usage "
-        "for the token count.",
+        f"{'`openai` package' if client == 'openai' else 'standard library (http.client)'}, "
+        "stream_options.include_usage for the token count.",
         "- Aggregate tok/s = generated tokens of every request of the level / wall time of the level (first request "
         "sent to last stream closed, prefill included). TTFT = request sent to the first chunk carrying text, taken "
         "by the client (a byte-level random model may need a few tokens before it has text to send). "
@@ -627,11 +627,11 @@ def notes(args: argparse.Namespace, client: str, levels: list[Level], skipped: d
     if args.pin:
         lines.append(
             f"- Placement: the single-process server pinned to core {cores()[0]} (every thread); each rank of the "
-            "distributed servers (every process with that MLX_RANK under the server, every thread) pinned to its own core "
-            "once the server answered its warm-up request. mlx.launch reniced to 19 for mlx_lm.server's distributed modes "
-            "(mlxpipe renices its own); mlxpipe serve's controller process (its HTTP server) is left unpinned, "
-            "mlx_lm.server's HTTP server runs inside rank 0. MLX's ring backend busy-waits: a waiting rank burns its core, "
-            "and an idle mlx_lm.server --pipeline keeps both ranks busy polling for requests."
+            "distributed servers (every process with that MLX_RANK under the server, every thread) pinned to its own "
+            "core once the server answered its warm-up request. mlx.launch reniced to 19 for mlx_lm.server's "
+            "distributed modes (mlxpipe renices its own); mlxpipe serve's controller process (its HTTP server) is left "
+            "unpinned, mlx_lm.server's HTTP server runs inside rank 0. MLX's ring backend busy-waits: a waiting rank "
+            "burns its core, and an idle mlx_lm.server --pipeline keeps both ranks busy polling for requests."
         )
     else:
         lines.append("- Placement: nothing pinned (--no-pin), as a new user would run them.")
@@ -663,7 +663,8 @@ def signals_as_interrupts() -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 requests of 8 tokens at concurrency 1 and 2 (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 requests of 8 tokens at concurrency 1 and 2 (smoke run)")
     parser.add_argument("--requests", type=int, default=8, help="requests per concurrency level (default 8)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request (default 32)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=list(CONCURRENCY),

@@ -124,7 +124,9 @@ def pipeline_rows(model: Path, ranks: int, texts: list[str], max_tokens: int) ->
     return rows
 
 
-def split_rows(model: Path, texts: list[str], max_tokens: int, k: int = 2, runs: int = 3) -> list[tuple[str, list[int], list[float]]]:
+def split_rows(
+    model: Path, texts: list[str], max_tokens: int, k: int = 2, runs: int = 3
+) -> list[tuple[str, list[int], list[float]]]:
     """Overlapped K = 2 on 2 pinned ranks under the even and the balanced split: (strategy, split, tok/s per run)."""
     requests = _requests(texts, max_tokens)
     rows = []
@@ -223,8 +225,10 @@ def _single_process_batching_main(path: str) -> None:
         mx.eval(model(mx.array([[5]] * b), cache=c), [x.state for x in c])
         return time.perf_counter() - tic
 
-    setups = {1: cache(0), **{b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)))]
-                              for b in (2, 4, 8)}}
+    setups = {1: cache(0), **{
+        b: [layer[0].merge(list(layer)) for layer in zip(*(cache(i) for i in range(b)), strict=True)]
+        for b in (2, 4, 8)
+    }}
     best = {b: min(step(c, b) for _ in range(25)) for b, c in setups.items()}  # best of 25: least disturbed
     print(" | ".join(f"B = {b}: {best[1] * b / t:.2f}x" for b, t in best.items()))
     print(f"Why: one matmul of a 768 x 4864 weight on the same core costs {_matmul_rows()}")
@@ -256,7 +260,8 @@ def _matmul_rows() -> str:
 
 def decode_batching_table(rows: list[tuple[int, int, list[float], dict]]) -> str:
     unbatched = {c: statistics.median(t) for c, b, t, _ in rows if b == 1}
-    lines = ["| concurrency C | B | aggregate tok/s (median) | runs | vs B = 1 | busy rank 0 / rank 1 | hop 1->0 wait |",
+    lines = ["| concurrency C | B | aggregate tok/s (median) | runs | vs B = 1 | busy rank 0 / rank 1 "
+             "| hop 1->0 wait |",
              "|---:|---:|---:|---|---:|---|---:|"]
     for c, b, tps, spent in rows:
         med = statistics.median(tps)
@@ -272,7 +277,8 @@ def decode_batching_verdict(rows: list[tuple[int, int, list[float], dict]]) -> s
     if 1 not in at8 or len(at8) < 2:
         return ""
     ratio = max(v for b, v in at8.items() if b > 1) / at8[1]
-    return f"Goal (2 ranks, C = 8, batched >= {BATCH_GOAL}x B = 1): {ratio:.2f}x, {'met' if ratio >= BATCH_GOAL else 'NOT met'}."
+    met = "met" if ratio >= BATCH_GOAL else "NOT met"
+    return f"Goal (2 ranks, C = 8, batched >= {BATCH_GOAL}x B = 1): {ratio:.2f}x, {met}."
 
 
 def split_table(rows: list[tuple[str, list[int], list[float]]]) -> str:
@@ -288,7 +294,8 @@ def split_table(rows: list[tuple[str, list[int], list[float]]]) -> str:
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| ranks | placement (rank->core) | how | tokens | seconds | aggregate tok/s | vs single-stream pipeline | vs single process |",
+        "| ranks | placement (rank->core) | how | tokens | seconds | aggregate tok/s | vs single-stream pipeline "
+        "| vs single process |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     single = next(r.tps for r in rows if r.ranks == 0)

@@ -192,7 +192,8 @@ def main() -> None:
     for name, _, figures in rows[1:3]:
         print(f"| {name} | " + " | ".join(f"{figures[f'k{k}']:.2f}" for k in concurrency) + " |")
     print(f"\nMedian of {REPEATS} generations after a warm-up; ranks on loopback (ring), each pinned to a core "
-          f"of its own; {cpu_name()}, {os.cpu_count()} CPUs. Goal: --tp 2 >= 1.5x single process, ahead of mlx-lm's shard().")
+          f"of its own; {cpu_name()}, {os.cpu_count()} CPUs. "
+          "Goal: --tp 2 >= 1.5x single process, ahead of mlx-lm's shard().")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from mlxpipe.download.controller import HostReport, HostTask
 
 # Piped output is not squeezed into 80 columns: tables stay readable in logs.
 _PIPE_WIDTH = 132
@@ -72,8 +77,8 @@ class ProgressCallback:
     def __init__(self, description: str, enabled: bool = True) -> None:
         self.description = description
         self.enabled = enabled and err.is_terminal
-        self._progress: Any = None
-        self._task: Any = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> ProgressCallback:
         if self.enabled:
@@ -88,16 +93,18 @@ class ProgressCallback:
         return self
 
     def __call__(self, done: int, total: int) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=done, total=total)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
 
 
 @contextmanager
-def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[Any]:
+def download_progress(
+    tasks: Sequence[HostTask], enabled: bool = True
+) -> Iterator[Callable[[HostReport], None] | None]:
     """One Rich progress bar per host (bytes, rate, ETA); yields the update callback.
 
     A bar counts only what moves: files a host already holds shrink its total.
@@ -122,7 +129,7 @@ def download_progress(tasks: Sequence[Any], enabled: bool = True) -> Iterator[An
     )
     ids = {id(t): progress.add_task(t.label, total=t.total_bytes) for t in tasks}
 
-    def update(report: Any) -> None:
+    def update(report: HostReport) -> None:
         key = id(report.task)
         if key not in ids:
             ids[key] = progress.add_task(report.task.label, total=report.todo_bytes)

@@ -9,13 +9,16 @@ prompt becomes the same tokens wherever it is turned into them, and the same as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-def prompt_tokens(tokenizer: Any, request: Request, tools: list[Any] | None = None) -> list[int]:
+
+def prompt_tokens(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None = None) -> list[int]:
     """The request's prompt (``tokens``, ``prompt`` or ``messages``) as token ids, through the chat template if any."""
     if request.tokens is not None:
         return list(request.tokens)
@@ -29,6 +32,7 @@ def prompt_tokens(tokenizer: Any, request: Request, tools: list[Any] | None = No
             tokenizer.chat_template = default
     use_template = not request.ignore_chat_template and tokenizer.has_chat_template
     if messages is None and not use_template:
+        assert prompt is not None  # exactly one of the two, checked above
         # As stream_generate: no second BOS when the prompt brings one.
         bos = tokenizer.bos_token
         add_bos = bos is None or not prompt.startswith(bos)

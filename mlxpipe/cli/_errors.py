@@ -9,14 +9,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 import typer
 
 from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, UsageError
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEBUG_ENV = "MLXPIPE_DEBUG"
 
@@ -27,11 +28,11 @@ def set_debug(debug: bool) -> None:
         os.environ[DEBUG_ENV] = "1"
 
 
-def boundary(fn: F) -> F:
+def boundary(fn: Callable[P, R]) -> Callable[P, R]:
     """The one error boundary: known errors -> one line + hint + exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except MlxpipeError as e:
@@ -53,14 +54,14 @@ def boundary(fn: F) -> F:
             console.error("interrupted")
             raise typer.Exit(130) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
-def stop_on_signals(fn: F) -> F:
+def stop_on_signals(fn: Callable[P, R]) -> Callable[P, R]:
     """SIGINT, SIGTERM and SIGHUP stop every rank on the way out; exit 128 + the signal (130, 143, 129)."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         from mlxpipe.launch.ranks import Interrupted, interrupt_on_signals
 
         try:
@@ -70,4 +71,4 @@ def stop_on_signals(fn: F) -> F:
             console.error(f"interrupted by {e.name}")
             raise typer.Exit(e.exit_status) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper

@@ -15,6 +15,7 @@ from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 if TYPE_CHECKING:
+    from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import Target
     from mlxpipe.launch.run import PipelineConfig
 
@@ -52,7 +53,7 @@ class RequestFlags:
         the command hands them over at once, ``RequestFlags.of(locals())``)."""
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
-    def request(self, preset: Any) -> Request:
+    def request(self, preset: Preset) -> Request:
         """The generation options every request gets: the flags, then ``preset``'s, then mlx_lm.generate's
         defaults; a value out of range is refused naming its flag."""
         from mlxpipe.cluster.presets import pick

@@ -159,7 +159,8 @@ PrefillResponse = Annotated[str | None, typer.Option(
 # --- launching the pipeline ---------------------------------------------------------------
 
 Context = Annotated[int | None, typer.Option(
-    "--context", help="Context length (tokens): what the fit check reserves KV cache for.", show_default=str(DEFAULT_CONTEXT),
+    "--context", help="Context length (tokens): what the fit check reserves KV cache for.",
+    show_default=str(DEFAULT_CONTEXT),
 )]
 AdapterPath = Annotated[Path | None, typer.Option(
     "--adapter-path",

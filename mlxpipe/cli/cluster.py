@@ -14,9 +14,15 @@ from mlxpipe.cli._options import Json
 from mlxpipe.defaults import DEFAULT_DISCOVER_TIMEOUT, DEFAULT_HOSTFILE_OUT
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from rich.table import Table
+
     from mlxpipe.cluster.discover import Found
     from mlxpipe.cluster.init import Outcome
     from mlxpipe.cluster.install import Installed
+    from mlxpipe.cluster.survey import Machine
+    from mlxpipe.errors import SetupError
 
 app = typer.Typer(
     name="cluster",
@@ -125,7 +131,7 @@ def init(
     from mlxpipe.errors import UsageError
 
     names = list(hosts or [])
-    steps: list[Any] = []
+    steps: list[setup.Step] = []
     if discover:
         for f in _discover(interface, timeout, quiet=json_out):
             if f.ssh is None:
@@ -161,13 +167,13 @@ def init(
         raise typer.Exit(1)
 
 
-def _nothing() -> Any:
+def _nothing() -> AbstractContextManager[None]:
     import contextlib
 
     return contextlib.nullcontext()
 
 
-def _survey_line(host: str, result: Any) -> None:
+def _survey_line(host: str, result: Machine | SetupError) -> None:
     from mlxpipe.cluster.survey import Machine
 
     if isinstance(result, Machine):
@@ -186,7 +192,8 @@ def install(
     wheelhouse: Annotated[Path | None, typer.Option(
         "--wheelhouse", help="Install from these wheels only (a directory of .whl files for the hosts), never "
         "from a package registry.",
-        show_default="the hosts' registry, else this machine's own packages (or pip download here for another platform)",
+        show_default="the hosts' registry, else this machine's own packages "
+        "(or pip download here for another platform)",
     )] = None,
     json_out: Json = False,
 ) -> None:
@@ -239,7 +246,7 @@ def _line(text: str) -> None:
     console.out.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _machine_summary(m: Any) -> str:
+def _machine_summary(m: Machine) -> str:
     from mlxpipe.console import human_bytes
 
     parts = [m.chip or "chip unknown", human_bytes(m.memory_bytes) if m.memory_bytes else "memory unknown"]
@@ -250,7 +257,7 @@ def _machine_summary(m: Any) -> str:
     return ", ".join(parts)
 
 
-def _found_table(found: Sequence[Found]) -> Any:
+def _found_table(found: Sequence[Found]) -> Table:
     from rich.markup import escape
     from rich.table import Table
 
@@ -280,9 +287,9 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any) -> None:
         t = Table(title=f"backend {outcome.data['backend']}", title_justify="left")
         for name in ("rank", "host", "chip", "memory", "macOS", "free disk", "ips", "python"):
             t.add_column(name, overflow="fold", justify="right" if name in ("rank", "memory", "free disk") else "left")
-        for rank, (m, entry) in enumerate(zip(outcome.machines, outcome.data["hosts"])):
-            t.add_row(str(rank), escape(m.ssh), escape(m.chip or "-"), human_bytes(m.memory_bytes),
-                      m.macos or "-", human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
+        for rank, (m, entry) in enumerate(zip(outcome.machines, outcome.data["hosts"], strict=True)):
+            t.add_row(str(rank), escape(m.ssh), escape(m.chip or "-"), human_bytes(m.memory_bytes), m.macos or "-",
+                      human_bytes(m.disk_free), escape(", ".join(entry["ips"])), escape(entry["python"]))
         console.out.print(t)
     for note in outcome.notes:
         _line(note)

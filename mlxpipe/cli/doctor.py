@@ -28,7 +28,9 @@ def doctor(
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
     )] = None,
     backend: Backend = None,
-    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the memory check reserves KV cache for.")] = DEFAULT_CONTEXT,
+    context: Annotated[int, typer.Option(
+        "--context", help="Context length (tokens) the memory check reserves KV cache for."
+    )] = DEFAULT_CONTEXT,
     json_out: Json = False,
 ) -> None:
     """Check every host before a run: ssh, versions, ring ports; with --model, memory and disk; with --tp, links.
@@ -37,7 +39,7 @@ def doctor(
     check comes with its fix. Exit status 1 if any check fails.
 
     Example: mlxpipe doctor --hostfile hostfiles/mac-studio-2-thunderbolt.json --model mlx-community/Llama-3.3-70B-Instruct-4bit
-    """
+    """  # noqa: E501 - the example is one command line, as the help prints it
     from mlxpipe.cli.render import doctor_table
     from mlxpipe.cluster.doctor import preflight
     from mlxpipe.cluster.hostfile import check_backend, load_hostfile

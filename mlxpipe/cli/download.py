@@ -22,13 +22,17 @@ def download(
     rank: Annotated[int | None, typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
     )] = None,
-    local: Annotated[bool, typer.Option("--local", help="Alias of --rank for the first rank whose host is 127.0.0.1.")] = False,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Alias of --rank for the first rank whose host is 127.0.0.1."
+    )] = False,
     from_controller: Annotated[bool, typer.Option(
         "--from-controller",
         help="For hosts without internet: fetch on this machine, then send each host only its files over ssh "
         "(rsync, else scp). Also sends a local model directory.",
     )] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List each host's files and bytes; fetch nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="List each host's files and bytes; fetch nothing."
+    )] = False,
     json_out: Json = False,
 ) -> None:
     """Fetch on every host exactly the weight files its ranks need (plus config and tokenizer).
@@ -38,7 +42,7 @@ def download(
     Hosts without internet: --from-controller fetches here once and sends each host only its files.
 
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
-    """
+    """  # noqa: E501 - the example is one command line, as the help prints it
     from mlxpipe.cli.render import controller_line, download_table, tasks_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
     from mlxpipe.console import download_progress
@@ -55,7 +59,8 @@ def download(
     if rank is not None and not 0 <= rank < len(hosts):
         raise UsageError(f"--rank {rank}: the hostfile has ranks 0-{len(hosts) - 1}")
     if rank is not None and from_controller:
-        raise UsageError("--from-controller sends every host its files; --rank fetches one rank's here", "give one of them")
+        raise UsageError("--from-controller sends every host its files; --rank fetches one rank's here",
+                         "give one of them")
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, progress=progress)
     if not from_controller:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -54,6 +54,11 @@ from mlxpipe.cli._options import (
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+
+if TYPE_CHECKING:
+    from mlxpipe.launch.batch import RequestResult
+    from mlxpipe.launch.pipeline import Pipeline
+    from mlxpipe.launch.run import PipelineConfig
 
 Prompt = Annotated[str | None, typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
@@ -170,7 +175,7 @@ def generate(
         console.err.print(answer_table(answer))
 
 
-def _generate_batch(config: Any, defaults: Request, prompts_file: Path,
+def _generate_batch(config: PipelineConfig, defaults: Request, prompts_file: Path,
                     concurrency: int | None, output: Path | None, json_out: bool, decode_batch: int) -> None:
     """``generate --prompts-file``: every request overlapped; texts in input order, then the summary."""
     from mlxpipe.cli.render import batch_table
@@ -213,7 +218,7 @@ def _generate_batch(config: Any, defaults: Request, prompts_file: Path,
                             f"{result.failed[0].error}", "the others ran to their end; their results are kept")
 
 
-def _print_result(result: Any) -> None:
+def _print_result(result: RequestResult) -> None:
     console.out.rule(f"{result.id}", align="left")
     if result.error is not None:
         console.error(f"request {result.id} failed: {result.error}")
@@ -285,7 +290,7 @@ def chat(
         _chat_turns(pipe, options)
 
 
-def _chat_turns(pipe: Any, options: Request) -> None:
+def _chat_turns(pipe: Pipeline, options: Request) -> None:
     """Read a message, stream the reply, until an empty line or the end of the input."""
     import sys
 

@@ -29,25 +29,39 @@ def lora(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="Hub repo id or local directory.", show_default="the -c file's, else the demo model"
     )] = None,
-    train: Annotated[bool, typer.Option("--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead).")] = False,
+    train: Annotated[bool, typer.Option(
+        "--train", help="Train (mlx_lm.lora's flag; the -c file may set it instead)."
+    )] = False,
     data: Annotated[str | None, typer.Option(
         "--data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl): mlx_lm.lora's text, "
         "completions or chat formats.", show_default="data, or the -c file's",
     )] = None,
-    fine_tune_type: Annotated[str | None, typer.Option("--fine-tune-type", help="lora or dora.", show_default="lora")] = None,
+    fine_tune_type: Annotated[str | None, typer.Option(
+        "--fine-tune-type", help="lora or dora.", show_default="lora"
+    )] = None,
     optimizer: Annotated[str | None, typer.Option(
         "--optimizer", help="adam, adamw, muon, sgd or adafactor.", show_default="adam"
     )] = None,
     mask_prompt: Annotated[bool, typer.Option("--mask-prompt", help="Leave the prompt out of the loss.")] = False,
-    num_layers: Annotated[int | None, typer.Option("--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16")] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per step.", show_default="4")] = None,
+    num_layers: Annotated[int | None, typer.Option(
+        "--num-layers", help="Layers to fine-tune, from the last; -1 for all.", show_default="16"
+    )] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", help="Sequences per step.", show_default="4"
+    )] = None,
     iters: Annotated[int | None, typer.Option("--iters", help="Training steps.", show_default="1000")] = None,
     val_batches: Annotated[int | None, typer.Option(
         "--val-batches", help="Validation batches; -1 for the whole validation set.", show_default="25"
     )] = None,
-    learning_rate: Annotated[float | None, typer.Option("--learning-rate", help="Learning rate.", show_default="1e-5")] = None,
-    steps_per_report: Annotated[int | None, typer.Option("--steps-per-report", help="Steps between loss reports.", show_default="10")] = None,
-    steps_per_eval: Annotated[int | None, typer.Option("--steps-per-eval", help="Steps between validations.", show_default="200")] = None,
+    learning_rate: Annotated[float | None, typer.Option(
+        "--learning-rate", help="Learning rate.", show_default="1e-5"
+    )] = None,
+    steps_per_report: Annotated[int | None, typer.Option(
+        "--steps-per-report", help="Steps between loss reports.", show_default="10"
+    )] = None,
+    steps_per_eval: Annotated[int | None, typer.Option(
+        "--steps-per-eval", help="Steps between validations.", show_default="200"
+    )] = None,
     resume_adapter_file: Annotated[str | None, typer.Option(
         "--resume-adapter-file", help="Start from these adapter weights.", show_default="none"
     )] = None,
@@ -55,16 +69,26 @@ def lora(
         "--adapter-path", help="Where adapters.safetensors, adapter_config.json and checkpoints go (this machine).",
         show_default="adapters",
     )] = None,
-    save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints.", show_default="100")] = None,
+    save_every: Annotated[int | None, typer.Option(
+        "--save-every", help="Steps between checkpoints.", show_default="100"
+    )] = None,
     test: Annotated[bool, typer.Option("--test", help="Evaluate on test.jsonl after training.")] = False,
-    test_batches: Annotated[int | None, typer.Option("--test-batches", help="Test batches; -1 for all.", show_default="500")] = None,
-    max_seq_length: Annotated[int | None, typer.Option("--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048")] = None,
+    test_batches: Annotated[int | None, typer.Option(
+        "--test-batches", help="Test batches; -1 for all.", show_default="500"
+    )] = None,
+    max_seq_length: Annotated[int | None, typer.Option(
+        "--max-seq-length", help="Longest sequence; longer ones are cut.", show_default="2048"
+    )] = None,
     train_config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="mlx_lm.lora YAML file (lora_parameters, lr_schedule, ...); flags win over it.",
         show_default="none",
     )] = None,
-    grad_checkpoint: Annotated[bool, typer.Option("--grad-checkpoint", help="Recompute activations in the backward to save memory.")] = False,
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0")] = None,
+    grad_checkpoint: Annotated[bool, typer.Option(
+        "--grad-checkpoint", help="Recompute activations in the backward to save memory."
+    )] = False,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Seed of the LoRA initialisation and the batch order.", show_default="0"
+    )] = None,
     micro_batches: Annotated[int | None, typer.Option(
         "--micro-batches", help="Micro-batches per step, flowing through the stages one behind the other; "
         "gradients are accumulated, so the result equals one batch's.", show_default="1",
@@ -83,7 +107,9 @@ def lora(
     timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON object per line: every step, validation, checkpoint, then a summary.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per line: every step, validation, checkpoint, then a summary."
+    )] = False,
 ) -> None:
     """Fine-tune LoRA adapters with the model pipelined across the hosts (mlx_lm.lora's flags and data).
 

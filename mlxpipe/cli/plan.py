@@ -19,7 +19,9 @@ def plan(
     split: Split = None,
     tp: Tp = None,
     config: Config = None,
-    context: Annotated[int, typer.Option("--context", help="Context length (tokens) the fit check reserves KV cache for.")] = DEFAULT_CONTEXT,
+    context: Annotated[int, typer.Option(
+        "--context", help="Context length (tokens) the fit check reserves KV cache for."
+    )] = DEFAULT_CONTEXT,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-read metadata from the hub even if cached.")] = False,
     json_out: Json = False,
 ) -> None:
@@ -28,7 +30,7 @@ def plan(
     Reads only metadata (config, weight index, safetensors headers): no weights.
 
     Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
-    """
+    """  # noqa: E501 - the example is one command line, as the help prints it
     from mlxpipe.cli.render import plan_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 

@@ -66,7 +66,8 @@ def help_pages(width: int = WIDTH) -> dict[str, str]:
     )
     if done.returncode != 0:
         raise RuntimeError(f"rendering the help pages failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+    pages: dict[str, str] = json.loads(done.stdout)
+    return pages
 
 
 def _pages_here() -> dict[str, str]:

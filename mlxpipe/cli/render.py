@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -11,6 +11,14 @@ from rich.text import Text
 
 from mlxpipe.console import short_bytes
 from mlxpipe.plan.shard import Plan
+
+if TYPE_CHECKING:
+    from mlxpipe.cluster.doctor import CheckResult
+    from mlxpipe.download.controller import HostReport, HostTask
+    from mlxpipe.launch.batch import BatchResult
+    from mlxpipe.launch.pipeline import Answer
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.protocol.download import FetchResult
 
 
 def plan_table(plan: Plan) -> RenderableType:
@@ -38,7 +46,8 @@ def plan_table(plan: Plan) -> RenderableType:
         t.add_column("max ctx", justify="right", no_wrap=True)
     for r in plan.ranks:
         row = [
-            str(r.rank), *([f"{r.stage} · {r.tp_index}"] if plan.tp > 1 else []), r.host, f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
+            str(r.rank), *([f"{r.stage} · {r.tp_index}"] if plan.tp > 1 else []), r.host,
+            f"{r.start}-{r.end - 1} ({r.layers})", short_bytes(r.weight_bytes),
             f"{short_bytes(r.download_bytes)} in {len(r.files)}", short_bytes(r.kv_bytes_per_1k),
             f"{r.work_share:.0%}",
         ]
@@ -50,12 +59,13 @@ def plan_table(plan: Plan) -> RenderableType:
     return titled(title, t)
 
 
-def tasks_table(tasks: Sequence[Any], meta: Any) -> RenderableType:
+def tasks_table(tasks: Sequence[HostTask], meta: ModelMetadata) -> RenderableType:
     """``download --dry-run``: each host's files and bytes."""
     whole = sum(meta.file_sizes.values())
     title = f"{_model_title(meta)}: files per host"
     t = Table()
-    for name, justify in (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right")):
+    columns = (("host", "left"), ("ranks", "left"), ("files", "left"), ("bytes", "right"), ("of model", "right"))
+    for name, justify in columns:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for task in tasks:
         files = "\n".join(task.job.files)
@@ -64,7 +74,7 @@ def tasks_table(tasks: Sequence[Any], meta: Any) -> RenderableType:
     return titled(title, t)
 
 
-def download_table(reports: Sequence[Any], meta: Any) -> RenderableType:
+def download_table(reports: Sequence[HostReport], meta: ModelMetadata) -> RenderableType:
     """After ``download``: what each host holds, what this run moved to it, and how."""
     whole = sum(meta.file_sizes.values())
     title = _model_title(meta)
@@ -75,6 +85,7 @@ def download_table(reports: Sequence[Any], meta: Any) -> RenderableType:
         t.add_column(name, justify="left" if name in ("host", "ranks", "via", "path") else "right")
     for r in reports:
         res = r.result
+        assert res is not None  # a host without a result failed the download (_raise_first_failure)
         row = [
             r.task.host.ssh, _ranks(r.task.ranks), str(len(r.task.job.files)),
             short_bytes(res.fetched_bytes), short_bytes(res.present_bytes), short_bytes(whole),
@@ -84,7 +95,7 @@ def download_table(reports: Sequence[Any], meta: Any) -> RenderableType:
     return titled(title, t)
 
 
-def controller_line(result: Any) -> str:
+def controller_line(result: FetchResult) -> str:
     """``--from-controller``: what the controller took from the hub before sending."""
     return (
         f"controller: fetched {short_bytes(result.fetched_bytes)} from the hub "
@@ -97,7 +108,7 @@ def titled(title: str, table: Table) -> RenderableType:
     return Group(Text(title, style="bold"), table)
 
 
-def _model_title(meta: Any) -> str:
+def _model_title(meta: ModelMetadata) -> str:
     return f"{meta.source} @ {meta.commit[:12]}" if meta.commit else str(meta.source)
 
 
@@ -105,7 +116,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks)) or "-"
 
 
-def answer_table(answer: Any) -> RenderableType:
+def answer_table(answer: Answer) -> RenderableType:
     """The summary after a generation: speed overall and memory per rank."""
     ttft = "-" if answer.ttft is None else f"{answer.ttft:.2f} s"
     title = (
@@ -126,7 +137,7 @@ def answer_table(answer: Any) -> RenderableType:
     return titled(title, t)
 
 
-def batch_table(result: Any) -> RenderableType:
+def batch_table(result: BatchResult) -> RenderableType:
     """The summary after ``generate --prompts-file``: the batch's throughput, then each request."""
     title = (
         f"{len(result.results)} requests, {result.concurrency} at a time  ·  "
@@ -162,7 +173,7 @@ def time_table(report: dict[str, Any]) -> RenderableType | None:
 _STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 
 
-def doctor_table(results: Sequence[Any]) -> Table:
+def doctor_table(results: Sequence[CheckResult]) -> Table:
     """``mlxpipe doctor``: one row per check and host, with the fix for each failure."""
     from rich.markup import escape
 

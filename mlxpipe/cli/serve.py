@@ -82,7 +82,8 @@ DefaultMaxTokens = Annotated[int | None, typer.Option(
 )]
 ServeContext = Annotated[int | None, typer.Option(
     "--context", help="Context length (tokens): the fit check's KV reserve, and the longest prompt and "
-    "reply a request may make.", show_default=f"the model's max_position_embeddings; {DEFAULT_CONTEXT} for the fit check",
+    "reply a request may make.",
+    show_default=f"the model's max_position_embeddings; {DEFAULT_CONTEXT} for the fit check",
 )]
 ServeDraftModel = Annotated[str | None, typer.Option(
     "--draft-model",

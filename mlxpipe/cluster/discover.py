@@ -76,7 +76,8 @@ def interface_addresses(interface: str) -> list[str]:
 
 
 def browse(interface: str | None, timeout: float, on_seen: Callable[[str], None] | None = None) -> list[Advertised]:
-    """Listen ``timeout`` seconds for ``_ssh._tcp`` adverts (on ``interface``, else every interface), then resolve each."""
+    """Listen ``timeout`` seconds for ``_ssh._tcp`` adverts (on ``interface``, else every interface), then resolve
+    each."""
     from zeroconf import InterfaceChoice, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
     interfaces: Any = interface_addresses(interface) if interface else InterfaceChoice.All

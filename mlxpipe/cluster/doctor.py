@@ -160,7 +160,9 @@ def ring_ports(hostfile: Hostfile, base: int) -> list[tuple[int, str, int]]:
 # --- Probing -----------------------------------------------------------------------------
 
 
-def _probes(hostfile: Hostfile, plan: Plan | None, meta: ModelMetadata | None, port: int | None, backend: str) -> list[_Probe]:
+def _probes(
+    hostfile: Hostfile, plan: Plan | None, meta: ModelMetadata | None, port: int | None, backend: str
+) -> list[_Probe]:
     """One probe per (ssh destination, interpreter), with its ranks' ports and files."""
     groups: dict[tuple[str, str], list[Host]] = {}
     for h in hostfile.hosts:
@@ -208,7 +210,9 @@ def _run_probe(probe: _Probe) -> None:
 # --- Checks ------------------------------------------------------------------------------
 
 
-def _host_checks(p: _Probe, references: dict[str, tuple[str, list[str]]], *, all_local: bool, port: int | None, backend: str) -> list[CheckResult]:
+def _host_checks(
+    p: _Probe, references: dict[str, tuple[str, list[str]]], *, all_local: bool, port: int | None, backend: str
+) -> list[CheckResult]:
     ssh = _ssh_check(p)
     if ssh.failed:
         return [ssh]
@@ -275,7 +279,8 @@ def _version(p: _Probe, name: str) -> str | None:
         return None
     if name == "python":  # patch releases do not matter; the minor version does
         return ".".join(p.facts["python"].split(".")[:2])
-    return p.facts["versions"].get(name)
+    version: str | None = p.facts["versions"].get(name)  # the probe's JSON: a string, or null
+    return version
 
 
 def _versions_check(p: _Probe, references: dict[str, tuple[str, list[str]]]) -> CheckResult:
@@ -334,8 +339,8 @@ def tp_link_checks(hostfile: Hostfile, tp: int, backend: str) -> list[CheckResul
         else:
             status = WARN
             detail = (f"{label} spans {', '.join(machines)} over TCP ({backend} backend): a tensor-parallel "
-                      "group does two all-reduces per layer per token, so TCP latency (Ethernet, or IP over Thunderbolt) "
-                      "can make it slower than one machine")
+                      "group does two all-reduces per layer per token, so TCP latency (Ethernet, or IP over "
+                      "Thunderbolt) can make it slower than one machine")
             fix = ("link the group's Macs with Thunderbolt 5 and use JACCL (RDMA): "
                    "`mlx.distributed_config --backend jaccl --over thunderbolt` writes the hostfile; "
                    "or keep --tp groups on one machine and pipeline across the slower links")
@@ -370,7 +375,8 @@ def _measured(host: Host, facts: dict[str, Any]) -> Host:
 def _memory_check(p: _Probe, ranks: list[int], plan: Plan, measured: Plan, facts: dict[str, Any]) -> CheckResult:
     mine = [measured.ranks[r] for r in ranks]
     # budget - headroom = weights + runtime overhead + KV cache at the planned context.
-    need = sum(r.budget_bytes - r.headroom_bytes for r in mine if r.budget_bytes is not None and r.headroom_bytes is not None)
+    need = sum(r.budget_bytes - r.headroom_bytes for r in mine
+               if r.budget_bytes is not None and r.headroom_bytes is not None)
     budget, source = mine[0].budget_bytes or 0, _measured_source(facts)
     declared = plan.ranks[ranks[0]].budget_bytes
     host = p.hosts[0]

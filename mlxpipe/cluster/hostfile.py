@@ -147,7 +147,8 @@ def _read(path: Path) -> Any:
             return yaml.safe_load(text)
         return json.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise HostfileError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} ({_first_line(e)})") from None
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        raise HostfileError(f"{path}: not valid {kind} ({_first_line(e)})") from None
 
 
 def _first_line(e: Exception) -> str:

@@ -79,7 +79,7 @@ def survey_all(hosts: Sequence[str], on_done: Callable[[str, Machine | SetupErro
         results = list(pool.map(one, hosts))
     machines = [r for r in results if isinstance(r, Machine)]
     steps = [Step(name, f"{r.hint or r.message} ({r.message.split(': ', 1)[-1]})", blocking=True)
-             for name, r in zip(hosts, results) if isinstance(r, SetupError)]
+             for name, r in zip(hosts, results, strict=True) if isinstance(r, SetupError)]
     return machines, steps
 
 
@@ -184,14 +184,17 @@ def _rdma_steps(order: Sequence[Machine], cables: Sequence[thunderbolt.Cable], b
     return steps
 
 
-def _check_wired(order: list[Machine], wiring: thunderbolt.Wiring,
-                 resurvey: Callable[[Sequence[str]], tuple[list[Machine], list[Step]]]) -> tuple[list[Machine], list[Step]]:
+def _check_wired(
+    order: list[Machine],
+    wiring: thunderbolt.Wiring,
+    resurvey: Callable[[Sequence[str]], tuple[list[Machine], list[Step]]],
+) -> tuple[list[Machine], list[Step]]:
     """After a set-up MLX could only print: does each host hold its Thunderbolt addresses? If not, its commands."""
     machines, failed = resurvey([m.ssh for m in order])
     if failed:
         return order, failed
     steps = []
-    for m, wired in zip(machines, wiring.hosts):
+    for m, wired in zip(machines, wiring.hosts, strict=True):
         held = {str(a.ip) for i in m.interfaces for a in i.addresses}
         if set(wired["ips"]) <= held:
             continue

@@ -94,7 +94,8 @@ def parse_df(text: str) -> int | None:
 
 
 def parse_hardware_ports(text: str) -> dict[str, str]:
-    """``networksetup -listallhardwareports`` -> ``{device: port name}``: ``{"en0": "Ethernet", "en2": "Thunderbolt 1"}``."""
+    """``networksetup -listallhardwareports`` -> ``{device: port name}``, such as
+    ``{"en0": "Ethernet", "en2": "Thunderbolt 1"}``."""
     ports: dict[str, str] = {}
     port: str | None = None
     for line in text.splitlines():

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import yaml
 
 from mlxpipe.errors import ConfigError
 from mlxpipe.protocol.request import RequestError, check_fields
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,11 @@ def load_preset(path: str | Path | None) -> Preset:
     return Preset(**values)
 
 
-def pick(flag: Any, preset_value: Any, default: Any = None) -> Any:
+@overload
+def pick(flag: T | None, preset_value: T | None) -> T | None: ...
+@overload
+def pick(flag: T | None, preset_value: T | None, default: T) -> T: ...
+def pick(flag: T | None, preset_value: T | None, default: T | None = None) -> T | None:
     """Flag, then preset, then default."""
     if flag is not None:
         return flag

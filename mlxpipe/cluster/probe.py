@@ -3,7 +3,8 @@
 This file's source runs on each host as ``python -c <source> <json args>`` and prints one
 line, ``MLXPIPE-PROBE {json}``. It must not need mlxpipe (the host may lack it: that is what
 the doctor reports), so only the standard library, and syntax that old Pythons parse, so a
-wrong interpreter is reported, not a crash: no annotations, no f-strings.
+wrong interpreter is reported, not a crash: no annotations, no f-strings. Its types are in
+type comments, which the checker reads and every Python skips.
 """
 
 import json
@@ -14,15 +15,20 @@ import socket
 import subprocess
 import sys
 
+if False:  # the checker's imports (typing.TYPE_CHECKING, without importing typing on old Pythons)
+    from typing import Any, Callable, Dict, List, Optional  # noqa: F401
+
 MARK = "MLXPIPE-PROBE "
 
 
 def versions(packages):
+    # type: (List[str]) -> Dict[str, Optional[str]]
+    version = None  # type: Optional[Callable[[str], str]]
     try:
         from importlib.metadata import version
     except ImportError:
-        version = None
-    found = {}
+        pass
+    found = {}  # type: Dict[str, Optional[str]]
     for name in packages:
         try:
             found[name] = version(name) if version else None
@@ -32,6 +38,7 @@ def versions(packages):
 
 
 def mlx_device(out):
+    # type: (Dict[str, Any]) -> None
     try:
         import mlx.core as mx
         out["mlx_import"] = None
@@ -41,6 +48,7 @@ def mlx_device(out):
 
 
 def sysctl(name):
+    # type: (str) -> Optional[int]
     try:
         return int(subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip())
     except Exception:
@@ -48,6 +56,7 @@ def sysctl(name):
 
 
 def memory(out):
+    # type: (Dict[str, Any]) -> None
     if sys.platform == "darwin":
         out["memory_total"] = sysctl("hw.memsize")
         wired = sysctl("iogpu.wired_limit_mb")
@@ -62,6 +71,7 @@ def memory(out):
 
 
 def nearest(path):
+    # type: (str) -> str
     p = os.path.abspath(os.path.expanduser(path))
     while not os.path.exists(p):
         p = os.path.dirname(p)
@@ -69,7 +79,8 @@ def nearest(path):
 
 
 def disk(paths):
-    free = {}
+    # type: (List[str]) -> Dict[str, Optional[List[Any]]]
+    free = {}  # type: Dict[str, Optional[List[Any]]]
     for path in paths:
         try:
             where = nearest(path)
@@ -80,6 +91,7 @@ def disk(paths):
 
 
 def present(files_by_dir):
+    # type: (Dict[str, Dict[str, int]]) -> Dict[str, int]
     """Bytes of the listed files already on the host at their expected size, per directory."""
     found = {}
     for d, files in files_by_dir.items():
@@ -95,8 +107,9 @@ def present(files_by_dir):
 
 
 def ports(wanted):
+    # type: (List[List[Any]]) -> List[List[Any]]
     """[ip, port, None] for a port this host can bind, else [ip, port, why not]."""
-    result = []
+    result = []  # type: List[List[Any]]
     for ip, port in wanted:
         s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,8 +124,10 @@ def ports(wanted):
 
 
 def probe(args):
+    # type: (Dict[str, Any]) -> Dict[str, Any]
     out = {"python": platform.python_version(), "executable": sys.executable,
-           "system": platform.system(), "machine": platform.machine(), "versions": versions(args["packages"])}
+           "system": platform.system(), "machine": platform.machine(),
+           "versions": versions(args["packages"])}  # type: Dict[str, Any]
     mlx_device(out)
     memory(out)
     out["disk"] = disk(args["paths"])

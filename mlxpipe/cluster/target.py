@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from mlxpipe.cluster.presets import Preset, load_preset, pick
@@ -18,6 +19,9 @@ from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
+
+if TYPE_CHECKING:
+    from mlxpipe.hub.client import Progress
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def default_hostfile() -> Hostfile:
     return parse_hostfile([local, local], Path("<built-in local-2>"))
 
 
-def load_model_metadata(target: Target, *, refresh: bool = False, progress=None) -> ModelMetadata:
+def load_model_metadata(target: Target, *, refresh: bool = False, progress: Progress | None = None) -> ModelMetadata:
     """The target model's metadata, validated for pipelining."""
     from mlxpipe.hub.client import load_metadata
 

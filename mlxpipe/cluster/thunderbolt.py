@@ -165,7 +165,7 @@ def parse_setup(stdout: str) -> list[tuple[str, str]]:
         if line.startswith("Setup for ") and i + 1 < len(lines) and set(lines[i + 1].strip()) == {"="}:
             commands = []
             for follow in lines[i + 2:]:
-                if not follow.strip() or follow.startswith("Setup for ") or follow.startswith("Enter to continue"):
+                if not follow.strip() or follow.startswith(("Setup for ", "Enter to continue")):
                     break
                 commands.append(follow.strip())
             found.append((line[len("Setup for "):].strip(), " ; ".join(commands)))

@@ -123,7 +123,8 @@ def _editable_files(dist: metadata.Distribution) -> list[tuple[str, Path]]:
 
 
 def _installed_files(dist: metadata.Distribution) -> Iterator[tuple[str, Path]]:
-    """What an installed distribution put in site-packages (scripts outside it are remade by pip from its entry points)."""
+    """What an installed distribution put in site-packages (scripts outside it are remade by pip from its entry
+    points)."""
     for f in dist.files or []:
         rel = str(f)
         if rel.startswith("..") or "__pycache__" in f.parts or rel.endswith(".pyc") or ".dist-info/" in rel:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from mlxpipe.cluster import remote, storage
 from mlxpipe.download.fetch import FetchJob
@@ -401,7 +401,7 @@ def _blob_of(hub: Path, entry: str) -> str | None:
 # --- JSON for scripts ----------------------------------------------------------------------
 
 
-def tasks_json(meta: ModelMetadata, tasks: Sequence[HostTask]) -> dict:
+def tasks_json(meta: ModelMetadata, tasks: Sequence[HostTask]) -> dict[str, Any]:
     """``download --dry-run --json``: each host's files and bytes."""
     return {
         "model": meta.source, "commit": meta.commit, "model_bytes": sum(meta.file_sizes.values()),
@@ -412,9 +412,11 @@ def tasks_json(meta: ModelMetadata, tasks: Sequence[HostTask]) -> dict:
     }
 
 
-def reports_json(meta: ModelMetadata, reports: Sequence[HostReport], controller: HostReport | None = None) -> dict:
+def reports_json(
+    meta: ModelMetadata, reports: Sequence[HostReport], controller: HostReport | None = None
+) -> dict[str, Any]:
     """``download --json``: what each host holds, and what this run moved to it."""
-    def entry(r: HostReport) -> dict:
+    def entry(r: HostReport) -> dict[str, Any]:
         res = r.result
         assert res is not None
         return {

@@ -1,8 +1,9 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
-progress as events (``protocol.download``: mlxpipe is installed there, as on every rank); ``--check`` only reports which files are already
-there (``download --from-controller`` asks it before sending anything). Files
+progress as events (``protocol.download``: mlxpipe is installed there, as on every rank);
+``--check`` only reports which files are already there (``download --from-controller``
+asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
 ``local_dir``). huggingface_hub writes each file to a temporary name and
 renames it when complete, so an interrupted transfer never looks complete, and
@@ -178,8 +179,8 @@ def is_present(job: FetchJob, name: str) -> bool:
     if expected is not None and size != expected:
         return False
     sha = job.sha256.get(name)
-    if sha and not job.local_dir and path.is_symlink() and Path(os.readlink(path)).name != sha:
-        return False
+    if sha and not job.local_dir and path.is_symlink() and Path(os.readlink(path)).name != sha:  # noqa: SIM103
+        return False  # one refusal per test, as above
     return True
 
 
@@ -206,8 +207,8 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
         attempts += 1
         counted = [0]
 
-        def count(n: int) -> None:
-            counted[0] += n
+        def count(n: int) -> None:  # called within this attempt, never after it
+            counted[0] += n  # noqa: B023
             if on_bytes:
                 on_bytes(n)
 
@@ -336,7 +337,8 @@ def _progress_class(on_bytes: OnBytes | None) -> Any:
         def update(self, n: float | None = 1) -> bool | None:
             if on_bytes and n:
                 on_bytes(int(n))
-            return super().update(n)
+            done: bool | None = super().update(n)
+            return done
 
     return _Forward
 

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import HubError, HubUnreachable, ModelError
 from mlxpipe.hub.cache import hub_cache_dir, offline, repo_folder
@@ -38,6 +38,9 @@ from mlxpipe.model.metadata import (
     weight_map,
 )
 from mlxpipe.paths import mlxpipe_home, write_atomic
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 Progress = Callable[[int, int], None]  # (done, total)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -98,7 +101,7 @@ def request_timeout() -> float:
     return float(constants.HF_HUB_ETAG_TIMEOUT)
 
 
-def download_file(repo: str, filename: str, revision: str, **kwargs: Any) -> str:
+def download_file(repo: str, filename: str, revision: str | None, **kwargs: Any) -> str:
     """``hf_hub_download`` with a bounded wait when the hub is down.
 
     When a file is not cached and its first HEAD fails on the network or with a
@@ -115,7 +118,8 @@ def download_file(repo: str, filename: str, revision: str, **kwargs: Any) -> str
             return cached
     if not offline():
         get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision), timeout=request_timeout())
-    return hf_hub_download(repo, filename, revision=revision, etag_timeout=request_timeout(), **kwargs)
+    path: str = hf_hub_download(repo, filename, revision=revision, etag_timeout=request_timeout(), **kwargs)
+    return path
 
 
 def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata:
@@ -150,7 +154,9 @@ def _fetch(repo: str, revision: str, progress: Progress | None) -> ModelMetadata
     )
 
 
-def _fetch_headers(api: Any, repo: str, commit: str, files: list[str], progress: Progress | None) -> list[Tensor]:
+def _fetch_headers(
+    api: HfApi, repo: str, commit: str | None, files: list[str], progress: Progress | None
+) -> list[Tensor]:
     """Read every shard's header with Range requests, in parallel."""
     done = 0
 

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.timing import where_time_goes
@@ -26,6 +26,9 @@ from mlxpipe.paths import replacing
 from mlxpipe.protocol.checks import at_least
 from mlxpipe.protocol.events import Result
 from mlxpipe.protocol.request import Request, parse_logit_bias
+
+if TYPE_CHECKING:
+    from mlxpipe.launch.pipeline import RankStats
 
 
 def check_decode_batch(decode_batch: int) -> int:
@@ -95,7 +98,7 @@ class BatchResult:
     results: list[RequestResult]
     seconds: float  # rank 0's wall time for the whole batch
     concurrency: int
-    ranks: list[Any] = field(default_factory=list)  # generate.RankStats
+    ranks: list[RankStats] = field(default_factory=list)
     decode_batch: int = 1  # requests per decode micro-batch, as the ranks ran it
     time: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> engine.TimeSpent.report()
 
@@ -243,7 +246,7 @@ class ResultsFile:
         self.partial = path.with_name(path.name + ".partial")
         self.saved = 0
         try:
-            self._file = open(self.partial, "w", encoding="utf-8")
+            self._file = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - open until finish()
         except OSError as e:
             raise UsageError(f"--output {path}: cannot write {self.partial}: {e.strerror or e}") from e
 

@@ -38,7 +38,6 @@ import re
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Union
 
 from mlxpipe.protocol.message import Wire, tag_of
 from mlxpipe.protocol.wire import EVENT_PREFIX
@@ -50,7 +49,7 @@ _ORPHANS = 8  # unplaced pieces kept for a frame cut inside its header
 _HEADER_START = re.compile(r"#[-0-9:cn+.a-f]{0,40}")
 _HEADER_MAX = len(EVENT_PREFIX) + 50  # characters: a header is shorter
 
-Item = Union[Wire, str]  # an event, or a line of plain text
+Item = Wire | str  # an event, or a line of plain text
 
 
 def encode(event: Wire, rank: int, seq: int) -> list[str]:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import Hostfile
@@ -69,6 +69,9 @@ from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Log, rank_of
 from mlxpipe.protocol.message import Message, Wire, tag_of
 from mlxpipe.protocol.messages import Exit
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 # The lease follows the watchdog (--timeout), within these bounds.
 MIN_LEASE_SECONDS = 5.0
@@ -151,7 +154,7 @@ def free_port_base(count: int) -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + count < 65000 and all(_port_free(base + i) for i in range(count)):
             return base
     return DEFAULT_PORT
@@ -192,7 +195,7 @@ class Ranks:
         run_dir = self.spec.run_dir
         (run_dir / "hostfile.json").write_text(json.dumps(self.spec.hostfile.to_mlx_launch(), indent=2))
         (run_dir / "command.txt").write_text(shlex.join(self.argv) + "\n")
-        self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)
+        self._logs[None] = open(run_dir / RUN_LOG, "ab", buffering=0)  # noqa: SIM115 - open for the run
         self.tracker.started_at = time.monotonic()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # stdin must be a pipe: mlx.launch crashes when it is closed, and it broadcasts it to the ranks.
@@ -339,7 +342,8 @@ class Ranks:
         with self._log_lock:
             log = self._logs.get(rank)
             if log is None:
-                log = self._logs[rank] = open(self.rank_log(rank), "ab", buffering=0)  # type: ignore[arg-type]
+                path = self.spec.run_dir / RUN_LOG if rank is None else self.rank_log(rank)
+                log = self._logs[rank] = open(path, "ab", buffering=0)  # noqa: SIM115 - open for the run
             log.write(line.encode(errors="replace") + b"\n")
 
     def _write(self, data: bytes) -> None:
@@ -452,7 +456,7 @@ def interrupt_on_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM
         return
     fired: list[int] = []
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if not fired:
             fired.append(signum)
             raise Interrupted(signum)

@@ -10,10 +10,10 @@ this module runs it, and ``running_pipeline`` stops every rank on any way out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxpipe import console
 from mlxpipe.cluster import storage
@@ -28,6 +28,9 @@ from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol.checks import at_least, check_mode, positive
 from mlxpipe.protocol.job import JobSpec, TrainSpec
 from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, check_fields
+
+if TYPE_CHECKING:
+    from mlxpipe.download.controller import HostTask
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class PipelineConfig:
 
     @property
     def chosen_backend(self) -> str:
-        return pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
+        backend: str = pick(self.backend, self.target.preset.backend, self.target.hostfile.backend or DEFAULT_BACKEND)
+        return backend
 
     @property
     def stages(self) -> int:
@@ -225,7 +229,8 @@ def require_fit(the_plan: Plan) -> None:
     if the_plan.fits:
         return
     bad = next(r for r in the_plan.ranks if r.fits is False)
-    hint = f"try --split {','.join(map(str, the_plan.suggested_split))}" if the_plan.suggested_split else "see `mlxpipe plan`"
+    suggested = the_plan.suggested_split
+    hint = f"try --split {','.join(map(str, suggested))}" if suggested else "see `mlxpipe plan`"
     raise PlanError(f"rank {bad.rank} ({bad.host}) cannot hold layers {bad.start}-{bad.end - 1}", hint)
 
 
@@ -281,7 +286,7 @@ def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_contr
     _fetch(dl.host_tasks(the_plan, meta, hosts), meta, from_controller, quiet)
 
 
-def _fetch(tasks: Any, meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
+def _fetch(tasks: list[HostTask], meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
     """Each host fetches its task's files from the hub, or gets them from this machine."""
     from mlxpipe.download import controller as dl
 
@@ -301,6 +306,6 @@ def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool, tp: int = 1, 
     check(controller_model_dir(meta), mode=mode, trust_remote_code=trust, tp=tp, stages=stages)
 
 
-def _status(text: str, quiet: bool) -> Any:
+def _status(text: str, quiet: bool) -> AbstractContextManager[object]:
     return nullcontext() if quiet else console.err.status(text, spinner="dots")
 

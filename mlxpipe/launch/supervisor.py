@@ -24,13 +24,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from mlxpipe.errors import WireError
 from mlxpipe.launch import frames
 from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Alive, Bye, Error, Exited, Log, Started
 from mlxpipe.protocol.message import Event, Wire, tag_of
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 KILL_GRACE_SECONDS = 3.0
 HEARTBEAT_SECONDS = 1.0
@@ -102,7 +105,7 @@ class _Supervisor:
         except OSError:
             pass  # the controller is gone (a hung-up terminal): nobody to tell
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop_reason = self.stop_reason or signal.Signals(signum).name
         self._wake.set()
 

@@ -6,11 +6,16 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe import console
 from mlxpipe.console import human_bytes
 from mlxpipe.lora.run import Reporter, StepReport, TrainResult
+
+if TYPE_CHECKING:
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.plan.shard import Plan
+    from mlxpipe.plan.training import RankTrainingMemory
 
 
 class LoraReporter(Reporter):
@@ -18,13 +23,13 @@ class LoraReporter(Reporter):
 
     def __init__(self, json_out: bool) -> None:
         self.json_out = json_out
-        self.memory: dict[int, Any] = {}
+        self.memory: dict[int, RankTrainingMemory] = {}
 
     def _line(self, data: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(data, default=str) + "\n")
         sys.stdout.flush()
 
-    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None:
+    def plan(self, meta: ModelMetadata, the_plan: Plan, memory: list[RankTrainingMemory]) -> None:
         self.memory = {m.rank: m for m in memory}
         if self.json_out:
             self._line({"type": "plan", "split": list(the_plan.split), "ranks": [
@@ -35,7 +40,8 @@ class LoraReporter(Reporter):
         for r in the_plan.ranks:
             m = self.memory[r.rank]
             console.err.print(
-                f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}; training memory ~{human_bytes(m.total_bytes)}"
+                f"[dim]rank {r.rank} ({r.host}): layers {r.start}-{r.end - 1}; "
+                f"training memory ~{human_bytes(m.total_bytes)}"
                 f" = frozen {human_bytes(m.frozen_bytes)} + adapters, gradients, optimizer {human_bytes(m.lora_bytes)}"
                 f" + activations of {m.micro_batches_held} micro-batch(es) {human_bytes(m.activation_bytes)}[/]"
             )

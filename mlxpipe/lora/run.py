@@ -18,7 +18,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mlxpipe.errors import ConfigError, LaunchError, UsageError, WireError
 from mlxpipe.paths import replacing
@@ -30,8 +30,13 @@ from mlxpipe.protocol.messages import Eval, Resume, Save, Step, TrainMessage
 from mlxpipe.worker.train_schedule import SCHEDULES
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from mlxpipe.launch.pipeline import Pipeline
     from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.plan.shard import Plan
+    from mlxpipe.plan.training import RankTrainingMemory
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -49,7 +54,9 @@ class TrainOptions:
     data: str = "data"
     fine_tune_type: str = "lora"
     optimizer: str = "adam"
-    optimizer_config: dict = field(default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}})
+    optimizer_config: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}}
+    )
     mask_prompt: bool = False
     num_layers: int = 16
     batch_size: int = 4
@@ -64,8 +71,8 @@ class TrainOptions:
     save_every: int = 100
     max_seq_length: int = 2048
     grad_checkpoint: bool = False
-    lr_schedule: dict | None = None
-    lora_parameters: dict = field(default_factory=lambda: {"rank": 8, "dropout": 0.0, "scale": 20.0})
+    lr_schedule: dict[str, Any] | None = None  # mlx_lm.lora's YAML
+    lora_parameters: dict[str, Any] = field(default_factory=lambda: {"rank": 8, "dropout": 0.0, "scale": 20.0})
     seed: int = 0
     trust_remote_code: bool = False
     # The pipeline's own.
@@ -93,8 +100,10 @@ class TrainOptions:
         if self.schedule not in SCHEDULES:
             raise UsageError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.batch_size % self.micro_batches:
-            raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
-                             hint="each micro-batch gets the same number of sequences")
+            raise UsageError(
+                f"--batch-size {self.batch_size} is not a multiple of --micro-batches {self.micro_batches}",
+                hint="each micro-batch gets the same number of sequences",
+            )
         if self.fine_tune_type not in FINE_TUNE_TYPES:
             raise UsageError(f"--fine-tune-type {self.fine_tune_type!r}: mlxpipe trains lora or dora adapters")
         one_of(self.optimizer.lower(), OPTIMIZERS, "--optimizer")
@@ -185,18 +194,20 @@ def longest_sequence(dataset: Any) -> int:
     return longest
 
 
-def _wire(batch: Any) -> tuple[list, list]:
+def _wire(batch: tuple[mx.array, mx.array]) -> tuple[list[list[int]], list[list[int]]]:
     tokens, lengths = batch
-    return tokens.tolist(), lengths.tolist()
+    return cast(list[list[int]], tokens.tolist()), cast(list[list[int]], lengths.tolist())
 
 
-def eval_batches(dataset: Any, options: TrainOptions, num_batches: int) -> list[tuple[list, list]]:
+def eval_batches(
+    dataset: Any, options: TrainOptions, num_batches: int
+) -> list[tuple[list[list[int]], list[list[int]]]]:
     """The batches mlx-lm's ``evaluate`` takes, drawn the same way (one permutation, when any batch is taken)."""
     from mlx_lm.tuner.trainer import iterate_batches
 
     index = iter(range(num_batches)) if num_batches != -1 else iter(int, 1)
     batches = iterate_batches(dataset=dataset, batch_size=options.batch_size, max_seq_length=options.max_seq_length)
-    return [_wire(b) for _, b in zip(index, batches)]
+    return [_wire(b) for _, b in zip(index, batches, strict=False)]
 
 
 def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Iterator[TrainMessage]:
@@ -212,7 +223,7 @@ def requests(options: TrainOptions, data: Datasets, resume: bytes | None) -> Ite
     if options.train:
         train = iterate_batches(dataset=data.train, batch_size=options.batch_size,
                                 max_seq_length=options.max_seq_length, loop=True)
-        for it, batch in zip(range(1, options.iters + 1), train):
+        for it, batch in zip(range(1, options.iters + 1), train, strict=False):
             if len(data.valid) and (it == 1 or it % options.steps_per_eval == 0 or it == options.iters):
                 yield Eval(id=next(ids), it=it, what="val",
                            batches=eval_batches(data.valid, options, options.val_batches))
@@ -275,9 +286,11 @@ class TrainResult:
 class Reporter:
     """What the run tells the user; the CLI gives one (terminal lines or --json)."""
 
-    def plan(self, meta: Any, the_plan: Any, memory: list[Any]) -> None: ...
+    def plan(self, meta: ModelMetadata, the_plan: Plan, memory: list[RankTrainingMemory]) -> None: ...
     def step(self, report: StepReport) -> None: ...
-    def train(self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float) -> None: ...
+    def train(
+        self, it: int, loss: float, lr: float, it_sec: float, tok_sec: float, trained: int, peak: float
+    ) -> None: ...
     def val(self, it: int, loss: float, seconds: float) -> None: ...
     def test(self, loss: float) -> None: ...
     def saved(self, it: int, path: Path) -> None: ...

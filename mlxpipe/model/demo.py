@@ -22,7 +22,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.paths import mlxpipe_home
@@ -159,9 +159,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     import mlx.core as mx
 
     try:
-        weights, metadata = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as exc:
         raise ModelError(f"cannot read {path} as a GGUF file: {exc}") from exc
+    weights, metadata = cast(tuple[dict[str, Any], dict[str, Any]], loaded)  # with return_metadata: a pair
     if not isinstance(metadata, dict) or "general.architecture" not in metadata:
         raise ModelError(f"{path} is not a GGUF file (no general.architecture)")
     return weights, metadata
@@ -223,7 +224,8 @@ def _module_bits(tensors: dict[str, Any], module: str) -> int:
         raise ModelError(
             f"{module} is stored as {dtype}; only Q4_0, Q4_1 and Q8_0 tensors convert"
         )
-    return tensors[f"{module}.weight"].shape[-1] // scales.shape[-1]
+    group: int = tensors[f"{module}.weight"].shape[-1] // scales.shape[-1]
+    return group
 
 
 def model_config(metadata: dict[str, Any], quant: dict[str, Any]) -> dict[str, Any]:

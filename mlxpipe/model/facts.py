@@ -120,7 +120,8 @@ def _mlx_lm_constant(name: str) -> dict[Any, str]:
     tree = ast.parse((_mlx_lm_dir() / "utils.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return ast.literal_eval(node.value)
+            table: dict[Any, str] = ast.literal_eval(node.value)
+            return table
     return {}
 
 
@@ -128,7 +129,7 @@ def _mlx_lm_dir() -> Path:
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError("mlx-lm is not installed", "pip install mlx-lm")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def layer_windows(c: dict[str, Any], n: int) -> list[int | None]:

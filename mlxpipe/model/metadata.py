@@ -134,7 +134,7 @@ class ModelMetadata:
         n = next((c for c in (config_layer_count(self.text_config, self.source),
                               config_layer_count(self.config, self.source)) if c), None)
 
-        def score(prefix: str) -> tuple:
+        def score(prefix: str) -> tuple[int, int, int, str]:
             numbers = lists[prefix]
             covered = len(numbers & set(range(n))) if n else len(numbers)
             return (-covered, -self._list_bytes[prefix], prefix.count("."), prefix)
@@ -377,7 +377,7 @@ def _ranges(numbers: Iterable[int]) -> str:
     out: list[str] = []
     nums = sorted(numbers)
     start = prev = nums[0]
-    for x in nums[1:] + [None]:  # type: ignore[list-item]
+    for x in [*nums[1:], None]:
         if x is not None and x == prev + 1:
             prev = x
             continue

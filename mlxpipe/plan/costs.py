@@ -77,7 +77,7 @@ def model_costs(meta: ModelMetadata) -> Costs:
             layer_work[layer] += t.nbytes * active // experts if routed else t.nbytes
     # Tied embeddings: the head is the embedding matrix itself.
     head_work = head_bytes or embed_bytes
-    sharded = [total - kept for total, kept in zip(layer_bytes, replicated)]
+    sharded = [total - kept for total, kept in zip(layer_bytes, replicated, strict=True)]
     return Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta),
                  layer_work, head_work, sharded, replicated, head_bytes + embed_bytes)
 

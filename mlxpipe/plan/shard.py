@@ -94,7 +94,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["fits"] = self.fits
-        for r, rp in zip(data["ranks"], self.ranks):
+        for r, rp in zip(data["ranks"], self.ranks, strict=True):
             r["layers"] = rp.layers
         return data
 
@@ -133,7 +133,7 @@ def make_plan(
         context=context,
         split=tuple(chosen),
         ranks=tuple(ranks),
-        model_bytes=sum(t.nbytes for t in meta.tensors if meta.layer_of(t) is None or meta.layer_of(t) < n),
+        model_bytes=sum(t.nbytes for t in meta.tensors if _runs_within(meta.layer_of(t), n)),
         model_download_bytes=sum(meta.file_sizes.values()),
         support_files=meta.support_files,
         notes=_notes(hosts) + tensor.notes(tp, len(stages), meta.text_config) + _strategy_notes(strategy, costs, meta)
@@ -221,7 +221,7 @@ def suggest_split(costs: Costs, hosts: Sequence[Host], context: int) -> list[int
     # the first k ranks in pipeline order (ranks size-1 ... size-k).
     reach: list[dict[int, int]] = [{0: 0}]
     for k in range(size):
-        cap, nxt = caps[size - 1 - k], {}
+        cap, nxt = caps[size - 1 - k], dict[int, int]()
         for start in reach[-1]:
             end = start + 1
             while end <= n - (size - 1 - k) and prefix[end] - prefix[start] <= cap:
@@ -290,3 +290,8 @@ def _replace(plan: Plan, **changes: Any) -> Plan:
     from dataclasses import replace
 
     return replace(plan, **changes)
+
+
+def _runs_within(layer: int | None, n: int) -> bool:
+    """Whether a tensor of ``layer`` (None: outside the blocks) is part of a model cut to its first ``n`` layers."""
+    return layer is None or layer < n

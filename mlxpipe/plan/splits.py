@@ -111,7 +111,8 @@ def check_groups(split: Sequence[int], groups: Sequence[tuple[int, int]]) -> Non
     legal = legal_split(split, groups)
     hint = f"try --split {split_text(legal)}" if legal else "use fewer hosts"
     raise PlanError(
-        f"--split {split_text(split)} cuts layers {group[0]}-{group[1]}, which share KV caches and must run on one rank",
+        f"--split {split_text(split)} cuts layers {group[0]}-{group[1]}, "
+        "which share KV caches and must run on one rank",
         hint,
     )
 

@@ -105,7 +105,7 @@ def member_costs(costs: Costs, tp: int, config: dict[str, Any]) -> Costs:
     kv = costs.kv if not kv_splits(config) else [(part(per), w) for per, w in costs.kv]
     return replace(
         costs,
-        layer_bytes=[r + part(s) for r, s in zip(costs.replicated_bytes, costs.sharded_bytes)],
+        layer_bytes=[r + part(s) for r, s in zip(costs.replicated_bytes, costs.sharded_bytes, strict=True)],
         shared_bytes=costs.shared_bytes - costs.vocab_bytes + part(costs.vocab_bytes),
         kv=kv,
         layer_work=[part(w) for w in costs.layer_work],

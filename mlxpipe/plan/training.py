@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
+
+if TYPE_CHECKING:
+    from mlxpipe.lora.run import TrainOptions
 
 LORA_BYTES = 4  # LoRA parameters are float32 (mlx-lm draws them so)
 OPTIMIZER_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "muon": 1, "adafactor": 1}
@@ -66,7 +69,9 @@ def lora_parameters_of(meta: ModelMetadata, layer: int, rank: int, keys: list[st
     return total
 
 
-def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: int) -> list[RankTrainingMemory]:
+def training_memory(
+    meta: ModelMetadata, the_plan: Plan, options: TrainOptions, longest: int
+) -> list[RankTrainingMemory]:
     """Every rank's estimate for ``options`` (a ``TrainOptions``) with the data's ``longest`` sequence."""
     config = meta.text_config
     hidden = int(config.get("hidden_size", 0))
@@ -77,7 +82,8 @@ def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: 
     rows = options.batch_size // options.micro_batches
     per_layer = seq * rows * hidden * (34 + 5 * heads * seq / max(hidden, 1)) * act_bytes / 2
     num_layers = meta.num_layers
-    trained_from = 0 if options.num_layers <= 0 else max(num_layers - options.num_layers, 0)  # mlx-lm: 0 and -1 mean all
+    # mlx-lm: 0 and -1 mean all
+    trained_from = 0 if options.num_layers <= 0 else max(num_layers - options.num_layers, 0)
     lora = options.lora_parameters
     keys = lora.get("keys")
     copies = 2 + OPTIMIZER_COPIES.get(options.optimizer, 2)  # parameters, gradients, optimizer state
@@ -86,7 +92,8 @@ def training_memory(meta: ModelMetadata, the_plan: Plan, options: Any, longest: 
     out = []
     for r in the_plan.ranks:
         stage = stages - 1 - r.rank
-        values = sum(lora_parameters_of(meta, i, int(lora["rank"]), keys) for i in range(max(r.start, trained_from), r.end))
+        trained = range(max(r.start, trained_from), r.end)
+        values = sum(lora_parameters_of(meta, i, int(lora["rank"]), keys) for i in trained)
         if stage < first_trained:
             held = 1  # forward only: one micro-batch at a time, nothing kept
         elif options.schedule == "1f1b":

@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, cast
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.message import strict_fields
@@ -155,7 +155,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _positive(v: Any) -> bool:
-    return v >= 1
+    return bool(v >= 1)
 
 
 # field -> (is it in range, what the range is); None values are not checked.
@@ -256,7 +256,7 @@ def check_response_format(value: Any, name: Name) -> dict[str, Any] | None:
         name_ = spec.get("name")
         if name_ is not None and not isinstance(name_, str):
             raise RequestError("response_format", f"{field}.json_schema.name must be a string")
-    return value
+    return cast(dict[str, Any], value)  # an object: its type was read above
 
 
 def _number(value: Any, integer: bool) -> int | float | None:
@@ -310,7 +310,9 @@ def parse_chat_template_config(text: str | None, name: str) -> dict[str, Any] | 
     except json.JSONDecodeError as e:
         raise RequestError("chat_template_config", f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(config, dict):
-        raise RequestError("chat_template_config", f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}'")
+        raise RequestError(
+            "chat_template_config", f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}'"
+        )
     return config
 
 

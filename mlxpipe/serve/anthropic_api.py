@@ -10,7 +10,7 @@ mlx-lm's tool parser as the OpenAI door parses them.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -24,11 +24,16 @@ from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class AnthropicApi:
     """The Anthropic Messages endpoints over the request queue."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+    def __init__(
+        self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog
+    ) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:
@@ -46,7 +51,9 @@ class AnthropicApi:
             return shapes.error_response(e)
         except ClientDisconnect:
             return gone(request)
-        return JSONResponse({"input_tokens": len(parsed.request.tokens)})
+        tokens = parsed.request.tokens
+        assert tokens is not None  # parse tokenizes the prompt
+        return JSONResponse({"input_tokens": len(tokens)})
 
     async def messages(self, request: Request) -> Response:
         try:

@@ -1,4 +1,5 @@
-"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed ``mlxpipe.protocol.request.Request``.
+"""Anthropic Messages bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as a typed
+``mlxpipe.protocol.request.Request``.
 
 Content blocks become the chat messages a chat template reads, as ``mlx_lm.server`` gives them to it: ``text``
 blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as an object), a user's
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Body field -> Request field: Anthropic's sampling fields, then mlx-lm's (through the SDKs' extra_body).
 _OPTIONS = {"max_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k",
@@ -39,7 +43,7 @@ class Parsed:
     tools: list[dict[str, Any]] | None  # as the template and mlx-lm's tool parser read them
 
 
-def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
+def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWrapper, new_id: Callable[[], str],
           counting: bool = False) -> Parsed:
     """``body`` checked and turned into a request for the ranks; ``counting``: for ``count_tokens`` (no
     ``max_tokens`` needed). Raises ``ApiError``."""
@@ -125,15 +129,15 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
             names[call_id] = name
             calls.append(bodies.tool_call(call_id, name, field(block, "input", dict, {}, f"{at}.")))
         elif kind == "tool_result" and role == "user":
-            call_id = field(block, "tool_use_id", str, None, f"{at}.")
-            if call_id is None:
+            answered = field(block, "tool_use_id", str, None, f"{at}.")
+            if answered is None:
                 raise ApiError(400, f"'{at}.tool_use_id' must name the tool_use it answers", param=f"{at}.tool_use_id")
             result = block.get("content")
             text = _texts(result, f"{at}.content") if isinstance(result, list) else field(block, "content", str, "",
                                                                                           f"{at}.")
-            tool = {"role": "tool", "tool_call_id": call_id, "content": text}
-            if call_id in names:
-                tool["name"] = names[call_id]
+            tool = {"role": "tool", "tool_call_id": answered, "content": text}
+            if answered in names:
+                tool["name"] = names[answered]
             results.append(tool)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier turns' reasoning: templates drop it too

@@ -10,12 +10,12 @@ checks every field before anything reaches a rank, and a failure of one request 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from mlxpipe.serve.anthropic_api import AnthropicApi
 from mlxpipe.serve.cluster_view import ClusterView, page_routes
@@ -26,8 +26,17 @@ from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_api import ResponsesApi
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> Starlette:
+
+class _Door(Protocol):
+    """What the app reads of an API door: its routes."""
+
+    def routes(self) -> list[Route]: ...
+
+
+def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog) -> Starlette:
     """The Starlette app serving ``queue``."""
 
     async def health(request: Request) -> Response:
@@ -41,9 +50,9 @@ def build_app(queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    doors = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
+    doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
-    routes = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
+    routes: list[BaseRoute] = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
     view = ClusterView(queue, log, settings.model_id)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)

@@ -13,13 +13,16 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.worker.constraints import compile_error
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MAX_TOOLS = 128
 MAX_STOP_STRINGS = 16
@@ -29,6 +32,15 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a
                str: "a string"}
 
 
+T = TypeVar("T")
+
+
+@overload
+def field(body: dict[str, Any], name: str, kinds: type[T], default: T, where: str = "") -> T: ...
+@overload
+def field(body: dict[str, Any], name: str, kinds: type[T], default: None = None, where: str = "") -> T | None: ...
+@overload
+def field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None, where: str = "") -> Any: ...
 def field(body: dict[str, Any], name: str, kinds: Any, default: Any = None, where: str = "") -> Any:
     """``body[name]`` checked against ``kinds`` (bools are not numbers), or ``default`` when absent or null;
     ``where`` prefixes the name in the error (``messages[0].``)."""
@@ -134,7 +146,7 @@ def image_refused(where: str, what: str) -> ApiError:
                          "files yet); send the text instead", param=where)
 
 
-def tokens_for(tokenizer: Any, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,
+def tokens_for(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,
                param: str) -> list[int]:
     """The prompt's token ids through the chat template (``extra``: more template variables, such as
     ``tool_choice``); a template that refuses the messages is a 400 naming ``param``."""

@@ -42,7 +42,8 @@ class ServerSettings:
     model_id: str
     api_key: str | None
     context: int  # the longest prompt + completion the model takes (--context, else the model's own)
-    defaults: GenerationRequest = GenerationRequest()  # the server's flags; a body overrides its options
+    # The server's flags; a body overrides its options. Frozen, so one shared default is safe (RUF009).
+    defaults: GenerationRequest = GenerationRequest()  # noqa: RUF009
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,13 +26,16 @@ from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, gone, until
 from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 # Server-sent events as they come: no cache, and no buffering by a proxy (nginx's X-Accel-Buffering).
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE = "text/event-stream"
 
 
-async def start(queue: RequestQueue, tokenizer: Any, log: RequestLog, http: Request, request: GenerationRequest,
-                stops: list[str]) -> Generation:
+async def start(queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, http: Request,
+                request: GenerationRequest, stops: list[str]) -> Generation:
     """``request`` admitted, sent to the ranks, and its first token there; raises ``ApiError`` (429, the pipeline's
     503, a request a rank refused) or ``ClientGone`` (``http``'s client went away). Nothing is sent to the client
     before this returns, so a request that waited for the ranks and gave up is a plain error in its door's
@@ -123,7 +126,7 @@ async def whole(generation: Generation, shapes: ReplyShapes, http: Request) -> R
 class Generation:
     """One request, from its first token to its last."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, log: RequestLog, request: GenerationRequest,
+    def __init__(self, queue: RequestQueue, tokenizer: TokenizerWrapper, log: RequestLog, request: GenerationRequest,
                  stream: Stream, stops: list[str]) -> None:
         self.queue, self.log_file, self.request, self.stream = queue, log, request, stream
         self.reply = Reply(tokenizer, stops)
@@ -146,7 +149,7 @@ class Generation:
         """Stop the request on the ranks."""
         self.queue.cancel(self.request.id)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The reply's deltas until it ends; cancels it on the ranks when this stops early."""
         done = False
         try:
@@ -161,7 +164,7 @@ class Generation:
                 token = item.token if isinstance(item, Sampled) else item
                 if isinstance(item, Sampled) and token not in self.reply.tokenizer.eos_token_ids:
                     self.logprobs.append(item)  # as its text: the end-of-sequence token is not shown
-                delta = self._text(lambda: self.reply.add(token))
+                delta = self._text(lambda: self.reply.add(token))  # noqa: B023 - called here, at once
                 if delta is None:
                     break  # this reply's text failed: it ends here, with the error
                 if delta:
@@ -215,7 +218,9 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.request.tokens)
+        tokens = self.request.tokens
+        assert tokens is not None  # every door sends the prompt as token ids
+        return len(tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -250,7 +255,7 @@ class Generation:
         status = status or ("error" if error else
                             ("cancelled" if outcome is None and not self.reply.stopped else self.finish_reason))
         return {
-            "id": self.request.id, "status": status, "prompt_tokens": len(self.request.tokens),
+            "id": self.request.id, "status": status, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": outcome.cached_tokens if outcome else 0, "generation_tokens": tokens,
             "ttft": ttft, "tps": tokens / after_first if after_first > 0 else 0.0,
             "seconds": now - stream.submitted, "error": error,

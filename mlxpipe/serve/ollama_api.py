@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -24,6 +24,9 @@ from mlxpipe.serve.generation import Generation, respond, start
 from mlxpipe.serve.ollama_schemas import Parsed, check_model, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 NDJSON = "application/x-ndjson"
 
@@ -42,7 +45,9 @@ def _now() -> str:
 class OllamaApi:
     """Ollama's endpoints over the request queue."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+    def __init__(
+        self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog
+    ) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
 
     def routes(self) -> list[Route]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # options field -> Request field.
 _OPTIONS = {"num_predict": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -41,13 +44,13 @@ def served_name(settings: ServerSettings) -> str:
 
 def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
     """The model named (Ollama's clients add ``:latest``), which must be the one served; 404 otherwise."""
-    model = field(body, "model", str, settings.model_id)
+    model: str = field(body, "model", str, settings.model_id)
     if model not in (settings.model_id, f"{settings.model_id}:latest"):
         raise ApiError(404, f"model {model!r} not found; this server serves {settings.model_id!r}", param="model")
     return model
 
 
-def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
     """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     model = check_model(body, settings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -26,11 +26,16 @@ from mlxpipe.serve.openai_schemas import Parsed, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class OpenAIApi:
     """The OpenAI endpoints over the request queue."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog) -> None:
+    def __init__(
+        self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog
+    ) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         # A token's own text, for logprobs (the same few thousand tokens come back again and again).
         self.decode = lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed ``mlxpipe.protocol.request.Request``.
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as a typed
+``mlxpipe.protocol.request.Request``.
 
 Every field is checked before anything reaches a rank, and every error names the body's own field
 (``'temperature'``, ``'max_completion_tokens'``, ``'messages[2].content'``). The options a body may set, and
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Body field -> Request field, in the order they are checked; the rest (the KV cache, the prompt's template
 # switches...) are the server's flags alone. OpenAI's names where they differ from Request's, mlx_lm.server's
@@ -45,7 +49,7 @@ class Parsed:
     tools: list[Any] | None
 
 
-def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: Any,
+def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer: TokenizerWrapper,
           new_id: Callable[[], str]) -> Parsed:
     """``body`` checked and turned into a request for the ranks (its prompt as token ids); raises ``ApiError``."""
     bodies.check_model(body, settings)
@@ -100,8 +104,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
     content = m.get("content")
     if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        texts: list[str] = [p["text"] for p in content
+                            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+        if len(texts) != len(content):
             raise ApiError(400, f"'{where}.content' may hold only text parts", param=f"{where}.content")
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):

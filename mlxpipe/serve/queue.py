@@ -291,7 +291,7 @@ class RequestQueue:
         """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
-            if stream in self._waiting:
+            if stream is not None and stream in self._waiting:
                 self._waiting.remove(stream)
                 return
         pipe = self._pipe
@@ -335,7 +335,7 @@ class RequestQueue:
         }
         if self.plan.tp > 1:  # --tp: each rank's pipeline stage and place in its stage's tensor-parallel group
             out["tp"] = self.plan.tp
-            for entry, planned in zip(out["ranks"], self.plan.ranks):
+            for entry, planned in zip(out["ranks"], self.plan.ranks, strict=True):
                 entry.update(stage=planned.stage, tp_index=planned.tp_index)
         time = dict(self.time)
         if time:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -29,11 +29,14 @@ from mlxpipe.serve.responses_schemas import Parsed, parse
 from mlxpipe.serve.responses_store import ResponseStore
 from mlxpipe.serve.text import Delta, tool_calls
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 class ResponsesApi:
     """The Responses endpoints over the request queue, with their store."""
 
-    def __init__(self, queue: RequestQueue, tokenizer: Any, settings: ServerSettings, log: RequestLog,
+    def __init__(self, queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog,
                  store: ResponseStore | None = None) -> None:
         self.queue, self.tokenizer, self.settings, self.log = queue, tokenizer, settings, log
         self.store = store or ResponseStore()

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe.protocol.request import Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
 from mlxpipe.serve.responses_store import ResponseStore
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Body field -> Request field: the Responses API's sampling fields, then mlx-lm's (through extra_body).
 _OPTIONS = {"max_output_tokens": "max_tokens", "temperature": "temp", "top_p": "top_p", "top_k": "top_k",
@@ -40,7 +43,7 @@ class Parsed:
     echo: dict[str, Any]  # the request's fields a response object repeats
 
 
-def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: Any, new_id: Callable[[], str],
+def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWrapper, new_id: Callable[[], str],
           store: ResponseStore) -> Parsed:
     """``body`` checked and turned into a request for the ranks; raises ``ApiError``."""
     bodies.check_model(body, settings)

@@ -116,7 +116,7 @@ class Reply:
             self.output.append(item)
             out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
             part_kind = "output_text" if kind == "message" else "reasoning_text"
-            part = {"type": part_kind, "text": ""}
+            part: dict[str, Any] = {"type": part_kind, "text": ""}
             if kind == "message":
                 part.update(annotations=[], logprobs=[])
                 out.append(self.event("response.content_part.added", item_id=item["id"],
@@ -125,7 +125,7 @@ class Reply:
         item = self.output[-1]
         item["content"][0]["text"] += text
         kind_event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         out.append(self.event(kind_event, item_id=item["id"], output_index=len(self.output) - 1, content_index=0,
                               delta=text, **extra))
         return out

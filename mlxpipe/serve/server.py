@@ -16,7 +16,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -26,6 +26,14 @@ from mlxpipe.errors import LaunchError, UsageError
 from mlxpipe.launch.run import PipelineConfig, prepare
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from types import FrameType
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlxpipe.model.metadata import ModelMetadata
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -99,7 +107,7 @@ class _Server(uvicorn.Server):
     def signal_name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = sig
         # End the streams now: uvicorn's graceful shutdown waits for them.
@@ -162,13 +170,14 @@ def _quiet_lost_connections() -> None:
         logger.addFilter(_LostConnectionFilter())
 
 
-def _load_tokenizer(model_dir: Any, config: dict[str, Any]) -> Any:
+def _load_tokenizer(model_dir: Path, config: dict[str, Any]) -> TokenizerWrapper:
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    tokenizer: TokenizerWrapper = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return tokenizer
 
 
-def _context(meta: Any) -> int:
+def _context(meta: ModelMetadata) -> int:
     n = meta.text_config.get("max_position_embeddings") or meta.config.get("max_position_embeddings")
     return int(n) if isinstance(n, int) and n > 0 else 1 << 20
 

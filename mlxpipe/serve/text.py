@@ -12,9 +12,12 @@ model happened to tokenize it, and never streamed out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass
@@ -60,7 +63,7 @@ class StopFilter:
 class Reply:
     """One request's reply, token by token."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], initial_state: str = "normal") -> None:
+    def __init__(self, tokenizer: TokenizerWrapper, stops: list[str], initial_state: str = "normal") -> None:
         self.tokenizer = tokenizer
         self._detokenizer = tokenizer.detokenizer
         self._machine = make_text_state_machine(tokenizer)
@@ -128,10 +131,13 @@ def _merge(a: Delta, b: Delta) -> Delta:
     return Delta(a.text + b.text, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls, a.stopped or b.stopped)
 
 
-def tool_calls(tokenizer: Any, texts: list[str], tools: list[Any] | None, streaming: bool) -> list[dict[str, Any]]:
+def tool_calls(
+    tokenizer: TokenizerWrapper, texts: list[str], tools: list[Any] | None, streaming: bool
+) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` from raw tool-call texts, parsed as ``mlx_lm.server`` parses them."""
     if not texts or not getattr(tokenizer, "has_tool_calling", False):
         return []
     from mlx_lm.server import ToolCallFormatter
 
-    return ToolCallFormatter(tokenizer.tool_parser, tools, streaming)(texts)
+    calls: list[dict[str, Any]] = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)(texts)
+    return calls

@@ -7,12 +7,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 from mlx_lm.utils import _get_classes
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.job import TrainSpec
+from mlxpipe.worker.load import flat_parameters
 from mlxpipe.worker.stages.layers import find_layers
 
 # By the names TrainSpec takes (protocol.job.OPTIMIZERS).
@@ -39,7 +39,7 @@ def add_lora(model: nn.Module, config: dict[str, Any], options: TrainSpec) -> No
             f"--num-layers {num_layers}: the model has only {len(whole.layers)} layers"
         )
     linear_to_lora_layers(whole, num_layers, params, use_dora=use_dora)
-    reference = dict(tree_flatten(whole.trainable_parameters()))
+    reference = dict(flat_parameters(whole.trainable_parameters()))
 
     model.freeze()
     owner, key = find_layers(model)
@@ -49,7 +49,7 @@ def add_lora(model: nn.Module, config: dict[str, Any], options: TrainSpec) -> No
     if local:
         linear_to_lora_layers(_Layers(local), len(local), params, use_dora=use_dora)
     # DoRA's magnitudes come from the real weights; only the random A and zero B are copied.
-    copied = [(name, reference[name]) for name, _ in tree_flatten(model.trainable_parameters())
+    copied = [(name, reference[name]) for name, _ in flat_parameters(model.trainable_parameters())
               if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")]
     model.load_weights(copied, strict=False)
     mx.eval(model.parameters())
@@ -59,7 +59,7 @@ class _Layers(nn.Module):
     """A view holding only some layers, for ``linear_to_lora_layers``."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
         self.layers = layers
 
 
@@ -74,7 +74,7 @@ def checkpoint_layers(model: nn.Module) -> None:
 
     owner, key = find_layers(model)
     layer = next(layer for layer in owner[key] if not _is_stand_in(layer))
-    base = type(layer)
+    base: type[nn.Module] = type(layer)
     if getattr(layer, "_mlxpipe_stage", None) is not None:
         base = type(layer).__mro__[2]  # Pipelined<cls> -> _PipelineStage -> cls
     grad_checkpoint(base.__new__(base))  # it reads only type(layer); no constructor needed
@@ -84,4 +84,5 @@ def build_optimizer(options: TrainSpec) -> optim.Optimizer:
     """The optimizer exactly as mlx_lm.lora builds it (``TrainSpec`` checked its name)."""
     schedule = options.lr_schedule
     lr = build_schedule(schedule) if schedule else options.learning_rate
-    return OPTIMIZERS[options.optimizer](learning_rate=lr, **options.optimizer_config)
+    optimizer: optim.Optimizer = OPTIMIZERS[options.optimizer](learning_rate=lr, **options.optimizer_config)
+    return optimizer

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import cast
 
 import mlx.core as mx
 
 
-def agreed_min(group: Any, value: int) -> int:
+def agreed_min(group: mx.distributed.Group, value: int) -> int:
     """The smallest of the ranks' ``value`` (a tiny collective on the CPU)."""
     if group.size() == 1:
         return value
     values = mx.distributed.all_gather(mx.array([value]), group=group, stream=mx.cpu)
-    return int(values.min().item())
+    return int(cast(int, values.min().item()))  # mlx types item() as any scalar
 
 
-def all_agree(group: Any, flag: bool) -> bool:
+def all_agree(group: mx.distributed.Group, flag: bool) -> bool:
     """Whether ``flag`` holds on every rank (a tiny collective on the CPU)."""
     return agreed_min(group, int(flag)) == 1
 
 
-def seed_sampling(group: Any, seed: int | None, temp: float) -> None:
+def seed_sampling(group: mx.distributed.Group, seed: int | None, temp: float) -> None:
     """Seed sampling identically on every rank, so every rank picks the same token."""
     if seed is None:
         if temp == 0:
@@ -30,16 +30,16 @@ def seed_sampling(group: Any, seed: int | None, temp: float) -> None:
     mx.random.seed(int(seed))
 
 
-def shared_seed(group: Any) -> int:
+def shared_seed(group: mx.distributed.Group) -> int:
     """A random seed drawn by rank 0 and known to every rank."""
     mine = random.getrandbits(31) if group.rank() == 0 else 0
     if group.size() == 1:
         return mine
     shared = mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu)
-    return int(shared.item())
+    return int(cast(int, shared.item()))
 
 
-def tick_collective(group: Any, sampled: mx.array | None, rows: int, received: int | None) -> mx.array:
+def tick_collective(group: mx.distributed.Group, sampled: mx.array | None, rows: int, received: int | None) -> mx.array:
     """The engine's per-tick collective, lazy: rank 0's ``sampled`` tokens (``rows`` of them; None on the
     other ranks) on every rank and, with ``received`` (the messages this rank's inbox holds), every rank's
     count, one row per rank (see ``read_tick``)."""
@@ -63,6 +63,6 @@ def tick_tokens(shared: mx.array, rows: int, counted: bool) -> mx.array:
 def read_tick(shared: mx.array, rows: int, counted: bool) -> tuple[list[int], int]:
     """``tick_collective``'s result read: rank 0's tokens, and the message count every rank has (0 without)."""
     if not counted:
-        return shared.tolist(), 0
-    values = shared.reshape(-1, rows + 1).tolist()
+        return cast(list[int], shared.tolist()), 0
+    values = cast(list[list[int]], shared.reshape(-1, rows + 1).tolist())
     return values[0][:rows], min(int(v[rows]) for v in values)

@@ -29,12 +29,15 @@ that cannot change what is computed:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxpipe.worker.schedule import MicroBatch, Schedule
+
+if TYPE_CHECKING:
+    from mlxpipe.protocol.request import Request
 
 _STEPS_BACK = (KVCache, BatchKVCache)  # caches whose trim(1) takes the last token back exactly
 
@@ -58,7 +61,7 @@ class RunAhead:
             c.trim(1)
 
 
-def lazy_sampling(request: Any, has_processors: bool) -> bool:
+def lazy_sampling(request: Request, has_processors: bool) -> bool:
     """Whether ``request``'s token can stay lazy: greedy, no logits processors, grammar or log-probabilities."""
     return (request.temp == 0 and not has_processors and request.response_format is None
             and not request.logprobs and request.kv_bits is None)

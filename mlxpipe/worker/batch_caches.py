@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxpipe.protocol.checks import at_least
@@ -13,7 +14,7 @@ from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.schedule import MicroBatch, Schedule
 
 
-def decode_batch_for(model: Any, job: JobSpec, requested: int) -> int:
+def decode_batch_for(model: nn.Module, job: JobSpec, requested: int) -> int:
     """Requests per decode micro-batch for ``model``: ``requested``, or 1 where its caches cannot be batched.
 
     mlx-lm's own test (its server's ``is_batchable``): every cache has
@@ -29,7 +30,7 @@ def decode_batch_for(model: Any, job: JobSpec, requested: int) -> int:
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Requests' own caches as one batch cache per layer (as ``BatchGenerator`` merges them)."""
-    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
+    return [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
 
 
 class BatchCaches:
@@ -71,7 +72,7 @@ class BatchCaches:
         if joining:
             merged = merge_caches([self.take_own(index) for index in joining])
             if cache:
-                for c, new in zip(cache, merged):
+                for c, new in zip(cache, merged, strict=True):
                     c.extend(new)
             else:
                 cache = merged

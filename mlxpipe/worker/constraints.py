@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): llguidance's default allows any whitespace
 # between tokens, in which a small or unsure model can wander until max_tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_of(response_format: dict[str, Any]) -> Any:
@@ -53,14 +57,14 @@ def compile_error(response_format: dict[str, Any]) -> str | None:
 
 
 @lru_cache(maxsize=4)
-def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
+def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:  # transformers' tokenizer
     """llguidance's view of the tokenizer (about a second to build for a 50k vocabulary: built once)."""
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
-def warm(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+def warm(tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]) -> None:
     """Build llguidance's tokenizer ahead of the first constrained request (rank 0, when serving starts), so that
     request does not stall the pipeline for it."""
     _ll_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer), vocab_size, tuple(sorted(eos_ids)))
@@ -69,7 +73,9 @@ def warm(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
 class Constraint:
     """One request's grammar state on the rank that samples: the mask before each token, the token after."""
 
-    def __init__(self, response_format: dict[str, Any], tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+    def __init__(
+        self, response_format: dict[str, Any], tokenizer: TokenizerWrapper, vocab_size: int, eos_ids: set[int]
+    ) -> None:
         from llguidance import LLMatcher
 
         hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF tokenizer

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+import mlx.core as mx
 
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.load import LoadedModel
@@ -15,6 +16,6 @@ class RankContext:
     """One rank's model and peers, as the request loops (``engine``, ``streamed``) read them."""
 
     loaded: LoadedModel  # this rank's layers, its tokenizer, its draft model if any
-    group: Any  # the job's distributed group
+    group: mx.distributed.Group  # the job's
     job: JobSpec
     progress: Progress  # the stall watchdog's reports

@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -187,7 +187,9 @@ class Engine:
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
             if cache is not None and not rest:
                 # The whole prompt is cached; one token must still be fed for the logits.
-                rest = prompt[-1:] if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1 else prompt
+                # mlx-lm annotates trim_prompt_cache as returning a list: it returns the count trimmed.
+                trimmed = can_trim_prompt_cache(cache) and cast(int, trim_prompt_cache(cache, 1)) == 1
+                rest = prompt[-1:] if trimmed else prompt
             if cache is not None and len(rest) < len(prompt):
                 return cache, len(prompt) - len(rest)
         return make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.context.job.max_kv_size), 0
@@ -262,6 +264,7 @@ class Engine:
         if self.ahead is not None and not self.ahead.runs(batch):
             self._take_back()
         sampling = self.schedule.sampling
+        tokens: list[int] | None
         if batch is not None and self._runs_lazily(batch):
             tokens, agreed = self._run_lazily(batch, inbox)
             hidden_next = None
@@ -270,7 +273,7 @@ class Engine:
             hidden_next = self._receive(self.schedule.next_at(self.stage)) if self.stage > 0 else None
             tokens, agreed = self._share(sampled, sampling, inbox)
         if sampling is not None and tokens is not None:
-            for index, token in zip(sampling.requests, tokens):
+            for index, token in zip(sampling.requests, tokens, strict=False):  # end_tick checks the count
                 if not self.schedule.requests[index].cancelled and token != FAILED:
                     self._on_token(index, token)
         for index in self.schedule.end_tick(tokens):
@@ -367,7 +370,7 @@ class Engine:
             if constraint is not None:  # after logit_bias and penalties: the grammar has the last word
                 logits = mx.where(mx.array(constraint.allowed(logits.shape[-1])), logits, -mx.inf)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = int(self.samplers[index](logprobs).item())
+            token = int(cast(int, self.samplers[index](logprobs).item()))  # mlx types item() as any scalar
             if constraint is not None:
                 constraint.accept(token)
             wanted = self.requests[index]
@@ -415,7 +418,9 @@ class Engine:
     ) -> tuple[list[int] | None, int]:
         received = inbox.received if inbox is not None else 0
         if self.size == 1:
-            return (sampled.tolist() if sampling is not None and sampled is not None else None), received
+            if sampling is None or sampled is None:
+                return None, received
+            return cast(list[int], sampled.tolist()), received
         if inbox is None and sampling is None:
             return None, 0
         rows = len(sampling.requests) if sampling is not None else 1
@@ -510,7 +515,7 @@ class Engine:
         if self.exchange.incoming is None:
             raise RuntimeError("the pipeline's first local layer was never called")
 
-    def _incoming_shape(self, rows: int, num_tokens: int) -> tuple[tuple[int, ...], Any]:
+    def _incoming_shape(self, rows: int, num_tokens: int) -> tuple[tuple[int, ...], mx.Dtype]:
         assert self.exchange is not None
         shape, dtype = self.exchange.incoming_shape(num_tokens)
         # The batch axis comes just before the tokens' (gemma3n's AltUp streams lead: (4, batch,

@@ -42,11 +42,15 @@ uses the neighbour exchanges on every backend, since every backend has them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
 from mlxpipe.errors import UsageError
+
+# What the tensor sharders slice for: an MLX group, or a TensorGroup standing in for one. mlx's shard_linear
+# and mlx-lm's shard() read only its size() and rank(), but are annotated with MLX's Group alone: Any here.
+SliceGroup = Any
 
 
 class TensorGroup:
@@ -56,7 +60,7 @@ class TensorGroup:
     ``shard()`` and mlx's ``shard_linear`` can slice weights for it.
     """
 
-    def __init__(self, world: Any, tp: int) -> None:
+    def __init__(self, world: mx.distributed.Group, tp: int) -> None:
         self.world, self.tp = world, tp
         self.first = (world.rank() // tp) * tp  # the world rank of member 0
         self.index = world.rank() - self.first
@@ -163,7 +167,7 @@ class TensorGroup:
 class Topology:
     """One rank's place in a job of ``world.size()`` ranks with tensor-parallel groups of ``tp``."""
 
-    def __init__(self, world: Any, tp: int = 1) -> None:
+    def __init__(self, world: mx.distributed.Group, tp: int = 1) -> None:
         size = world.size()
         if tp < 1 or size % tp:
             raise UsageError(f"--tp {tp} does not divide the job's {size} ranks into groups")
@@ -183,21 +187,23 @@ class Topology:
         """Whether this rank samples the tokens (world rank 0, member 0 of stage 0)."""
         return self.rank == 0
 
-    def send_down(self, x: mx.array, stream: Any = None) -> mx.array:
+    def send_down(self, x: mx.array, stream: mx.Stream | mx.Device | mx.DeviceType | None = None) -> mx.array:
         """Send ``x`` to the next stage (stage - 1): member 0 sends to its neighbour, the next stage's last
         member; the other members send nothing (``x`` itself comes back)."""
         if self.tp_index != 0:
             return x
         return mx.distributed.send(x, self.rank - 1, group=self.world, stream=stream)
 
-    def recv_up(self, shape: tuple[int, ...], dtype: Any, stream: Any = None) -> mx.array:
+    def recv_up(
+        self, shape: tuple[int, ...], dtype: mx.Dtype, stream: mx.Stream | mx.Device | mx.DeviceType | None = None
+    ) -> mx.array:
         """What the previous stage (stage + 1) sent, on every member: received from ``rank + 1`` (the
         previous stage's member 0, or this stage's next member) and passed on to ``rank - 1``."""
         received = mx.distributed.recv(shape, dtype, self.rank + 1, group=self.world, stream=stream)
         if self.tp_index == 0:
             return received
         forwarded = mx.distributed.send(received, self.rank - 1, group=self.world, stream=stream)
-        return mx.depends(received, forwarded)
+        return cast(mx.array, mx.depends(received, forwarded))  # mlx leaves depends() unannotated
 
     def recv_up_like(self, like: mx.array) -> mx.array:
         """``recv_up`` of an array shaped like ``like``."""

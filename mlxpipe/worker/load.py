@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,9 @@ from mlxpipe.worker.stages.layers import check_supported, find_layers
 from mlxpipe.worker.tensor import check_shardable, shard_model
 from mlxpipe.worker.tensor.vocab import follow_exchange
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 _MAX_NAMED = 8  # missing tensors named in an error; the rest are counted
 
 
@@ -38,8 +41,8 @@ class LoadedModel:
     """One rank's pipelined model and what the ``loaded`` event reports."""
 
     model: nn.Module
-    tokenizer: Any
-    config: dict
+    tokenizer: TokenizerWrapper
+    config: dict[str, Any]  # the model's config.json
     start: int
     end: int
     load_seconds: float
@@ -59,28 +62,26 @@ class _LoadRecorder:
         self.loaded: dict[str, tuple[int, ...]] | None = None
         self.expected: dict[str, tuple[int, ...]] = {}
 
-    def classes(self, config: dict) -> tuple[Callable[[Any], nn.Module], type]:
+    def classes(self, config: dict[str, Any]) -> tuple[Callable[[Any], nn.Module], type]:
         """A ``get_model_classes`` for ``load_model`` that records the names."""
         model_class, args_class = _get_classes(config)
 
-        def build(args: Any) -> nn.Module:
-            model = model_class(args)
+        def build(args: Any) -> nn.Module:  # args: the model's own ModelArgs class
+            model: nn.Module = model_class(args)
             load_weights = model.load_weights
 
-            def recording_load_weights(weights: Any, strict: bool = True) -> nn.Module:
+            def recording_load_weights(weights: list[tuple[str, mx.array]], strict: bool = True) -> nn.Module:
                 self.loaded = {name: tuple(w.shape) for name, w in weights}
-                self.expected = {
-                    name: tuple(p.shape) for name, p in tree_flatten(model.parameters())
-                }
+                self.expected = {name: tuple(p.shape) for name, p in flat_parameters(model.parameters())}
                 return load_weights(weights, strict=strict)
 
-            model.load_weights = recording_load_weights
+            model.load_weights = recording_load_weights  # type: ignore[method-assign,assignment]  # load_model passes a list
             return model
 
         return build, args_class
 
 
-def load_rank(job: JobSpec, group: Any) -> LoadedModel:
+def load_rank(job: JobSpec, group: mx.distributed.Group) -> LoadedModel:
     """Load, pipeline and evaluate this rank's part of the model."""
     tic = time.perf_counter()
     rank = group.rank()
@@ -93,7 +94,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
         path,
         lazy=True,
         strict=False,
-        get_model_classes=recorder.classes,
+        get_model_classes=recorder.classes,  # type: ignore[arg-type]  # a factory where mlx-lm takes a class
         trust_remote_code=job.trust_remote_code,
     )
     model.__dict__.pop("load_weights", None)
@@ -128,7 +129,7 @@ def load_rank(job: JobSpec, group: Any) -> LoadedModel:
     return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft, topology, sharding)
 
 
-def load_draft(path_text: str, tokenizer: Any, rank: int) -> nn.Module:
+def load_draft(path_text: str, tokenizer: TokenizerWrapper, rank: int) -> nn.Module:
     """The whole draft model, as mlx_lm.generate loads it, refused if its vocabulary is not the model's."""
     from mlx_lm.utils import load
 
@@ -136,7 +137,7 @@ def load_draft(path_text: str, tokenizer: Any, rank: int) -> nn.Module:
     if not (path / "config.json").is_file():
         raise ModelError(f"rank {rank}: --draft-model {path}: no config.json there",
                          hint="copy the draft model's directory to the same path on every host, or give its hub id")
-    draft, draft_tokenizer = load(str(path))
+    draft, draft_tokenizer = load(str(path))[:2]  # without return_config: the model and its tokenizer
     check_draft_vocab(draft_tokenizer.vocab_size, tokenizer.vocab_size, path_text)
     mx.eval(draft.parameters())
     return draft
@@ -153,7 +154,7 @@ def check_weights_loaded(model: nn.Module, recorder: _LoadRecorder, path: Path) 
     """Raise ModelError naming local parameters the files lacked or got wrong."""
     loaded = recorder.loaded or {}
     missing, wrong = [], []
-    for name, _ in tree_flatten(model.parameters()):
+    for name, _ in flat_parameters(model.parameters()):
         if name not in loaded:
             missing.append(name)
         elif name in recorder.expected and loaded[name] != recorder.expected[name]:
@@ -208,16 +209,18 @@ def load_local_adapters(model: nn.Module, path: Path, start: int, end: int, rank
     fine_tune_type = getattr(config, "fine_tune_type", "lora")
     if fine_tune_type != "full":
         local = [layers[i] for i in range(max(first, start), end)]
-        linear_to_lora_layers(_LocalLayers(model, local), len(local), config.lora_parameters,
+        # The local blocks as the model: linear_to_lora_layers reads layers, named_modules and update_modules.
+        linear_to_lora_layers(_LocalLayers(model, local), len(local), config.lora_parameters,  # type: ignore[arg-type]
                               use_dora=fine_tune_type == "dora")
-    params = dict(tree_flatten(model.parameters()))
+    params = dict(flat_parameters(model.parameters()))
     prefix = _layers_prefix(model, layers)
     weights, wrong = [], []
-    for name, w in mx.load(str(path / "adapters.safetensors")).items():
+    for name, w in cast(dict[str, mx.array], mx.load(str(path / "adapters.safetensors"))).items():
         index = _layer_index(name, prefix)
         if index is not None and not start <= index < end:
             continue  # another rank's layer
-        if name not in params or (fine_tune_type != "full" and name.rsplit(".", 1)[-1] not in ("lora_a", "lora_b", "m")):
+        adapter = name.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m")
+        if name not in params or (fine_tune_type != "full" and not adapter):
             wrong.append(f"{name}: not an adapter parameter of the model")
         elif w.shape != params[name].shape:
             wrong.append(f"{name}: shape {tuple(w.shape)}, the model's {tuple(params[name].shape)}")
@@ -233,7 +236,7 @@ def _layers_prefix(model: nn.Module, layers: list[nn.Module]) -> str:
     first = layers[0]
     for name, module in model.named_modules():
         if module is first:
-            return name.rsplit(".", 1)[0] + "."
+            return str(name).rsplit(".", 1)[0] + "."
     raise ModelError("cannot find the model's blocks among its modules")
 
 
@@ -263,7 +266,7 @@ def settle() -> None:
     mx.synchronize()
 
 
-def barrier(group: Any) -> None:
+def barrier(group: mx.distributed.Group) -> None:
     """Finish this rank's work in flight, then wait for every rank, on the CPU stream.
 
     On Metal a GPU-stream collective that waits more than a few seconds (a
@@ -284,7 +287,7 @@ def build_without_weights(model_path: str | Path, trust_remote_code: bool = Fals
             path,
             lazy=True,
             strict=False,
-            get_model_classes=_classes_without_weights,
+            get_model_classes=_classes_without_weights,  # type: ignore[arg-type]  # as in load_rank
             trust_remote_code=trust_remote_code,
         )
     except (ValueError, KeyError, TypeError) as e:
@@ -325,15 +328,20 @@ def check_pipelinable(
             )
 
 
-def _classes_without_weights(config: dict) -> tuple[Callable[[Any], nn.Module], type]:
+def _classes_without_weights(config: dict[str, Any]) -> tuple[Callable[[Any], nn.Module], type]:
     """``_get_classes`` whose models load no weights at all."""
     model_class, args_class = _get_classes(config)
 
     def build(args: Any) -> nn.Module:
-        model = model_class(args)
+        model: nn.Module = model_class(args)
         # Some sanitize methods index weights that an empty load lacks, and
         # whatever weight files are present need not be read to check structure.
         model.sanitize = lambda weights: {}
         return model
 
     return build, args_class
+
+
+def flat_parameters(tree: Any) -> list[tuple[str, mx.array]]:
+    """``tree_flatten`` of a module's parameters (a list: mlx types it as a list or the dict it may fill)."""
+    return cast(list[tuple[str, mx.array]], tree_flatten(tree))

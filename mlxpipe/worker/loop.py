@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
@@ -43,6 +43,9 @@ from mlxpipe.worker.progress import Emit, Progress
 from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
 from mlxpipe.worker.streamed import Streamed
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 
 def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
     """Join the group, load this rank's layers, then answer the messages from ``stream``."""
@@ -53,7 +56,7 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) ->
     RankLoop(loaded, group, job, emit).run(stream or sys.stdin)
 
 
-def loaded_event(job: JobSpec, group: Any, loaded: LoadedModel, trainable: int | None = None,
+def loaded_event(job: JobSpec, group: mx.distributed.Group, loaded: LoadedModel, trainable: int | None = None,
                  frozen: int | None = None) -> Loaded:
     """What a rank's ``loaded`` event says (serving and training ranks alike)."""
     return Loaded(
@@ -69,7 +72,7 @@ def loaded_event(job: JobSpec, group: Any, loaded: LoadedModel, trainable: int |
     )
 
 
-def init_group(world_size: int) -> Any:
+def init_group(world_size: int) -> mx.distributed.Group:
     """The distributed group of the job; a single rank needs no backend."""
     if world_size == 1:
         # mlx.launch gives a lone rank an empty hostfile, which the ring
@@ -87,7 +90,7 @@ def init_group(world_size: int) -> Any:
 class RankLoop:
     """Answers ``generate``, ``batch``, ``serve`` and ``exit`` on one rank (see the module docstring)."""
 
-    def __init__(self, loaded: LoadedModel, group: Any, job: JobSpec, emit: Emit = wire.emit) -> None:
+    def __init__(self, loaded: LoadedModel, group: mx.distributed.Group, job: JobSpec, emit: Emit = wire.emit) -> None:
         self.loaded = loaded
         self.group = group
         self.job = job
@@ -243,7 +246,7 @@ def _reason(e: BaseException) -> str:
     return e.message if isinstance(e, MlxpipeError) else f"{type(e).__name__}: {e}"
 
 
-def _quietly(work: Any, *args: Any) -> None:
+def _quietly(work: Callable[..., object], *args: object) -> None:
     """Work aside whose failure only means it is done later, where its error reaches the request."""
     try:
         work(*args)

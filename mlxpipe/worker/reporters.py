@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxpipe.protocol.events import Finished, Result, Token
 from mlxpipe.protocol.messages import RequestId
@@ -11,6 +11,9 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.progress import Emit
 from mlxpipe.worker.schedule import Schedule
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Reporter(Protocol):
     def finished(self, engine: EngineView, index: int, timing: Timing, now: float) -> None: ...
 
 
-def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) -> str:
+def text_of(tokenizer: TokenizerWrapper, tokens: list[int], eos_ids: set[int] | None = None) -> str:
     """The text ``stream_generate`` would have streamed: the end-of-sequence token is not shown."""
     eos_ids = tokenizer.eos_token_ids if eos_ids is None else eos_ids
     detokenizer = tokenizer.detokenizer
@@ -50,7 +53,8 @@ def text_of(tokenizer: Any, tokens: list[int], eos_ids: set[int] | None = None) 
         if token not in eos_ids:
             detokenizer.add_token(token)
     detokenizer.finalize()
-    return detokenizer.text
+    text: str = detokenizer.text
+    return text
 
 
 def _error(engine: EngineView, index: int) -> str | None:
@@ -127,7 +131,7 @@ class TextReporter:
     the one request are kept for the ``done`` event.
     """
 
-    def __init__(self, emit: Emit, tokenizer: Any, request_id: RequestId = None) -> None:
+    def __init__(self, emit: Emit, tokenizer: TokenizerWrapper, request_id: RequestId = None) -> None:
         self.emit, self.request_id = emit, request_id
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.detokenizer = tokenizer.detokenizer

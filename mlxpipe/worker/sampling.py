@@ -12,7 +12,7 @@ what it samples alone after ``mx.random.seed(seed)``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -20,11 +20,14 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def extra_eos_ids(tokenizer: Any, tokens: tuple[str, ...]) -> set[int]:
+def extra_eos_ids(tokenizer: TokenizerWrapper, tokens: tuple[str, ...]) -> set[int]:
     """The ids of ``--extra-eos-token`` values, read as ``TokenizerWrapper.add_eos_token`` reads them."""
     ids = set()
     for token in tokens:
@@ -39,13 +42,13 @@ def extra_eos_ids(tokenizer: Any, tokens: tuple[str, ...]) -> set[int]:
     return ids
 
 
-def mlx_sampler(request: Request, tokenizer: Any, eos_ids: set[int]) -> Sampler:
+def mlx_sampler(request: Request, tokenizer: TokenizerWrapper, eos_ids: set[int]) -> Sampler:
     """mlx-lm's sampler for ``request``, built as mlx_lm.generate builds it (XTC spares newline and EOS)."""
     return make_sampler(**request.sampler_kwargs(),
                         xtc_special_tokens=list(tokenizer.encode("\n")) + sorted(eos_ids))
 
 
-def keyed_sampler(request: Request, tokenizer: Any, eos_ids: set[int]) -> Sampler:
+def keyed_sampler(request: Request, tokenizer: TokenizerWrapper, eos_ids: set[int]) -> Sampler:
     """``mlx_sampler`` drawing from the request's own key (greedy needs none)."""
     sampler = mlx_sampler(request, tokenizer, eos_ids)
     return KeyedSampler(sampler, request.seed) if request.temp > 0 else sampler
@@ -65,9 +68,9 @@ class KeyedSampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         mx.random.seed(self.key)
         token = self.sampler(logprobs)
-        after = mx.random.state[0]
+        after = cast(list[mx.array], mx.random.state)[0]  # mlx types its state as a plain object
         mx.eval(token, after)
-        high, low = after.tolist()
+        high, low = cast(list[int], after.tolist())
         self.key = (int(high) << 32) | int(low)
         return token
 
@@ -80,12 +83,13 @@ def token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
     ``top`` most likely tokens', best first (ties: the lower id first, as ``argmax`` picks); tokens a grammar
     ruled out (``-inf``) are never listed."""
     row = logprobs.reshape(-1)
-    chosen = float(row[token].item())
+    chosen = float(cast(float, row[token].item()))  # mlx types item() as any scalar
     if top <= 0:
         return chosen, []
     top = min(top, row.size)
     order = mx.argpartition(-row, top - 1)[:top]  # the top ones, unordered: cheaper than sorting the vocabulary
     values = row[order]
     mx.eval(order, values)
-    ranked = sorted(zip(order.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+    ids, logits = cast(list[int], order.tolist()), cast(list[float], values.tolist())
+    ranked = sorted(zip(ids, logits, strict=True), key=lambda p: (-p[1], p[0]))
     return chosen, [[int(i), float(v)] for i, v in ranked if v != -float("inf")]

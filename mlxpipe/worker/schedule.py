@@ -130,7 +130,7 @@ class Schedule:
         if stages < 1 or slots < 1 or prefill_step < 1 or decode_batch < 1:
             raise ValueError("stages, slots, prefill_step and decode_batch must be positive")
         self.requests: list[RequestState] = []
-        for prompt, most in zip(prompts, max_tokens):
+        for prompt, most in zip(prompts, max_tokens, strict=True):
             self.add(prompt, most)
         self.stages = stages
         self.slots: list[int | None] = [None] * slots  # slot -> request index
@@ -323,7 +323,7 @@ class Schedule:
         if len(tokens) != len(sampled.requests):
             raise ValueError(f"tick {self.tick}: {len(sampled.requests)} tokens expected, got {len(tokens)}")
         finished = []
-        for index, token in zip(sampled.requests, tokens):
+        for index, token in zip(sampled.requests, tokens, strict=True):
             request = self.requests[index]
             if request.finish_reason is not None:
                 continue  # already ended (cancelled and freed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
@@ -30,6 +30,9 @@ from mlxpipe.worker.load import settle
 from mlxpipe.worker.progress import Emit
 from mlxpipe.worker.reporters import text_of
 from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import GenerationResponse
 
 
 @dataclass
@@ -53,14 +56,14 @@ class Streamed:
         self._prompt_cache = None
 
     def generate(self, request: Request, tokens: list[int], tic: float,
-                 on_response: Callable[[Any], None] | None = None) -> Done:
+                 on_response: Callable[[GenerationResponse], None] | None = None) -> Done:
         """One request through mlx-lm's ``stream_generate`` (one rank, ``--pipeline native``, a draft model);
         each response goes to ``on_response`` (default: rank 0 streams its text)."""
         tokenizer = self.context.loaded.tokenizer
         keep = request.keep_cache
         if self.context.loaded.draft is None:
             cache, cached = self._cache_for(tokens, keep, request.max_kv_size)
-            draft = {}
+            draft: dict[str, Any] = {}
         else:
             # speculative_generate_step: the target verifies num_draft_tokens draft tokens in one
             # pass through the stages; every rank drafts the same tokens with its own copy.
@@ -166,7 +169,7 @@ class Streamed:
         tokens = [int(t) for t in request.tokens or ()]
         self.context.progress.reset()
 
-        def stream(response: Any) -> None:
+        def stream(response: GenerationResponse) -> None:
             if self.rank == 0:
                 self._emit(Token(rank=0, id=request.id, token=response.token))
 
@@ -201,7 +204,7 @@ class Streamed:
         self._emit(summary)
         return summary
 
-    def _emit_token(self, request: Request, response: Any) -> None:
+    def _emit_token(self, request: Request, response: GenerationResponse) -> None:
         """Rank 0 streams text; the end-of-sequence token itself is not shown."""
         if self.rank != 0:
             return
@@ -214,8 +217,8 @@ class Streamed:
         """A cache for ``tokens`` and how many of them it already holds."""
         previous, self._prompt_cache = self._prompt_cache, None
         common = extra = 0
-        usable = keep and previous is not None
-        if usable:
+        usable = False
+        if keep and previous is not None:
             # At least one token must be fed to get logits for the next one.
             common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1)
             extra = len(previous.tokens) - common
@@ -225,7 +228,9 @@ class Streamed:
         # Ranks hold different caches (native mode keeps only local ones), so
         # they agree before anyone trims: all must feed the same tokens.
         if keep and all_agree(self.context.group, usable):
-            if extra == 0 or trim_prompt_cache(previous.cache, extra) == extra:
+            assert previous is not None  # usable on every rank, this one too
+            # mlx-lm annotates trim_prompt_cache as returning a list: it returns the count trimmed.
+            if extra == 0 or cast(int, trim_prompt_cache(previous.cache, extra)) == extra:
                 return previous.cache, common
         return make_prompt_cache(self.context.loaded.model, max_kv_size=max_kv_size or self.context.job.max_kv_size), 0
 
@@ -243,14 +248,18 @@ class Streamed:
         parts = [previous.cache[:split], previous.cache[split:]] if keep and previous is not None else []
         lengths = [_cache_length(part) for part in parts]
         common = 0
-        if parts and None not in lengths:
-            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *lengths)
+        known = [length for length in lengths if length is not None]
+        if previous is not None and parts and len(known) == len(lengths):
+            common = min(common_prefix_len(previous.tokens, tokens), len(tokens) - 1, *known)
         common = agreed_min(self.context.group, common)  # every rank must feed the same tokens
         if common > 0:
-            for part, length in zip(parts, lengths):
+            assert previous is not None  # common > 0 on every rank: this one kept its caches
+            for part, length in zip(parts, known, strict=True):
                 trim_prompt_cache(part, length - common)
             return previous.cache, common
-        return make_prompt_cache(self.context.loaded.model) + make_prompt_cache(self.context.loaded.draft), 0
+        draft = self.context.loaded.draft
+        assert draft is not None  # only speculative requests come here
+        return make_prompt_cache(self.context.loaded.model) + make_prompt_cache(draft), 0
 
 
 def _cache_length(cache: list[Any]) -> int | None:

@@ -33,11 +33,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol import wire
@@ -46,7 +46,7 @@ from mlxpipe.protocol.job import JobSpec, TrainSpec
 from mlxpipe.protocol.messages import Eval, Exit, Resume, Save, Step, TrainMessage
 from mlxpipe.worker.adapters import add_lora, build_optimizer, checkpoint_layers
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.load import LoadedModel, barrier, load_rank
+from mlxpipe.worker.load import LoadedModel, barrier, flat_parameters, load_rank
 from mlxpipe.worker.loop import init_group, loaded_event
 from mlxpipe.worker.progress import PROGRESS_SECONDS, Emit
 from mlxpipe.worker.stages.cut import find_exchange
@@ -95,7 +95,7 @@ class _InFlight:
 class Stage:
     """This rank's part of the model, its LoRA parameters and optimizer, and the sends and receives."""
 
-    def __init__(self, loaded: LoadedModel, group: Any, options: TrainSpec) -> None:
+    def __init__(self, loaded: LoadedModel, group: mx.distributed.Group, options: TrainSpec) -> None:
         self.loaded, self.group, self.options = loaded, group, options
         self.model = loaded.model
         self.rank, self.size = group.rank(), group.size()
@@ -108,17 +108,17 @@ class Stage:
         if self.exchange is not None:
             self.exchange.explicit = True
         self.optimizer = build_optimizer(options)
-        self.trainable_count = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
-        self.frozen_count = sum(v.size for _, v in tree_flatten(self.model.parameters())) - self.trainable_count
+        self.trainable_count = sum(v.size for _, v in flat_parameters(self.model.trainable_parameters()))
+        self.frozen_count = sum(v.size for _, v in flat_parameters(self.model.parameters())) - self.trainable_count
         self.backward_from = self._first_trained_stage()
         self.model.train()
-        self._incoming: dict[tuple[int, ...], tuple[tuple[int, ...], Any]] = {}
+        self._incoming: dict[tuple[int, ...], tuple[tuple[int, ...], mx.Dtype]] = {}
         self.on_action: Callable[[str], None] = lambda what: None  # progress, for the controller's watchdog
         self.compute_seconds = 0.0  # evaluating this stage's own work, not waiting on a send or receive
 
     @property
     def runs_backward(self) -> bool:
-        return self.index >= self.backward_from
+        return bool(self.index >= self.backward_from)
 
     @property
     def sends_grad(self) -> bool:
@@ -128,7 +128,7 @@ class Stage:
         """The first stage (from the input) holding LoRA parameters; stages before it run no backward."""
         mine = mx.zeros((self.size,)).at[self.index].add(float(self.trainable_count > 0))
         flags = mx.distributed.all_sum(mine, group=self.group, stream=mx.cpu) if self.size > 1 else mine
-        trained = [s for s, f in enumerate(flags.tolist()) if f > 0]
+        trained = [s for s, f in enumerate(cast(list[float], flags.tolist())) if f > 0]
         if not trained:
             raise UsageError("no layer has LoRA parameters", hint="raise --num-layers")
         return trained[0]
@@ -138,10 +138,14 @@ class Stage:
     def _run(self, inputs: mx.array, x: mx.array | None) -> mx.array:
         """The model on this rank: ``x`` into the first local layer; the logits (rank 0) or this stage's output."""
         if self.exchange is None:
-            return self.model(inputs)
+            whole: mx.array = self.model(inputs)
+            return whole
         self.exchange.hidden_in, self.exchange.hidden_out = x, None
-        logits = self.model(inputs)
-        return logits if self.last else self.exchange.hidden_out
+        logits: mx.array = self.model(inputs)
+        if self.last:
+            return logits
+        assert self.exchange.hidden_out is not None  # the last local layer left it there
+        return self.exchange.hidden_out
 
     def _receive_input(self, inputs: mx.array) -> mx.array | None:
         """The activations from rank + 1 (lazy: received when evaluated); None on the first stage."""
@@ -178,7 +182,8 @@ class Stage:
         loss = mx.array(0.0)
         actions = stage_actions(schedule, self.size, self.index, micro_batches, self.backward_from)
         for action in actions:
-            self.on_action(f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro + 1}/{micro_batches}")
+            kind = "forward" if action.kind == "F" else "backward"
+            self.on_action(f"{kind} of micro-batch {action.micro + 1}/{micro_batches}")
             mb, mb_lengths = cuts[action.micro]
             if action.kind == "F":
                 done = self._forward(action, mb, mb_lengths, ntoks, params, flight)
@@ -192,7 +197,8 @@ class Stage:
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, loss)
         out: dict[str, Any] = {}
         if self.last:
-            out = {"loss": loss.item(), "ntoks": int(ntoks.item()),
+            assert ntoks is not None  # counted on the last stage
+            out = {"loss": loss.item(), "ntoks": int(cast(int, ntoks.item())),
                    "learning_rate": float(self.optimizer.learning_rate.item())}
         return out
 
@@ -214,6 +220,7 @@ class Stage:
             self.model.update(p)
             out = self._run(inputs, x_in)
             if self.last:
+                assert ntoks is not None  # counted on the last stage
                 loss_sum, count = masked_loss_sum(out, mb, lengths)
                 return loss_sum / ntoks, count
             dy = mx.distributed.recv_like(out, self.rank - 1, group=self.group)
@@ -273,13 +280,13 @@ class Stage:
                 self._compute(out)
                 self._send(out, self.rank - 1)
         self.model.train()
-        return {"loss_sum": total.item(), "ntoks": int(count.item())} if self.last else {}
+        return {"loss_sum": total.item(), "ntoks": int(cast(int, count.item()))} if self.last else {}
 
     # --- adapters ----------------------------------------------------------------------
 
     def adapter_weights(self) -> dict[str, mx.array]:
         """This rank's adapter parameters, under the names single-process mlx-lm gives them."""
-        return dict(tree_flatten(self.model.trainable_parameters()))
+        return dict(flat_parameters(self.model.trainable_parameters()))
 
     def load_adapters(self, weights: dict[str, mx.array]) -> int:
         """Take the entries of ``weights`` for this rank's parameters (``--resume-adapter-file``)."""
@@ -372,7 +379,7 @@ def decode_weights(data: str) -> dict[str, mx.array]:
         path = os.path.join(tmp, "w.safetensors")
         with open(path, "wb") as f:
             f.write(base64.b64decode(data))
-        weights = mx.load(path)
+        weights = cast(dict[str, mx.array], mx.load(path))  # a .safetensors file: a dict of arrays
         mx.eval(weights)
         return dict(weights)
 

@@ -137,4 +137,4 @@ def simulate(schedule: str, num_stages: int, micro_batches: int, backward_from: 
                 pos[t] += 1
                 moved = True
         if not moved:
-            return all(p == len(o) for p, o in zip(pos, ops))
+            return all(p == len(o) for p, o in zip(pos, ops, strict=True))

@@ -18,7 +18,9 @@ def invoke(*args: str) -> Any:
 def test_init_needs_hosts() -> None:
     result = invoke("cluster", "init", "-o", "x.json")
     assert result.exit_code == 2
-    assert result.stderr.splitlines()[0] == "error: no hosts: name them (mlxpipe cluster init HOST ...) or pass --discover"
+    assert result.stderr.splitlines()[0] == (
+        "error: no hosts: name them (mlxpipe cluster init HOST ...) or pass --discover"
+    )
 
 
 def test_init_writes_nothing_when_a_host_cannot_be_reached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,7 +40,8 @@ def test_init_writes_nothing_when_a_host_cannot_be_reached(tmp_path: Path, monke
 
 
 def test_install_names_a_missing_wheelhouse_and_hostfile(tmp_path: Path) -> None:
-    result = invoke("cluster", "install", "--hostfile", str(tmp_path / "h.json"), "--wheelhouse", str(tmp_path / "none"))
+    result = invoke("cluster", "install", "--hostfile", str(tmp_path / "h.json"),
+                    "--wheelhouse", str(tmp_path / "none"))
     assert result.exit_code == 2
     assert result.stderr.splitlines()[0] == f"error: --wheelhouse {tmp_path / 'none'}: no such directory"
     result = invoke("cluster", "install", "--hostfile", str(tmp_path / "h.json"))

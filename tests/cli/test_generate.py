@@ -26,7 +26,9 @@ from tests.e2e.test_ssh_cluster import cli
         (["--output", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),
     ],
 )
-def test_generate_refuses_bad_batch_flags(tiny_models: TinyModels, tmp_path: Path, args: list[str], message: str) -> None:
+def test_generate_refuses_bad_batch_flags(
+    tiny_models: TinyModels, tmp_path: Path, args: list[str], message: str
+) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hi\n")
     argv = ["generate", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), *args]
@@ -36,7 +38,9 @@ def test_generate_refuses_bad_batch_flags(tiny_models: TinyModels, tmp_path: Pat
 
 
 def test_batch_flags_need_a_prompts_file(tiny_models: TinyModels) -> None:
-    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "x", "--concurrency", "2"])
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "x", "--concurrency", "2"]
+    )
     assert result.exit_code == 2
     assert "--concurrency and --output go with --prompts-file" in result.output
 

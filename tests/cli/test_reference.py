@@ -240,7 +240,8 @@ def test_the_examples_are_found() -> None:
         "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json", "--prompt", "Write a haiku about Thunderbolt cables",
     ] in by_page["README.md"]
     assert [
-        "generate", "--config", "configs/llama-3.3-70b-4bit.yaml", "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json",
+        "generate", "--config", "configs/llama-3.3-70b-4bit.yaml",
+        "--hostfile", "hostfiles/mac-studio-2-thunderbolt.json",
         "--prompt", "-",
     ] in by_page["docs/generate.md"]
     assert ["plan", "--json"] in by_page["docs/benchmarks.md"]

@@ -21,7 +21,9 @@ def test_ethernet_over_wifi() -> None:
     ]
     best = addresses.best_network(hosts)
     assert best is not None
-    assert (best.kind, str(best.subnet), best.ips, best.devices) == (ETHERNET, "10.0.0.0/24", ("10.0.0.1", "10.0.0.2"), ("en0", "en0"))
+    assert (best.kind, str(best.subnet), best.ips, best.devices) == (
+        ETHERNET, "10.0.0.0/24", ("10.0.0.1", "10.0.0.2"), ("en0", "en0")
+    )
 
 
 def test_thunderbolt_over_ethernet_for_a_pair() -> None:
@@ -85,7 +87,8 @@ def test_link_local_inactive_and_down_interfaces_are_never_chosen() -> None:
 
 
 def test_no_shared_network() -> None:
-    assert addresses.best_network([[iface("en0", ETHERNET, "10.0.0.1/24")], [iface("en0", ETHERNET, "10.1.0.1/24")]]) is None
+    apart = [[iface("en0", ETHERNET, "10.0.0.1/24")], [iface("en0", ETHERNET, "10.1.0.1/24")]]
+    assert addresses.best_network(apart) is None
     assert addresses.best_network([]) is None
 
 

@@ -114,7 +114,7 @@ def test_interpreter_without_mlx_fails_naming_the_rank(tmp_path: Path) -> None:
     if not os.access(python3, os.X_OK):
         pytest.skip(f"{python3} is not installed")
     hostfile = write(tmp_path / "h.json", [LOCAL, {**LOCAL, "python": python3}])
-    code, checks, stderr = doctor("--hostfile", str(hostfile))
+    code, checks, _stderr = doctor("--hostfile", str(hostfile))
     assert code == 1
     [bad] = failures(checks)
     assert (bad["ranks"], bad["check"]) == ([1], "versions")
@@ -154,7 +154,7 @@ def test_busy_ring_port_fails(busy_port: int) -> None:
 
 def test_memory_too_small_fails(tmp_path: Path, tiny_models: Any) -> None:
     hostfile = write(tmp_path / "h.json", [{**LOCAL, "memory_gb": 0.001}, {**LOCAL, "memory_gb": 0.001}])
-    code, checks, stderr = doctor("--hostfile", str(hostfile), "--model", str(tiny_models["llama"]))
+    code, checks, _stderr = doctor("--hostfile", str(hostfile), "--model", str(tiny_models["llama"]))
     assert code == 1
     [bad] = failures(checks)
     assert (bad["host"], bad["ranks"], bad["check"]) == ("127.0.0.1", [0, 1], "memory")
@@ -199,7 +199,9 @@ def test_require_ok_names_the_first_failure() -> None:
     ]
     with pytest.raises(LaunchError) as e:
         require_ok(results)
-    assert e.value.message == "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
+    assert e.value.message == (
+        "preflight: b: ssh: cannot connect: Connection refused (1 more checks failed; see `mlxpipe doctor`)"
+    )
     assert e.value.hint == "start sshd"
     require_ok(results[:1])
 

@@ -67,7 +67,8 @@ def test_an_interpreter_with_the_controllers_versions_is_named() -> None:
     old = Python("/Users/u0/.mlxpipe/venv/bin/python", "3.12.8", {**VERSIONS, "mlxpipe": "0.0.1"}, venv=True)
     out = init.make([machine(0, pythons=[old, right]), machine(1, pythons=[right, venv])], versions=VERSIONS,
                     wire=no_wiring)
-    assert [h["python"] for h in out.data["hosts"]] == ["/opt/homebrew/bin/python3", "/Users/u1/.mlxpipe/venv/bin/python"]  # type: ignore[index]
+    pythons = [h["python"] for h in out.data["hosts"]]  # type: ignore[index]
+    assert pythons == ["/opt/homebrew/bin/python3", "/Users/u1/.mlxpipe/venv/bin/python"]
     assert out.to_install == []
     forced = init.make([machine(0), machine(1)], versions=VERSIONS, python="/usr/bin/python3", wire=no_wiring)
     assert {h["python"] for h in forced.data["hosts"]} == {"/usr/bin/python3"}  # type: ignore[index]
@@ -83,7 +84,8 @@ def test_wifi_only_when_no_wire_joins_them() -> None:
 
 
 def test_no_shared_network_is_a_blocking_step() -> None:
-    hosts = [machine(0, wifi=False), Machine("studio-2", "s2", "/Users/u1", interfaces=(iface("en0", ETHERNET, "10.9.0.2/24"),))]
+    hosts = [machine(0, wifi=False),
+             Machine("studio-2", "s2", "/Users/u1", interfaces=(iface("en0", ETHERNET, "10.9.0.2/24"),))]
     out = init.make(hosts, versions=VERSIONS, wire=no_wiring)
     assert out.data is None and not out.complete
     (step,) = out.steps
@@ -100,7 +102,8 @@ def test_a_cabled_pair_is_wired_by_mlx_and_gets_the_ring_over_thunderbolt() -> N
 
     def resurvey(hosts: Sequence[str]) -> tuple[list[Machine], list[init.Step]]:
         done = cabled_pair(rdma=())
-        return [Machine(**{**m.__dict__, "interfaces": (*m.interfaces, iface("en2", THUNDERBOLT, f"192.168.0.{i + 1}/30"))})
+        return [Machine(**{**m.__dict__,
+                           "interfaces": (*m.interfaces, iface("en2", THUNDERBOLT, f"192.168.0.{i + 1}/30"))})
                 for i, m in enumerate(done)], []
 
     bridge = iface("bridge0", BRIDGE, "169.254.1.1/16", members=("en2", "en3"))

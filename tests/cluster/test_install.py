@@ -21,11 +21,13 @@ def py(path: str, version: str, venv: bool = False, platform: str = "macosx-14.0
 
 
 def test_the_venv_is_made_with_the_controllers_minor_else_the_newest() -> None:
-    same = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"), py("/opt/homebrew/bin/python3.13", "3.13.1"),
+    same = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"),
+                                                   py("/opt/homebrew/bin/python3.13", "3.13.1"),
                                                    py("/opt/homebrew/bin/python3.12", "3.12.8")))
     assert install._base_python(same, TARGET).path == "/opt/homebrew/bin/python3.12"
     newest = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"), py("/a/python3.10", "3.10.4"),
-                                                     py("/a/python3.11", "3.11.2"), py("/v/python", "3.13.0", venv=True)))
+                                                     py("/a/python3.11", "3.11.2"),
+                                                     py("/v/python", "3.13.0", venv=True)))
     assert install._base_python(newest, TARGET).path == "/a/python3.11"
 
 
@@ -41,7 +43,9 @@ def test_a_mac_with_only_macos_python_is_told_what_to_install() -> None:
     ("macosx-14.0-arm64", "3.12.1", True), ("macosx-15.0-arm64", "3.12.8", True),  # deployment targets may differ
     ("macosx-14.0-arm64", "3.11.9", False), ("macosx-14.0-x86_64", "3.12.1", False), ("linux-x86_64", "3.12.1", False),
 ])
-def test_the_controllers_own_wheels_fit_the_same_os_architecture_and_python(platform: str, version: str, same: bool) -> None:
+def test_the_controllers_own_wheels_fit_the_same_os_architecture_and_python(
+    platform: str, version: str, same: bool
+) -> None:
     assert install._same_platform(py("/v/python", version, True, platform), TARGET) is same
 
 

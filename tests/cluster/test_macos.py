@@ -147,6 +147,7 @@ def test_thunderbolt_generation(speed: str | None, generation: int | None) -> No
 
 
 def test_ibv_devices_lists_rdma_devices_only_when_enabled() -> None:
-    assert macos.parse_ibv_devices((MACS / "mini" / "ibv_devices.txt").read_text()) == ("rdma_en2", "rdma_en3", "rdma_en4")
+    enabled = (MACS / "mini" / "ibv_devices.txt").read_text()
+    assert macos.parse_ibv_devices(enabled) == ("rdma_en2", "rdma_en3", "rdma_en4")
     assert macos.parse_ibv_devices((MACS / "ibv_devices-disabled.txt").read_text()) == ()
     assert macos.parse_ibv_devices("") == ()

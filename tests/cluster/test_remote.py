@@ -46,11 +46,14 @@ def test_scp_fallback_commands_are_quoted_and_atomic() -> None:
         ".cache/huggingface/hub/models--o--m/refs .cache/huggingface/hub/models--o--m/snapshots/c1"
     )
     assert remote.scp_argv(host, s, "models--o--m/blobs/abc")[-3:] == [
-        "--", "/ctl/hf/hub/models--o--m/blobs/abc", "studio-2:.cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial",
+        "--", "/ctl/hf/hub/models--o--m/blobs/abc",
+        "studio-2:.cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial",
     ]
     assert remote._finish_command(s).split(" && ") == [
-        "mv -f -- .cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial .cache/huggingface/hub/models--o--m/blobs/abc",
-        "mv -f -- .cache/huggingface/hub/models--o--m/refs/main.mlxpipe-partial .cache/huggingface/hub/models--o--m/refs/main",
+        "mv -f -- .cache/huggingface/hub/models--o--m/blobs/abc.mlxpipe-partial "
+        ".cache/huggingface/hub/models--o--m/blobs/abc",
+        "mv -f -- .cache/huggingface/hub/models--o--m/refs/main.mlxpipe-partial "
+        ".cache/huggingface/hub/models--o--m/refs/main",
         "ln -sfn -- ../../blobs/abc .cache/huggingface/hub/models--o--m/snapshots/c1/model.safetensors",
     ]
 

@@ -84,8 +84,9 @@ def test_read_survey_sections() -> None:
         "@@mlxpipe ports 0", "Hardware Port: Ethernet", "Device: en0", "", "Hardware Port: Wi-Fi", "Device: en1",
         "@@mlxpipe ibv_devices 127", "",
         "@@mlxpipe sudo 0", "",
-        "@@mlxpipe python 0", '{"executable": "/Users/me/.mlxpipe/venv/bin/python", "version": "3.12.8", "venv": true, '
-                              '"platform": "macosx-14.0-arm64", "packages": {"mlx": "0.30.1", "mlx-lm": null, "mlxpipe": null}}',
+        "@@mlxpipe python 0", '{"executable": "/Users/me/.mlxpipe/venv/bin/python", "version": "3.12.8", '
+                              '"venv": true, "platform": "macosx-14.0-arm64", '
+                              '"packages": {"mlx": "0.30.1", "mlx-lm": null, "mlxpipe": null}}',
         "@@mlxpipe python 0", "not json",
         "@@mlxpipe python 1", "",
     ])
@@ -102,11 +103,14 @@ def test_read_survey_sections() -> None:
 
 def test_a_host_ssh_cannot_reach_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_tools(tmp_path / "bin", {})
-    (tmp_path / "bin" / "ssh").write_text("#!/bin/sh\necho 'ssh: connect to host studio-9 port 22: Connection refused' >&2\n"
+    (tmp_path / "bin" / "ssh").write_text("#!/bin/sh\n"
+                                          "echo 'ssh: connect to host studio-9 port 22: Connection refused' >&2\n"
                                           "exit 255\n")
     (tmp_path / "bin" / "ssh").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     with pytest.raises(SetupError) as e:
         survey.survey(Host(0, "studio-9"))
-    assert e.value.message == "studio-9: cannot connect over ssh: ssh: connect to host studio-9 port 22: Connection refused"
+    assert e.value.message == (
+        "studio-9: cannot connect over ssh: ssh: connect to host studio-9 port 22: Connection refused"
+    )
     assert e.value.hint is not None and e.value.hint.startswith("turn on Remote Login on studio-9")

@@ -37,11 +37,13 @@ def test_mlxpipe_packs_from_its_source_tree_and_installs(tmp_path: Path) -> None
     assert path.name == f"mlxpipe-{metadata.version('mlxpipe')}-py3-none-any.whl"
     with zipfile.ZipFile(path) as whl:
         names = set(whl.namelist())
-        record = list(csv.reader(io.StringIO(whl.read(f"mlxpipe-{metadata.version('mlxpipe')}.dist-info/RECORD").decode())))
+        record_path = f"mlxpipe-{metadata.version('mlxpipe')}.dist-info/RECORD"
+        record = list(csv.reader(io.StringIO(whl.read(record_path).decode())))
         for name, digest, size in record:
             if digest:  # every file's hash and size as RECORD says
                 data = whl.read(name)
-                assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                encoded = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                assert digest == "sha256=" + encoded
                 assert int(size) == len(data)
     assert "mlxpipe/cluster/wheels.py" in names and "mlxpipe/serve/page/index.html" in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
@@ -56,7 +58,8 @@ def test_mlxpipe_packs_from_its_source_tree_and_installs(tmp_path: Path) -> None
 def test_an_installed_binary_package_keeps_its_platform_tag(tmp_path: Path) -> None:
     dist = metadata.distribution("PyYAML")
     path = wheels.pack(dist, tmp_path)
-    tags = [line.split(":", 1)[1].strip() for line in (dist.read_text("WHEEL") or "").splitlines() if line.startswith("Tag:")]
+    wheel = (dist.read_text("WHEEL") or "").splitlines()
+    tags = [line.split(":", 1)[1].strip() for line in wheel if line.startswith("Tag:")]
     assert path.name.startswith(f"PyYAML-{dist.version}-") and tags
     assert all(tag.split("-")[2] in path.name for tag in tags)
     assert wheels.pack(dist, tmp_path) == path  # already there: kept

@@ -156,7 +156,9 @@ def test_ranks_sharing_a_cache_fetch_each_file_once(hub_env: FakeHub, repos: dic
 # --- Idempotence, split changes, and the console script -------------------------------------
 
 
-def test_console_script_end_to_end_then_a_second_run_moves_nothing(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
+def test_console_script_end_to_end_then_a_second_run_moves_nothing(
+    hub_env: FakeHub, repos: dict, tmp_path: Path
+) -> None:
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, DEMO)
     plan = plan_for(meta, hostfile)
@@ -177,7 +179,9 @@ def test_console_script_end_to_end_then_a_second_run_moves_nothing(hub_env: Fake
     assert content_gets(hub_env) == [] and hub_env.bytes_served() == 0
 
 
-def test_changing_the_split_fetches_only_the_files_that_became_needed(hub_env: FakeHub, repos: dict, tmp_path: Path) -> None:
+def test_changing_the_split_fetches_only_the_files_that_became_needed(
+    hub_env: FakeHub, repos: dict, tmp_path: Path
+) -> None:
     hostfile = write_hostfile(tmp_path, 2)
     meta = prime(hub_env, TINY)
     before, after = plan_for(meta, hostfile, split="4,2"), plan_for(meta, hostfile, split="1,5")
@@ -189,7 +193,8 @@ def test_changing_the_split_fetches_only_the_files_that_became_needed(hub_env: F
     new = [wanted(after, r) - wanted(before, r) for r in range(2)]
     assert new[0] == set() and new[1]  # rank 0 shrank, rank 1 grew
     assert sorted(r.filename for r in content_gets(hub_env)) == sorted(new[1])
-    assert json.loads(result.stdout)["fetched_bytes"] == hub_env.bytes_served() == sum(meta.file_sizes[f] for f in new[1])
+    fetched = json.loads(result.stdout)["fetched_bytes"]
+    assert fetched == hub_env.bytes_served() == sum(meta.file_sizes[f] for f in new[1])
 
 
 # --- One rank here, dry runs, JSON ------------------------------------------------------------
@@ -227,7 +232,8 @@ def test_dry_run_lists_each_hosts_files_and_fetches_nothing(hub_env: FakeHub, re
     assert json.loads(data.stdout) == {
         "model": TINY, "commit": meta.commit, "model_bytes": plan.model_download_bytes,
         "hosts": [
-            {"host": "127.0.0.1", "ranks": [r], "files": sorted(wanted(plan, r), key=lambda f: (not f.endswith(".json"), f)),
+            {"host": "127.0.0.1", "ranks": [r],
+             "files": sorted(wanted(plan, r), key=lambda f: (not f.endswith(".json"), f)),
              "bytes": plan.ranks[r].download_bytes}
             for r in range(2)
         ],
@@ -372,7 +378,8 @@ def small_disk(tmp_path: Path):
     """A 1 MiB tmpfs, mounted for this test (needs root)."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill ({proc.stderr.strip() or 'mount failed'})")
     try:
@@ -477,7 +484,8 @@ def test_a_local_model_needs_from_controller(repos: dict, tmp_path: Path) -> Non
 
 
 def test_rank_and_from_controller_conflict(tmp_path: Path) -> None:
-    result = invoke("--model", "org/any", "--hostfile", str(write_hostfile(tmp_path, 2)), "--rank", "0", "--from-controller")
+    hostfile = str(write_hostfile(tmp_path, 2))
+    result = invoke("--model", "org/any", "--hostfile", hostfile, "--rank", "0", "--from-controller")
     assert result.exit_code == 2
     assert "--from-controller sends every host its files; --rank fetches one rank's here" in result.stderr
 

@@ -87,7 +87,8 @@ def test_host_refuses_a_tampered_job_before_any_request(hub_env: FakeHub, tiny_r
 
     good = json.loads(base64.b64decode(FetchJob(tiny_repo, "a" * 40, ("config.json",)).encode()))
     bad = base64.b64encode(json.dumps({**good, "files": ["../../.ssh/authorized_keys"]}).encode()).decode()
-    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--job", bad],
+                          capture_output=True, text=True)
     events = list(wire.iter_events(iter(proc.stdout.splitlines())))
     assert proc.returncode == 1
     assert [e["event"] for e in events] == ["error"]
@@ -116,7 +117,9 @@ def test_fetch_lands_verified_files_in_the_standard_cache(hub_env: FakeHub, tiny
     assert result.fetched_bytes == sum(progress) == job.total_bytes == hub_env.bytes_served()
 
 
-def test_second_fetch_finds_everything_present_without_a_request(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
+def test_second_fetch_finds_everything_present_without_a_request(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path
+) -> None:
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     fetch(job)
     hub_env.reset_log()
@@ -127,7 +130,8 @@ def test_second_fetch_finds_everything_present_without_a_request(hub_env: FakeHu
 
 
 def test_fetch_into_a_plain_model_dir(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
-    job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path, hf_home=None, local_dir=str(tmp_path / "models" / TINY))
+    job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path, hf_home=None,
+                  local_dir=str(tmp_path / "models" / TINY))
     result = fetch(job)
     assert Path(result.path) == tmp_path / "models" / TINY
     assert not (Path(result.path) / SHARD).is_symlink()
@@ -159,7 +163,7 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub_env: FakeHub, tin
     result = fetch(job, progress.append)
 
     gets = content_gets(hub_env, SHARD)
-    assert [g.range for g in gets][0] is None and len(gets) == 2
+    assert gets[0].range is None and len(gets) == 2
     resumed_at = int(gets[1].range.removeprefix("bytes=").removesuffix("-"))
     assert gets[1].range == f"bytes={resumed_at}-" and 0 < resumed_at <= size // 2
     assert gets[1].status == 206 and gets[1].bytes_sent == size - resumed_at
@@ -167,7 +171,9 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub_env: FakeHub, tin
     assert sum(progress) == size
 
 
-def test_a_file_corrupted_once_is_refetched_and_verified(hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None) -> None:
+def test_a_file_corrupted_once_is_refetched_and_verified(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None
+) -> None:
     hub_env.corrupt(tiny_repo, SHARD, times=1)
     job = job_for(hub_env, tiny_repo, [SHARD], tmp_path)
     progress: list[int] = []
@@ -177,7 +183,9 @@ def test_a_file_corrupted_once_is_refetched_and_verified(hub_env: FakeHub, tiny_
     assert sum(progress) == job.sizes[SHARD]  # the bad attempt's bytes were given back
 
 
-def test_a_file_always_corrupted_is_an_error_and_never_kept(hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None) -> None:
+def test_a_file_always_corrupted_is_an_error_and_never_kept(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path, no_backoff: None
+) -> None:
     hub_env.corrupt(tiny_repo, SHARD, times=fetch_mod.ATTEMPTS)
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     with pytest.raises(DownloadError) as info:
@@ -205,13 +213,14 @@ def test_a_gated_repo_names_the_host_and_how_to_log_in_there(hub_env: FakeHub, t
     assert "hf auth login" in info.value.hint and "HF_TOKEN on studio-2 (rank 1)" in info.value.hint
 
 
-def test_check_mode_reports_present_and_missing_without_network(hub_env: FakeHub, tiny_repo: str, tmp_path: Path) -> None:
+def test_check_mode_reports_present_and_missing_without_network(
+    hub_env: FakeHub, tiny_repo: str, tmp_path: Path
+) -> None:
     job = job_for(hub_env, tiny_repo, ["config.json", SHARD], tmp_path)
     fetch(dataclasses.replace(job, files=("config.json",)))
     hub_env.reset_log()
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "mlxpipe.download.fetch", "--check", "--job", job.encode()],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert list(wire.iter_events(iter(proc.stdout.splitlines()))) == [
         {"event": "check", "present": ["config.json"], "missing": [SHARD]}

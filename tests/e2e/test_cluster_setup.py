@@ -91,7 +91,8 @@ def older_mlxpipe(cluster: Cluster, index: int, tmp_path: Path) -> None:
 
 
 def venv_versions(cluster: Cluster, index: int) -> dict[str, str]:
-    code = "import json; from importlib.metadata import version as v; print(json.dumps({n: v(n) for n in ('mlx', 'mlx-lm', 'mlxpipe')}))"
+    code = ("import json; from importlib.metadata import version as v; "
+            "print(json.dumps({n: v(n) for n in ('mlx', 'mlx-lm', 'mlxpipe')}))")
     out = cluster.ssh(index, f"{cluster.host(index).home}/{VENV_PYTHON} -c \"{code}\"").stdout
     return json.loads(out)
 
@@ -171,11 +172,13 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
     homes = [macs.host(i).home for i in range(2)]
     # mlx.distributed_config wired the cable (192.168.0.1 <-> .2 on en2) and chose the ring over Thunderbolt.
     assert data == {"backend": "ring", "envs": [], "hosts": [
-        {"ssh": h, "ips": [ip], "memory_gb": 256, "python": f"{home}/{VENV_PYTHON}", "hf_home": f"{home}/.cache/huggingface"}
-        for h, ip, home in zip((h0, h1), ("192.168.0.1", "192.168.0.2"), homes)]}
+        {"ssh": h, "ips": [ip], "memory_gb": 256, "python": f"{home}/{VENV_PYTHON}",
+         "hf_home": f"{home}/.cache/huggingface"}
+        for h, ip, home in zip((h0, h1), ("192.168.0.1", "192.168.0.2"), homes, strict=True)]}
     lines = init.stdout.splitlines()
     for h in (h0, h1):  # what ssh cannot do, one line per host and step
-        assert any(line.startswith(f"step: on {h}: enable RDMA for JACCL") and "rdma_ctl enable" in line for line in lines)
+        assert any(line.startswith(f"step: on {h}: enable RDMA for JACCL") and "rdma_ctl enable" in line
+                   for line in lines)
         assert any(line.startswith(f"step: on {h}: remove the Thunderbolt Bridge") for line in lines)
     assert f"wrote {hostfile} (2 hosts)" in lines
     assert "links: not measured (this mlxpipe cannot measure them yet)" in lines

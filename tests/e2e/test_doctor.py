@@ -33,7 +33,8 @@ def test_cluster_passes(cluster: Cluster, tiny_models: Any) -> None:
 @pytest.mark.cluster
 @pytest.mark.parametrize("how", ["kill_sshd", "block"])
 def test_unreachable_host_fails_naming_it(cluster: Cluster, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mlxpipe.cluster.doctor.CONNECT_TIMEOUT", 2)  # a blocked host answers nothing: keep the wait short
+    # A blocked host answers nothing: keep the wait short.
+    monkeypatch.setattr("mlxpipe.cluster.doctor.CONNECT_TIMEOUT", 2)
     hostfile = cluster.hostfile(2)
     getattr(cluster, how)(1)
     code, checks, stderr = doctor("--hostfile", str(hostfile))

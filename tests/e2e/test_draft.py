@@ -47,7 +47,8 @@ def first_layers_draft(target: Path, dest: Path, layers: int = DRAFT_LAYERS) -> 
         weights.update(mx.load(str(f)))
     config = json.loads((target / "config.json").read_text())
     dropped = tuple(f"layers.{i}." for i in range(layers, config["num_hidden_layers"]))
-    mx.save_safetensors(str(dest / "model.safetensors"), {k: v for k, v in weights.items() if not any(d in k for d in dropped)})
+    kept = {k: v for k, v in weights.items() if not any(d in k for d in dropped)}
+    mx.save_safetensors(str(dest / "model.safetensors"), kept)
     (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
     for f in target.iterdir():
         if f.name.startswith("tokenizer"):

@@ -24,7 +24,8 @@ from fixtures.tiny_models import make_tiny_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 240
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the", "rain", "and", "sun"]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the",
+         "rain", "and", "sun"]
 # Adam turns float noise in near-zero gradients into steps of up to the learning rate, so a
 # modest one keeps the comparison about the pipeline, not about rounding (mlx_lm's default is 1e-5).
 FLAGS = {"batch_size": 4, "iters": 4, "num_layers": 3, "learning_rate": 1e-4, "steps_per_eval": 2,
@@ -124,7 +125,9 @@ def text_reference(workdir: Path) -> dict[str, Any]:
     return reference(workdir / "ref-text", model=str(workdir / "llama"), data=str(workdir / "text"), **FLAGS)
 
 
-def test_two_ranks_naive_schedule_equals_mlx_lm_and_writes_its_format(workdir: Path, text_reference: dict[str, Any]) -> None:
+def test_two_ranks_naive_schedule_equals_mlx_lm_and_writes_its_format(
+    workdir: Path, text_reference: dict[str, Any]
+) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load

@@ -50,7 +50,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "max_kv_size": _raw(max_kv_size=12, max_tokens=10),
     "kv_bits": _raw(kv_bits=4, kv_group_size=32, quantized_kv_start=10, max_tokens=10),
     "prefill_response": _chat(prefill_response="Pipelines are"),
-    "chat_template_config": _chat(chat_template_config={"add_generation_prompt_extra": True}, system_prompt="Be brief."),
+    "chat_template_config": _chat(chat_template_config={"add_generation_prompt_extra": True},
+                                  system_prompt="Be brief."),
 }
 ADAPTER_REQUESTS: dict[str, dict[str, Any]] = {"adapter_chat": _chat(), "adapter_raw": _raw()}
 # Options that need not change the tokens of this tiny model (they are exercised all the same).
@@ -75,7 +76,8 @@ def option_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     lora = {"rank": 4, "scale": 2.0, "dropout": 0.0}
     linear_to_lora_layers(model, ADAPTER_LAYERS, lora)
     adapters = {k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.2
-                for i, (k, v) in enumerate(tree_flatten(model.parameters())) if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+                for i, (k, v) in enumerate(tree_flatten(model.parameters()))
+                if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
     dest = root / "adapters"
     dest.mkdir()
     mx.save_safetensors(str(dest / "adapters.safetensors"), adapters)

@@ -224,7 +224,7 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
     summary = json.loads(result.stdout)["summary"]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == [1, "count"]
-    for request, got in zip(requests, lines):
+    for request, got in zip(requests, lines, strict=True):
         tokens, text = _reference(str(demo_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
         assert (got["tokens"], got["text"]) == (tokens, text)
         assert got["generation_tokens"] == len(tokens) and got["latency"] >= got["ttft"] > 0

@@ -46,7 +46,8 @@ def browser() -> Iterator[Any]:
         _needs("chromium and chromedriver on PATH")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,1000"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,1000"):
         options.add_argument(arg)
     chrome = webdriver.Chrome(options=options, service=Service(driver))
     try:
@@ -141,7 +142,8 @@ def test_the_page_is_open_and_its_data_behind_the_key(server: ServeProcess) -> N
     refused = httpx.get(f"{server.url}/cluster", timeout=30)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     data = httpx.get(f"{server.url}/cluster", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
-    assert [(r["host"], r["layers"]) for r in data["ranks"]] == [(r["host"], r["layers"]) for r in server.health()["ranks"]]
+    served = [(r["host"], r["layers"]) for r in server.health()["ranks"]]
+    assert [(r["host"], r["layers"]) for r in data["ranks"]] == served
     samples = data["history"]["samples"]
     assert samples and all(s["tps"] >= 0 and s["in_flight"] >= 0 for s in samples)
     assert len(samples) < 2 or samples[-1]["t"] > samples[0]["t"]

@@ -98,7 +98,8 @@ def test_a_tool_turn_reaches_the_template_as_mlx_lm_gives_it(client: anthropic.A
     template_messages = [
         *_user("What is the weather in Paris?"),
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "22 C and sunny"},
     ]
     text, _ = greedy(demo_model, template_messages, MAX_TOKENS, tools=[WEATHER_FUNCTION])

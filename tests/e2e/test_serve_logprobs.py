@@ -50,7 +50,7 @@ def _reference(model_dir: str, prompt: str | None = None) -> tuple[list[int], li
 def _check_against_mlx_lm(entries: list[Any], demo_model: Path, prompt: str | None = None) -> None:
     tokens, logprobs, tokenizer = _reference(str(demo_model), prompt)
     assert [e["token"] for e in entries] == [tokenizer.decode([t]) for t in tokens]
-    for entry, token, row in zip(entries, tokens, logprobs):
+    for entry, token, row in zip(entries, tokens, logprobs, strict=True):
         assert entry["logprob"] == pytest.approx(row[token], abs=TOLERANCE)
         top = entry["top_logprobs"]
         assert len(top) == TOP
@@ -62,8 +62,8 @@ def _check_against_mlx_lm(entries: list[Any], demo_model: Path, prompt: str | No
 
 
 def test_chat_logprobs_are_mlx_lms_and_greedy_is_the_top(client: openai.OpenAI, demo_model: Path) -> None:
-    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                           logprobs=True, top_logprobs=TOP)
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
+                                           max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=TOP)
     choice = reply.choices[0]
     entries = [e.model_dump() for e in choice.logprobs.content]
     assert len(entries) == reply.usage.completion_tokens - (choice.finish_reason == "stop")  # one per shown token
@@ -74,8 +74,9 @@ def test_chat_logprobs_are_mlx_lms_and_greedy_is_the_top(client: openai.OpenAI, 
 def test_streamed_chat_logprobs_equal_the_whole_ones(client: openai.OpenAI, demo_model: Path) -> None:
     entries: list[dict[str, Any]] = []
     text = ""
-    for chunk in client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                                logprobs=True, top_logprobs=TOP, stream=True):
+    for chunk in client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
+                                                max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                                                top_logprobs=TOP, stream=True):
         choice = chunk.choices[0]
         text += choice.delta.content or ""
         if choice.logprobs is not None and choice.logprobs.content:
@@ -88,8 +89,8 @@ def test_streamed_chat_logprobs_equal_the_whole_ones(client: openai.OpenAI, demo
 def test_completions_carry_the_legacy_logprobs(client: openai.OpenAI, demo_model: Path, stream: bool) -> None:
     prompt = "The capital of France is"
     tokens, logprobs, tokenizer = _reference(str(demo_model), prompt)
-    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3,
-                                      stream=stream)
+    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, logprobs=3, stream=stream)
     parts = list(reply) if stream else [reply]
     got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for part in parts:
@@ -101,7 +102,7 @@ def test_completions_carry_the_legacy_logprobs(client: openai.OpenAI, demo_model
     # mlx-lm's streaming detokenizer drops the space a reply's first token starts with; the token keeps it.
     assert "".join(got["tokens"]).lstrip() == text.lstrip()
     assert got["text_offset"] == [len("".join(got["tokens"][:i])) for i in range(len(tokens))]
-    for value, top, token, row in zip(got["token_logprobs"], got["top_logprobs"], tokens, logprobs):
+    for value, top, token, row in zip(got["token_logprobs"], got["top_logprobs"], tokens, logprobs, strict=True):
         assert value == pytest.approx(row[token], abs=TOLERANCE)
         assert len(top) == 3 and max(top.values()) == value
 

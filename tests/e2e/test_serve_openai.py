@@ -138,7 +138,7 @@ def test_a_stop_string_ends_the_reply_and_is_never_shown(client: openai.OpenAI, 
     text, _ = reference(demo_model, _user(QUESTIONS[0]), max_tokens=20)
     stop = "Paris"
     assert stop in text  # the demo model's answer
-    streamed, usage, chunks = _stream_text(client, _user(QUESTIONS[0]), stop=[stop])
+    streamed, _usage, chunks = _stream_text(client, _user(QUESTIONS[0]), stop=[stop])
     assert streamed == text[: text.index(stop)]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
@@ -208,7 +208,7 @@ def test_each_body_option_is_token_identical_to_mlx_lm(client: openai.OpenAI, de
                                               extra_body=body, logprobs=None)
 
     with ThreadPoolExecutor(len(OPTION_BODIES)) as pool:
-        replies = dict(zip(OPTION_BODIES, pool.map(ask, [body for body, _ in OPTION_BODIES.values()])))
+        replies = dict(zip(OPTION_BODIES, pool.map(ask, [body for body, _ in OPTION_BODIES.values()]), strict=True))
     for option, (_, fields) in OPTION_BODIES.items():
         request = {"messages": messages, "max_tokens": MAX_TOKENS}
         _, text = option_reference(demo_model, {**request, **fields})
@@ -414,7 +414,7 @@ def test_no_traceback_and_no_asyncio_noise_in_the_servers_output(server: ServePr
 
 def test_the_key_appears_in_no_log_and_no_command_line(server: ServeProcess) -> None:
     assert KEY not in server.stderr
-    for pid, (_, cmdline) in local_rank_processes(server.proc.pid).items():
+    for _, cmdline in local_rank_processes(server.proc.pid).values():
         assert KEY not in cmdline
     for path in _run_dir(server).rglob("*"):
         if path.is_file():

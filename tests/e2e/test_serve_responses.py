@@ -136,7 +136,8 @@ def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, dem
 
     reply = client.responses.create(
         model=str(demo_model), input="Name a city and its population.", max_output_tokens=64, temperature=0.8,
-        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}, extra_body={"seed": 5},
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+        extra_body={"seed": 5},
     )
     assert reply.status == "completed", reply.output_text  # the grammar ends the reply, not max_output_tokens
     jsonschema.validate(json.loads(reply.output_text), CITY)

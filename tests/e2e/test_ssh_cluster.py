@@ -126,7 +126,8 @@ def host_files(hf_home: str, commit: str) -> set[str]:
 
 @pytest.mark.ranks
 @pytest.mark.cluster
-@pytest.mark.parametrize("hosts, from_controller", [(2, False), (3, True)], ids=["2-hosts-direct", "3-hosts-from-controller"])
+@pytest.mark.parametrize("hosts, from_controller", [(2, False), (3, True)],
+                         ids=["2-hosts-direct", "3-hosts-from-controller"])
 def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub: str, hosts: int,
                                 from_controller: bool, demo_reference: list[int], tmp_path: Path,
                                 command_lines: CommandLines, monkeypatch: pytest.MonkeyPatch) -> None:

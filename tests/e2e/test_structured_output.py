@@ -67,7 +67,8 @@ def client(tiny_server: ServeProcess) -> openai.OpenAI:
 
 def _reply(client: openai.OpenAI, text: str, response_format: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     extra = {"response_format": response_format} if response_format is not None else {}
-    return client.chat.completions.create(model=client.models.list().data[0].id, messages=_ask(text), max_tokens=MAX_TOKENS, **extra, **kwargs)
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=_ask(text),
+                                          max_tokens=MAX_TOKENS, **extra, **kwargs)
 
 
 @pytest.mark.ranks
@@ -77,7 +78,7 @@ def test_sampled_json_schema_replies_all_parse_and_validate(client: openai.OpenA
                                                     temperature=1.0, seed=seed), range(4)))
     contents = [r.choices[0].message.content for r in replies]
     assert len(set(contents)) > 1, contents  # sampled, not one fixed string
-    for reply, content in zip(replies, contents):
+    for reply, content in zip(replies, contents, strict=True):
         jsonschema.validate(json.loads(content), PERSON)
         assert reply.choices[0].finish_reason == "stop"  # it ended with the JSON
 

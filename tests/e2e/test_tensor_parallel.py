@@ -85,8 +85,9 @@ def _ahead_requests(checkpoint: Path, lengths: tuple[int, int, int] = (8, 5, 7))
     the decode step run ahead of it is taken back (see worker/ahead.py)."""
     from fixtures.option_reference import reference
 
+    prompts = [QUESTION, "Why split attention by heads?", "Short one."]
     requests = [{"id": i, "messages": [{"role": "user", "content": p}], "max_tokens": n}
-                for i, (p, n) in enumerate(zip([QUESTION, "Why split attention by heads?", "Short one."], lengths))]
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
     third = reference(checkpoint, {k: v for k, v in requests[0].items() if k != "id"})[0][2]
     requests[0]["extra_eos_token"] = [str(third)]
     return requests

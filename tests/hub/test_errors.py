@@ -131,4 +131,4 @@ def test_hub_errors_raises_the_mapped_error_and_lets_others_through() -> None:
         raise answered(404, hf.RepositoryNotFoundError)
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one line, no chained traceback
     with pytest.raises(ZeroDivisionError), hub_errors("org/model"):
-        1 / 0
+        1 / 0  # noqa: B018 - the error is the point

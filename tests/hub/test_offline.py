@@ -33,7 +33,8 @@ from mlxpipe.hub.client import load_metadata
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
-NET_HINT = "hint: check the network and HF_ENDPOINT ({ep}); a model already downloaded works offline with HF_HUB_OFFLINE=1"
+NET_HINT = ("hint: check the network and HF_ENDPOINT ({ep}); "
+            "a model already downloaded works offline with HF_HUB_OFFLINE=1")
 STORM_HINT = (
     "hint: the hub is failing on its side: try again in a few minutes; "
     "a model already downloaded works offline with HF_HUB_OFFLINE=1"
@@ -118,7 +119,9 @@ def test_refused_connection(command: str, repo: str, hf_home: Path, monkeypatch:
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_dns_failure(command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch, unresolvable: str) -> None:
+def test_dns_failure(
+    command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch, unresolvable: str
+) -> None:
     point_hf_hub_at(unresolvable, hf_home, monkeypatch)
     result = invoke(command, "--model", repo)
     assert_one_error(
@@ -149,7 +152,8 @@ def test_a_port_that_never_answers_times_out(
 def test_a_5xx_storm(command: str, hub_env: FakeHub, repo: str) -> None:
     hub_env.outage(503)
     result = invoke(command, "--model", repo)
-    assert_one_error(result, f"error: {repo}: the hub at {hub_env.endpoint} answered 503 Service Unavailable", STORM_HINT)
+    assert_one_error(result, f"error: {repo}: the hub at {hub_env.endpoint} answered 503 Service Unavailable",
+                     STORM_HINT)
     assert [r.status for r in hub_env.requests] == [503]  # metadata is not retried into the storm
 
 
@@ -299,12 +303,13 @@ def test_offline_download_names_the_files_a_host_lacks(
     hub_env.reset_log()
     go_offline(monkeypatch)
     result = invoke("download", "--model", repo, "--hostfile", hostfile)
-    files = len([p for p in snapshot.iterdir()]) + 1
+    files = len(list(snapshot.iterdir())) + 1
     assert_one_error(
         result,
         f"error: 127.0.0.1 (rank 1): offline (HF_HUB_OFFLINE=1) and 1 of its {files} files of {repo} at commit "
         f"{meta.commit[:12]} are not in {snapshot}: {lost}",
-        "hint: run `mlxpipe download` once online, or `mlxpipe download --from-controller` from a machine that has them",
+        "hint: run `mlxpipe download` once online, or `mlxpipe download --from-controller` "
+        "from a machine that has them",
     )
     assert hub_env.requests == []
 

@@ -28,8 +28,8 @@ def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models,
     from mlxpipe.model.metadata import ModelMetadata
 
     meta = ModelMetadata(str(tiny_models["lfm2"]), {}, (), {}, local=True)
-    with pytest.raises(ModelError, match="^--draft-model: speculative decoding trims rejected drafts from the KV "
-                                         "caches, and this model's ArraysCache cannot be trimmed$"):
+    with pytest.raises(ModelError, match=r"^--draft-model: speculative decoding trims rejected drafts from the KV "
+                                         r"caches, and this model's ArraysCache cannot be trimmed$"):
         check_draft(str(models["draft"]), meta)
 
 

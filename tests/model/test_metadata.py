@@ -231,7 +231,8 @@ def test_layer_count_under_any_key(tmp_path: Path, key: str | None, value: Any, 
     config = {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}
     if key is not None:
         config[key] = value
-    directory = write_checkpoint(tmp_path / "m", {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}, config, False)
+    weights = {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}
+    directory = write_checkpoint(tmp_path / "m", weights, config, False)
     meta = load_local(directory)
     validate(meta)
     assert meta.num_layers == expected
@@ -300,5 +301,6 @@ def test_model_type_is_the_top_level_one_as_mlx_lm_loads_it(
 
 def test_architecture_remapping_is_honoured(tmp_path: Path) -> None:
     config = {**LLAMA, "model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"]}
-    directory = write_checkpoint(tmp_path / "m", {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}, config, False)
+    weights = {"model.safetensors": {**layer(0), **layer(1), **layer(2)}}
+    directory = write_checkpoint(tmp_path / "m", weights, config, False)
     assert load_local(directory).mlx_lm_module == "bailing_moe_v3"

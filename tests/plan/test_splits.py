@@ -61,7 +61,7 @@ def test_even_split_is_mlx_lm_pipeline_for_every_size() -> None:
     checked, mismatches = 0, []
     for num_layers in range(1, 129):
         for size in range(1, min(16, num_layers) + 1):
-            strategy, split = choose_split("even", None, num_layers, cluster[:size])
+            _strategy, split = choose_split("even", None, num_layers, cluster[:size])
             ours = layer_ranges(split)
             if ours != _mlx_lm_ranges(num_layers, size):
                 mismatches.append((num_layers, size))
@@ -190,7 +190,7 @@ def test_memory_split_every_rank_gets_a_layer_and_its_share() -> None:
         assert sum(split) == num_layers
         assert min(split) >= 1
         spare = num_layers - size
-        for layers, budget in zip(split, budgets):
+        for layers, budget in zip(split, budgets, strict=True):
             assert abs(layers - 1 - spare * budget / sum(budgets)) < 1
 
 
@@ -292,11 +292,15 @@ def test_computed_splits_keep_the_group_on_one_rank() -> None:
 def test_a_split_that_cuts_the_group_is_refused_with_a_legal_one() -> None:
     with pytest.raises(PlanError) as error:
         make_plan(uniform(30, MB, **GEMMA3N), hosts(3), split=[10, 10, 10])
-    assert str(error.value.message) == "--split 10,10,10 cuts layers 18-29, which share KV caches and must run on one rank"
+    assert str(error.value.message) == (
+        "--split 10,10,10 cuts layers 18-29, which share KV caches and must run on one rank"
+    )
     assert error.value.hint == "try --split 12,8,10"
 
 
 def test_no_split_keeps_the_group_whole() -> None:
     config = {"layer_types": ["sliding_attention"] * 4, "num_kv_shared_layers": 3}
-    with pytest.raises(PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"):
+    with pytest.raises(
+        PlanError, match=r"no split of 4 layers over 2 hosts keeps layers 0-3 \(which share KV caches\) on one rank"
+    ):
         make_plan(uniform(4, MB, **config), hosts(2), strategy="even")

@@ -70,7 +70,8 @@ def test_groups_of_consecutive_ranks_share_a_stage(tp: int, size: int, strategy:
     for r in plan.ranks:  # every member runs its stage's layers and fetches its stage's whole files
         first = plan.ranks[r.stage * tp]
         assert (r.start, r.end, r.files, r.weight_bytes) == (first.start, first.end, first.files, first.weight_bytes)
-        assert r.files == tuple(sorted(["shared.safetensors", *(f"layer-{i}.safetensors" for i in range(r.start, r.end))]))
+        layers = (f"layer-{i}.safetensors" for i in range(r.start, r.end))
+        assert r.files == tuple(sorted(["shared.safetensors", *layers]))
         assert r.weight_bytes == member_bytes(r.layers, tp)
     # Stage 0 runs the last layers, as rank 0 does without --tp.
     assert plan.ranks[0].end == N and plan.ranks[-1].start == 0
@@ -277,7 +278,9 @@ LAUNCHING = {  # every value they need; the flag under test is refused before th
     ("0", "error: --tp 0: a tensor-parallel group needs at least 1 host\n"
           "hint: use --tp 1 (pipeline only) or a divisor of the number of hosts\n"),
 ], ids=["hosts", "zero"])
-def test_bad_tp_exits_2_before_anything_runs(command: str, tp: str, error: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_tp_exits_2_before_anything_runs(
+    command: str, tp: str, error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)  # the default hostfile: hostfiles/local-2.json
     result = invoke(*LAUNCHING[command], "--tp", tp)
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", error)

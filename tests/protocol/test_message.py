@@ -117,10 +117,11 @@ def test_a_field_this_side_lacks_is_refused_by_name(sample: Wired) -> None:
 
 def test_a_field_left_out_takes_the_dataclass_default_only_where_it_has_one() -> None:
     assert events.Exited.from_wire({"event": "exited", "rank": 1, "returncode": 0}) == events.Exited(1, 0)
-    assert messages.Batch.from_wire({"type": "batch", "requests": [{"prompt": "x"}], "concurrency": 2}).decode_batch == 1
-    with pytest.raises(WireError, match="the 'serve' message lacks the field concurrency$"):
+    batch = {"type": "batch", "requests": [{"prompt": "x"}], "concurrency": 2}
+    assert messages.Batch.from_wire(batch).decode_batch == 1
+    with pytest.raises(WireError, match=r"the 'serve' message lacks the field concurrency$"):
         messages.Serve.from_wire({"type": "serve"})
-    with pytest.raises(WireError, match="the 'save' message lacks the fields id, it, checkpoint$"):
+    with pytest.raises(WireError, match=r"the 'save' message lacks the fields id, it, checkpoint$"):
         messages.MESSAGES.from_wire({"type": "save"})
 
 

@@ -55,7 +55,8 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
     expected = prompt(demo_model, [
         *_user("Weather in Paris?"),
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "22 C"}],
         [WEATHER_FUNCTION])
     assert queue.requests[-1].tokens == expected

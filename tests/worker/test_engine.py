@@ -31,7 +31,8 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     loaded.model.make_cache = lambda: [Unmergeable() for _ in loaded.model.layers]
     events: list[dict[str, Any]] = []
     server = RankLoop(loaded, mx.distributed.init(), job, emit=lambda event: events.append(event.to_wire()))
-    requests = [{"id": text, "prompt": text, "ignore_chat_template": True, "max_tokens": 4} for text in ("Hi", "Go", "Up")]
+    requests = [{"id": text, "prompt": text, "ignore_chat_template": True, "max_tokens": 4}
+                for text in ("Hi", "Go", "Up")]
     done = server.generate_batch(Batch.from_wire({"type": "batch", "requests": requests, "concurrency": 3,
                                                   "decode_batch": 3}))
     assert done.decode_batch == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from mlxpipe.worker.schedule import MicroBatch, Schedule
@@ -23,7 +25,7 @@ def _simulate(prompts: list[list[int]], max_tokens: list[int], stages: int, slot
         entered = sched.at(0)
         if entered is not None:
             assert len(entered.requests) <= decode_batch and len({len(r) for r in entered.rows}) == 1
-            for index, row in zip(entered.requests, entered.rows):
+            for index, row in zip(entered.requests, entered.rows, strict=True):
                 fed[index].append(row)
         busy.append(sum(len(b.requests) for s in range(stages) if (b := sched.at(s)) is not None))
         sampling = sched.sampling
@@ -42,7 +44,7 @@ def test_each_request_is_fed_as_generate_step_feeds_it(stages: int, slots: int, 
     prompts = [list(range(1, 9)), [7], list(range(20, 25)), [3, 4], [5, 6, 7], [8]]
     max_tokens = [4, 3, 1, 5, 6, 2]
     sched, fed, _ = _simulate(prompts, max_tokens, stages, slots, decode_batch=decode_batch)
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         generated = [100 * i + k for k in range(n)]
         assert sched.requests[i].generated == generated
         # Chunks of 3 for all but the last prompt token, then one token at a time.
@@ -134,7 +136,7 @@ def test_requests_join_and_leave_decode_groups_as_they_come_and_end() -> None:
     assert sorted(r for g, r in groups_seen if g is None) == [(0,), (0,), (2,)]
     for g in {g for g, _ in decode}:  # each step's rows: the members that stayed, in order, then newcomers
         steps = [r for h, r in decode if h == g]
-        for before, after in zip(steps, steps[1:]):
+        for before, after in pairwise(steps):
             kept = tuple(r for r in before if r in after)
             assert after[: len(kept)] == kept
     assert [r.generated for r in sched.requests] == [[100] * n for n in (2, 6, 1, 4)]
@@ -162,7 +164,7 @@ def test_a_long_prefill_does_not_freeze_the_streams_in_decode(stages: int) -> No
     during = [t for t in decode if chunks[0] <= t <= chunks[-1]]
     # While the long prompt prefills, request 0 still gets a token every time it is ready
     # (its token back from the last stage, plus at most one chunk ahead of it).
-    assert during and all(b - a <= stages + 1 for a, b in zip(during, during[1:]))
+    assert during and all(b - a <= stages + 1 for a, b in pairwise(during))
     assert sched.requests[0].generated == [100] * 60
 
 

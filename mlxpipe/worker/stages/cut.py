@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,7 +28,7 @@ def check_split(split: list[int], num_layers: int, group_size: int) -> None:
         )
 
 
-def pipeline_generic(model: nn.Module, where: Any, split: list[int]) -> tuple[int, int]:
+def pipeline_generic(model: nn.Module, where: Topology | mx.distributed.Group, split: list[int]) -> tuple[int, int]:
     """Pipeline ``model`` in place for this rank's stage; returns its ``[start, end)``.
 
     ``where`` is the rank's ``Topology`` (or, for a plain pipeline, its group).
@@ -65,7 +65,7 @@ def pipeline_generic(model: nn.Module, where: Any, split: list[int]) -> tuple[in
 def find_exchange(model: nn.Module) -> Exchange | None:
     """The ``Exchange`` of a model ``pipeline_generic`` wrapped; None for one rank or native mode."""
     for layer in blocks_of(model):
-        stage = getattr(layer, "_mlxpipe_stage", None)
+        stage: _Stage | None = getattr(layer, "_mlxpipe_stage", None)
         if stage is not None:
             return stage.exchange
     return None
@@ -88,10 +88,12 @@ def _leaves(value: Any) -> list[Any]:
     """The leaves of ``value``, stopping at modules."""
     if isinstance(value, nn.Module):
         return [value]
-    return [v for _, v in tree_flatten(value, is_leaf=lambda v: isinstance(v, nn.Module))]
+    # tree_flatten returns a list unless given a dict to fill (its annotation says either).
+    flat = cast(list[tuple[str, Any]], tree_flatten(value, is_leaf=lambda v: isinstance(v, nn.Module)))
+    return [v for _, v in flat]
 
 
-def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int, int]:
+def pipeline_native(model: nn.Module, group: mx.distributed.Group, split: list[int]) -> tuple[int, int]:
     """Pipeline ``model`` with mlx-lm's own ``model.model.pipeline``."""
     if not has_native_pipeline(model):
         raise ModelError(
@@ -104,7 +106,7 @@ def pipeline_native(model: nn.Module, group: Any, split: list[int]) -> tuple[int
     return inner.start_idx, inner.end_idx
 
 
-def learn_layouts(model: nn.Module, where: Any) -> None:
+def learn_layouts(model: nn.Module, where: Topology | mx.distributed.Group) -> None:
     """Learn, once at load, what crosses each cut besides the hidden state.
 
     Stage by stage from the first: a stage hears from stage + 1 what it will

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeGuard
 
 import mlx.nn as nn
 
@@ -58,10 +58,11 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
         if _is_layer_list(joined):
             return joined
         raise
-    return owner[key]
+    layers: list[nn.Module] = owner[key]
+    return layers
 
 
-def _is_layer_list(value: Any) -> bool:
+def _is_layer_list(value: object) -> TypeGuard[list[nn.Module]]:
     """Whether ``value`` is a non-empty list of modules."""
     return (
         isinstance(value, list)
@@ -70,7 +71,7 @@ def _is_layer_list(value: Any) -> bool:
     )
 
 
-def _same_layers(value: list, target: Any) -> bool:
+def _same_layers(value: list[nn.Module], target: object) -> bool:
     """Whether ``value`` holds the same layer objects as ``target``."""
     if target is None:
         return False
@@ -78,7 +79,7 @@ def _same_layers(value: list, target: Any) -> bool:
         return True
     # ``layers`` properties may return a fresh slice of the list.
     return isinstance(target, list) and len(value) == len(target) and all(
-        a is b for a, b in zip(value, target)
+        a is b for a, b in zip(value, target, strict=True)
     )
 
 

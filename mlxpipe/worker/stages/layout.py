@@ -27,7 +27,7 @@ def _array_layout(value: Any, lead: tuple[int, ...]) -> dict[str, Any] | None:
     return None
 
 
-def _layout_of(out: mx.array, extras: tuple | None) -> Layout | None:
+def _layout_of(out: mx.array, extras: tuple[Any, ...] | None) -> Layout | None:
     """What of a block's output crosses the cut; None when only the hidden state does."""
     if extras is None:
         return None
@@ -41,7 +41,9 @@ def _layout_of(out: mx.array, extras: tuple | None) -> Layout | None:
             items.append(_array_layout(value, lead))
     hidden = _array_layout(out, lead)
     if hidden is None:
-        raise ModelError("a block returns more than a hidden state of shape (batch, tokens, ...); the generic pipeline cannot cut it")
+        raise ModelError(
+            "a block returns more than a hidden state of shape (batch, tokens, ...); the generic pipeline cannot cut it"
+        )
     return {"hidden": hidden, "extras": items}
 
 
@@ -50,12 +52,13 @@ def _parts(layout: Layout) -> list[dict[str, Any]]:
     parts = [layout["hidden"]]
     for item in layout["extras"]:
         if item is not None:
-            parts.extend(item["tuple"] if "tuple" in item else [item])
+            parts.extend(item.get("tuple", [item]))
     return parts
 
 
-def _dtype(name: str) -> Any:
-    return getattr(mx, name)
+def _dtype(name: str) -> mx.Dtype:
+    dtype: mx.Dtype = getattr(mx, name)
+    return dtype
 
 
 def _width(part: dict[str, Any]) -> int:
@@ -72,11 +75,11 @@ def _packed_like(layout: Layout, x: mx.array) -> mx.array:
     return mx.zeros((x.shape[0], x.shape[1], width), mx.uint8)
 
 
-def _pack(layout: Layout, out: mx.array, extras: tuple | None) -> mx.array:
+def _pack(layout: Layout, out: mx.array, extras: tuple[Any, ...] | None) -> mx.array:
     """The hidden state and the extras that cross, as bytes per token, in one array:
     two sends could run in another order than the two receives."""
     arrays = [out]
-    for item, value in zip(layout["extras"], extras or ()):
+    for item, value in zip(layout["extras"], extras or (), strict=False):
         if item is not None:
             arrays.extend(value if "tuple" in item else [value])
     batch, tokens = out.shape[:2]
@@ -109,7 +112,7 @@ def _unpack(packed: mx.array, layout: Layout) -> tuple[mx.array, list[Any]]:
     return hidden, extras
 
 
-def _made_up_extras(layout: Layout | None, x: mx.array) -> tuple | None:
+def _made_up_extras(layout: Layout | None, x: mx.array) -> tuple[Any, ...] | None:
     """What a stand-in before the first local layer returns besides the hidden state:
     zeros of the incoming extras' shapes, replaced by the received ones at the cut."""
     if layout is None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.stages.caches import advance_cache, tie_into_cache
 from mlxpipe.worker.stages.layout import (
     _PROBE_TOKENS,
@@ -27,6 +28,10 @@ from mlxpipe.worker.stages.layout import (
     _packed_like,
     _unpack,
 )
+
+# A block's call, whatever the model passes it: its own signature is open.
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
 
 
 class Exchange:
@@ -50,11 +55,11 @@ class Exchange:
         self.explicit = False
         self.hidden_in: mx.array | None = None
         self.hidden_out: mx.array | None = None
-        self.incoming: tuple[tuple[int, ...], Any] | None = None
+        self.incoming: tuple[tuple[int, ...], mx.Dtype] | None = None
         # The last block's output in this forward pass: the next block's hidden state,
         # and what it returned besides (None when it returns the hidden state alone).
         self.last_out: mx.array | None = None
-        self.last_extras: tuple | None = None
+        self.last_extras: Args | None = None
         # The layouts of what crosses the cut into and out of this rank (None: the
         # hidden state alone); ``probing`` while ``learn_layouts`` runs the model.
         self.incoming_layout: Layout | None = None
@@ -68,7 +73,7 @@ class Exchange:
         self.token_axis = 1
 
 
-    def incoming_shape(self, num_tokens: int) -> tuple[tuple[int, ...], Any]:
+    def incoming_shape(self, num_tokens: int) -> tuple[tuple[int, ...], mx.Dtype]:
         """The shape and dtype of what this rank receives for ``num_tokens`` tokens
         (``incoming`` noted for other counts)."""
         assert self.incoming is not None
@@ -81,7 +86,7 @@ class Exchange:
 class _Stage:
     """What one entry of the layers list does around (or instead of) its layer."""
 
-    topology: Any  # the rank's ``worker.groups.Topology``
+    topology: Topology
     index: int
     local: bool
     before_local: bool  # a stand-in for a layer before this rank's first
@@ -91,7 +96,7 @@ class _Stage:
     exchange: Exchange
 
     @property
-    def group(self) -> Any:
+    def group(self) -> mx.distributed.Group:
         """The job's world group."""
         return self.topology.world
 
@@ -123,10 +128,7 @@ class _PipelineStage:
             # A new array, not ``x`` itself: the next block must tell the state from
             # other arguments that were the same object (Talkie's embeddings).
             out = mx.stop_gradient(x)
-            if stage.before_local:
-                extras = _made_up_extras(exchange.incoming_layout, x)
-            else:
-                extras = exchange.last_extras
+            extras = _made_up_extras(exchange.incoming_layout, x) if stage.before_local else exchange.last_extras
         if stage.sends:
             if exchange.probing:
                 exchange.outgoing_layout = _layout_of(out, extras)
@@ -139,7 +141,7 @@ class _PipelineStage:
         return out if extras is None else (out, *extras)
 
 
-def _split_output(layer: Any, out: Any) -> tuple[mx.array, tuple | None]:
+def _split_output(layer: Any, out: Any) -> tuple[mx.array, Args | None]:
     """A block's output as (hidden state, what it returned besides or None)."""
     if isinstance(out, mx.array):
         return out, None
@@ -151,7 +153,7 @@ def _split_output(layer: Any, out: Any) -> tuple[mx.array, tuple | None]:
     )
 
 
-def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) -> tuple[mx.array, tuple, dict]:
+def _receive(stage: _Stage, x: mx.array, cache: Any, args: Args, kwargs: Kwargs) -> tuple[mx.array, Args, Kwargs]:
     """The first local layer's hidden state (and arguments) from stage + 1."""
     exchange = stage.exchange
     layout = exchange.incoming_layout
@@ -171,13 +173,13 @@ def _receive(stage: _Stage, x: mx.array, cache: Any, args: tuple, kwargs: dict) 
         return received, args, kwargs
     hidden, extras = _unpack(received, layout)
     # The extras the stand-in before made up are replaced wherever the model passes them on.
-    for made_up, real in zip(exchange.last_extras or (), extras):
+    for made_up, real in zip(exchange.last_extras or (), extras, strict=False):
         if real is not None:
             args, kwargs = _replace_object(made_up, real, args, kwargs)
     return hidden, args, kwargs
 
 
-def _send(stage: _Stage, out: mx.array, extras: tuple | None, cache: Any) -> mx.array:
+def _send(stage: _Stage, out: mx.array, extras: Args | None, cache: Any) -> mx.array:
     """Send what crosses the cut to stage - 1 (or leave it in ``hidden_out``); returns the hidden state."""
     exchange = stage.exchange
     layout = exchange.outgoing_layout
@@ -193,17 +195,17 @@ def _send(stage: _Stage, out: mx.array, extras: tuple | None, cache: Any) -> mx.
         # only the caches, so nothing would run the send and the next rank
         # would wait forever. Schedule it now, without waiting for it.
         mx.async_eval(sent)
-    return sent if layout is None else mx.depends(out, sent)
+    return sent if layout is None else cast(mx.array, mx.depends(out, sent))  # mlx leaves depends() unannotated
 
 
-def _replace_object(old: Any, new: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _replace_object(old: object, new: object, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
     """The call's arguments with the object ``old`` (by identity) replaced by ``new``."""
     args = tuple(new if a is old else a for a in args)
     kwargs = {k: new if v is old else v for k, v in kwargs.items()}
     return args, kwargs
 
 
-def _find_hidden(layer: Any, args: tuple, kwargs: dict, previous: Any) -> tuple[int | str, mx.array]:
+def _find_hidden(layer: object, args: Args, kwargs: Kwargs, previous: mx.array | None) -> tuple[int | str, mx.array]:
     """Where the hidden state is in the call (a position or a keyword), and its value.
 
     The hidden state is what the previous block returned: a model may pass
@@ -220,13 +222,13 @@ def _find_hidden(layer: Any, args: tuple, kwargs: dict, previous: Any) -> tuple[
                 return name, value
     if args:
         return 0, args[0]
-    name = _first_parameter(type(layer).__mro__[2])  # the class behind the pipeline mixin
-    if name in kwargs:
-        return name, kwargs[name]
+    first = _first_parameter(type(layer).__mro__[2])  # the class behind the pipeline mixin
+    if first is not None and first in kwargs:
+        return first, kwargs[first]
     raise ModelError("a layer was called without a hidden state the pipeline can find")
 
 
-def _put_hidden(where: int | str, x: mx.array, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _put_hidden(where: int | str, x: mx.array, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
     """The call's arguments with the hidden state at ``where`` replaced by ``x``."""
     if isinstance(where, int):
         return args[:where] + (x,) + args[where + 1 :], kwargs
@@ -243,7 +245,7 @@ def _first_parameter(cls: type) -> str | None:
     return params[1] if len(params) > 1 else None
 
 
-def _find_cache(args: tuple, kwargs: dict) -> Any:
+def _find_cache(args: Args, kwargs: Kwargs) -> Any:
     """The cache object passed to a layer call, None when there is none."""
     if kwargs.get("cache") is not None:
         return kwargs["cache"]

@@ -20,6 +20,9 @@
 
 from __future__ import annotations
 
+from typing import cast
+
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.errors import ModelError
@@ -62,7 +65,8 @@ def check_shardable(model: nn.Module, tp: int, stages: int = 1) -> str:
     """Slice a model built without weights as a rank of ``stages`` groups of ``tp`` would; ModelError
     where the ranks would refuse (cheap: nothing is computed). Returns how it shards."""
     try:
-        return shard_model(model, Topology(_Shapes(tp * stages), tp))
+        # Slicing reads only size() and rank() of the world: no collective runs on the stand-in.
+        return shard_model(model, Topology(cast(mx.distributed.Group, _Shapes(tp * stages)), tp))
     except (ValueError, KeyError, IndexError) as e:  # a layout the sharder misread: refuse, never crash
         raise ModelError(f"{model_type_of(model)}: the tensor-parallel sharder cannot split it ({e})",
                          hint="run it without --tp (a pipeline)") from e

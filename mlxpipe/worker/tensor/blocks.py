@@ -17,13 +17,14 @@ wrong.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeGuard
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import SliceGroup
 from mlxpipe.worker.tensor.experts import moe_blocks, shard_moe
 from mlxpipe.worker.tensor.mla import shard_mla
 from mlxpipe.worker.tensor.norms import GroupRMSNorm, split_norm
@@ -45,11 +46,13 @@ _ATTENTION = [
 # its key and value heads (InternLM2's wqkv, phi3small) or per head [q k v] (GPT-NeoX), where a
 # contiguous split gives each member whole groups. A name some models lay out differently is
 # looked up by the model's module (query_key_value).
-_FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"), ("wqkv", "wo"),
-              ("query_key_value", "dense"), ("q_k_v_proj", "out_proj")]
-_FUSED_LAYOUT = {"wqkv": "grouped", "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped",
-                                                        "bailing_moe": "parts", "bailing_moe_linear": "parts",
-                                                        "bailing_hybrid": "parts"}}
+_FUSED_QKV = [("qkv_proj", "o_proj"), ("qkv_proj", "out_proj"), ("Wqkv", "out_proj"), ("c_attn", "c_proj"),
+              ("wqkv", "wo"), ("query_key_value", "dense"), ("q_k_v_proj", "out_proj")]
+_FUSED_LAYOUT: dict[str, str | dict[str, str]] = {
+    "wqkv": "grouped",
+    "query_key_value": {"gpt_neox": "grouped", "phi3small": "grouped", "bailing_moe": "parts",
+                        "bailing_moe_linear": "parts", "bailing_hybrid": "parts"},
+}
 # MLP layouts: (column-parallel projections, the row-parallel output).
 _MLP = [
     (("gate_proj", "up_proj"), "down_proj"),
@@ -83,7 +86,7 @@ _HEAD_COUNTS = ("n_heads", "num_heads", "num_attention_heads", "n_head", "q_num_
 _KV_HEAD_COUNTS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "k_num_heads", "v_num_heads")
 
 
-def shard_block(block: nn.Module, group: Any, where: str) -> None:
+def shard_block(block: nn.Module, group: SliceGroup, where: str) -> None:
     """Slice ``block``'s attention and MLP in place for ``group``; ModelError naming ``where`` otherwise."""
     n = group.size()
     # MoE blocks first: their shared experts are dense MLPs that must not reduce on their own.
@@ -118,7 +121,7 @@ def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
     return all(is_plain_linear(module.get(name)) for name in names)
 
 
-def is_plain_linear(module: Any) -> bool:
+def is_plain_linear(module: object) -> TypeGuard[nn.Linear | nn.QuantizedLinear]:
     """mlx's own ``Linear`` or ``QuantizedLinear``: a model's subclass may lay out or use its weight otherwise."""
     return type(module) in (nn.Linear, nn.QuantizedLinear)
 
@@ -131,27 +134,31 @@ def _fused_layout(module: nn.Module) -> tuple[tuple[str, str] | None, str]:
         return None, ""
     kind = _FUSED_LAYOUT.get(fused[0], "parts")
     if isinstance(kind, dict):
-        kind = kind.get(type(module).__module__.rsplit(".", 1)[-1], "unknown")
+        return fused, kind.get(type(module).__module__.rsplit(".", 1)[-1], "unknown")
     return fused, kind
 
 
-def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
+def _shard_attention(module: nn.Module, group: SliceGroup, n: int, where: str) -> bool:
     fused, kind = _fused_layout(module)
     layout = None if fused else next((lay for lay in _ATTENTION if _has(module, (*lay[0], lay[1]))), None)
-    if fused is None and layout is None:
+    if fused is not None:
+        first = fused[0]
+    elif layout is not None:
+        first = layout[0][0]
+    else:
         return False
-    if kind == "unknown":
+    if fused is not None and kind == "unknown":
         raise ModelError(f"{where}: its fused {fused[0]} has a row layout the tensor-parallel sharder does not "
                          "know", hint=_HINT)
     heads = _count(module, _HEAD_COUNTS)
-    kv_heads = _count(module, _KV_HEAD_COUNTS) or heads
     if heads is None:
         raise ModelError(f"{where}: its attention keeps no head count the sharder can update", hint=_HINT)
+    kv_heads = _count(module, _KV_HEAD_COUNTS) or heads
     if heads % n or kv_heads % n:
         fits = [str(t) for t in range(2, kv_heads + 1) if heads % t == 0 and kv_heads % t == 0]
         raise ModelError(f"{where}: {heads} attention heads and {kv_heads} KV heads do not divide by --tp {n}",
                          hint=f"use --tp {' or '.join(fits)}" if fits else _HINT)
-    width = module[(fused or layout[0])[0]].weight.shape[0]
+    width = module[first].weight.shape[0]
     q_width = width * heads // (heads + 2 * kv_heads) if fused else width
     kv_width = q_width * kv_heads // heads
     for name, width in (("q_norm", q_width), ("k_norm", kv_width)):
@@ -161,7 +168,7 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
         segments = [q_width, q_width + kv_width] if kind == "parts" else 1
         module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=segments, group=group)
         module[fused[1]] = shard_linear(module[fused[1]], "sharded-to-all", group=group)
-    else:
+    elif layout is not None:
         for name in layout[0]:
             module[name] = shard_linear(module[name], "all-to-sharded", group=group)
         module[layout[1]] = shard_linear(module[layout[1]], "sharded-to-all", group=group)
@@ -189,7 +196,7 @@ def _shard_attention(module: nn.Module, group: Any, n: int, where: str) -> bool:
     return True
 
 
-def _shard_mlp(module: nn.Module, group: Any) -> bool:
+def _shard_mlp(module: nn.Module, group: SliceGroup) -> bool:
     fused = next((lay for lay in _FUSED_GATE_UP if _has(module, lay)), None)
     if fused is not None:
         module[fused[0]] = shard_linear(module[fused[0]], "all-to-sharded", segments=2, group=group)

@@ -28,6 +28,7 @@ from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import SliceGroup
 from mlxpipe.worker.tensor.reduce import reducer
 
 # Routed experts: (column-parallel projections, the row-parallel output).
@@ -57,7 +58,7 @@ def moe_blocks(block: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str, ...], str]], where: str,
+def shard_moe(module: nn.Module, group: SliceGroup, dense_layouts: list[tuple[tuple[str, ...], str]], where: str,
               hint: str) -> None:
     """Split ``module``'s routed and shared experts in place for ``group``; sum its output across it once.
 
@@ -99,7 +100,8 @@ def shard_moe(module: nn.Module, group: Any, dense_layouts: list[tuple[tuple[str
 
 def _reduced_call(cls: type) -> Callable[..., mx.array]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
-        return self.tp_reduce(cls.__call__(self, *args, **kwargs))
+        reduced: mx.array = self.tp_reduce(cls.__call__(self, *args, **kwargs))
+        return reduced
 
     return __call__
 

@@ -12,12 +12,11 @@ cache (one latent all heads read).
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 from mlxpipe.errors import ModelError
+from mlxpipe.worker.groups import SliceGroup
 
 _LATENTS = ("q_a_proj", "kv_a_proj_with_mqa")  # kept whole: every head reads them
 _QUERY = ("q_b_proj", "q_proj")
@@ -28,7 +27,7 @@ def _linear(module: nn.Module, name: str) -> bool:
     return type(module.get(name)) in (nn.Linear, nn.QuantizedLinear)
 
 
-def shard_mla(module: nn.Module, group: Any, where: str, hint: str) -> list[nn.Module] | None:
+def shard_mla(module: nn.Module, group: SliceGroup, where: str, hint: str) -> list[nn.Module] | None:
     """Split ``module`` in place if it is an MLA attention; the modules not to check further (the latents'
     projections, whole, and the per-head tables, split here); None: not MLA."""
     if not (_linear(module, "kv_a_proj_with_mqa") and _linear(module, "o_proj")):

@@ -10,19 +10,18 @@ divides by the same mean as one process would.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpipe.worker.groups import SliceGroup
 from mlxpipe.worker.tensor.reduce import reducer
 
 
 class GroupRMSNorm(nn.Module):
     """The member's slice of an ``nn.RMSNorm`` over a width split across a tensor group."""
 
-    def __init__(self, norm: nn.RMSNorm, group: Any) -> None:
-        super().__init__()
+    def __init__(self, norm: nn.RMSNorm, group: SliceGroup) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
         width = norm.weight.shape[-1]
         part = width // group.size()
         self.weight = mx.contiguous(norm.weight[group.rank() * part : (group.rank() + 1) * part])
@@ -36,7 +35,7 @@ class GroupRMSNorm(nn.Module):
         return (x.astype(mx.float32) * scale).astype(x.dtype) * self.weight
 
 
-def split_norm(module: nn.Module, name: str, width: int, group: Any) -> bool:
+def split_norm(module: nn.Module, name: str, width: int, group: SliceGroup) -> bool:
     """Replace ``module[name]``, an ``nn.RMSNorm`` over ``width`` (all heads), by its group slice; False when it
     is not one (another norm class, or another width)."""
     norm = module.get(name)

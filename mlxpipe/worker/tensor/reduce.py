@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
-from mlxpipe.worker.groups import TensorGroup
+from mlxpipe.worker.groups import SliceGroup, TensorGroup
 
 
 class GroupShardedToAllLinear(ShardedToAllLinear):
     """``ShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
 
-    group: TensorGroup
+    group: TensorGroup  # type: ignore[assignment]  # mlx read its size() and rank() to slice; it sums here
 
     def __call__(self, x: mx.array) -> mx.array:
         x = self.group.all_sum(x @ self["weight"].T)
@@ -34,7 +33,7 @@ class GroupShardedToAllLinear(ShardedToAllLinear):
 class GroupQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
     """``QuantizedShardedToAllLinear`` summed over its ``TensorGroup`` (its ``group``)."""
 
-    group: TensorGroup
+    group: TensorGroup  # type: ignore[assignment]  # as above
 
     def __call__(self, x: mx.array) -> mx.array:
         x = mx.quantized_matmul(
@@ -45,7 +44,7 @@ class GroupQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
         return x + self["bias"] if "bias" in self else x
 
 
-_REPLACEMENTS = {ShardedToAllLinear: GroupShardedToAllLinear,
+_REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {ShardedToAllLinear: GroupShardedToAllLinear,
                  QuantizedShardedToAllLinear: GroupQuantizedShardedToAllLinear}
 
 
@@ -67,13 +66,13 @@ def stray_group_users(model: nn.Module, tensor: TensorGroup) -> list[str]:
         ):
             continue
         if any(value is tensor for value in vars(module).values()) or any(
-            module.get(k) is tensor for k in module.keys()
+            module.get(k) is tensor for k in module
         ):
             stray.append(name or "the model")
     return stray
 
 
-def hand_world_to(model: nn.Module, tensor: TensorGroup, world: Any) -> None:
+def hand_world_to(model: nn.Module, tensor: TensorGroup, world: mx.distributed.Group) -> None:
     """Pure tensor parallelism: the modules ``stray_group_users`` finds hold the world group instead of
     ``tensor`` (the same members, sizes and ranks), for their own ``mx.distributed`` calls."""
     for _, module in model.named_modules():
@@ -87,7 +86,7 @@ def hand_world_to(model: nn.Module, tensor: TensorGroup, world: Any) -> None:
                 module[key] = world
 
 
-def reducer(group: Any) -> Callable[[mx.array], mx.array]:
+def reducer(group: SliceGroup) -> Callable[[mx.array], mx.array]:
     """The sum across ``group`` for layers mlxpipe slices itself (MoE blocks, norms over all heads): a stage's
     ``TensorGroup`` sums by itself (neighbour exchanges); an MLX group (the world, with pure tensor parallelism
     over more than 2 hosts) by ``all_sum``."""

@@ -30,12 +30,16 @@ stage holds stage 0's logits bit for bit (``follow_exchange``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.worker.groups import TensorGroup
+
+if TYPE_CHECKING:
+    from mlxpipe.worker.stages.stage import Exchange
 
 _HEAD_NAMES = ("lm_head", "output", "head")
 _HEADS = (nn.Linear, nn.QuantizedLinear)
@@ -74,6 +78,7 @@ class _VocabEmbedding:
     rows: int
     vocab: int
     tensor: TensorGroup
+    exchange: Exchange | None
 
     def __call__(self, x: mx.array) -> mx.array:
         local = x - self.offset
@@ -108,6 +113,7 @@ class _VocabHead:
 
     vocab: int
     tensor: TensorGroup
+    exchange: Exchange | None
 
     def __call__(self, x: mx.array) -> mx.array:
         if not _logits_needed(self):
@@ -130,7 +136,8 @@ class VocabShardedQuantizedLinear(_VocabHead, nn.QuantizedLinear):
         _take_rows(self, linear, tensor)
 
 
-_SHARDED: dict[type, Any] = {
+# Each layer's class, by the class it replaces (constructed from the layer and the group).
+_SHARDED: dict[type[nn.Module], Callable[[Any, TensorGroup], nn.Module]] = {
     nn.Embedding: VocabShardedEmbedding,
     nn.QuantizedEmbedding: VocabShardedQuantizedEmbedding,
     nn.Linear: VocabShardedLinear,
@@ -138,7 +145,7 @@ _SHARDED: dict[type, Any] = {
 }
 
 
-def _logits_needed(layer: Any) -> bool:
+def _logits_needed(layer: _VocabEmbedding | _VocabHead) -> bool:
     """Whether this group's logits are read: stage 0's (the one whose member 0 is world rank 0), and every
     stage's in a forward pass that is not the engine's (every rank samples; see the module docstring)."""
     if layer.tensor.first == 0:
@@ -147,7 +154,7 @@ def _logits_needed(layer: Any) -> bool:
     return exchange is not None and not exchange.explicit and not exchange.probing
 
 
-def follow_exchange(model: nn.Module, exchange: Any) -> None:
+def follow_exchange(model: nn.Module, exchange: Exchange | None) -> None:
     """Let the vocabulary-split head of ``model`` see its pipeline's ``Exchange`` (see ``_logits_needed``)."""
     for _, module in model.named_modules():
         if isinstance(module, (_VocabEmbedding, _VocabHead)):
@@ -164,8 +171,8 @@ def shard_vocab(model: nn.Module, tensor: TensorGroup) -> list[str]:
     was split."""
     n, done = tensor.size(), []
     embedding = _embedding(model)
-    vocab = embedding[1].weight.shape[0] if embedding is not None else None
-    if embedding is not None and vocab % n == 0:
+    vocab: int | None = embedding[1].weight.shape[0] if embedding is not None else None
+    if embedding is not None and vocab is not None and vocab % n == 0:
         owner, key, module = _owner_of(model, embedding[1])
         owner[key] = _SHARDED[type(module)](module, tensor)
         done.append(embedding[0])

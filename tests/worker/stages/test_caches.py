@@ -91,5 +91,5 @@ def test_stand_in_caches_keep_the_real_bookkeeping(kind: str) -> None:
 def _kv_parts(real: Any, stand_in: Any, cache_list: type) -> list[tuple[Any, Any]]:
     """Pairs of the position-keeping caches inside ``real`` and ``stand_in``."""
     if isinstance(real, cache_list):
-        return [(r, s) for r, s in zip(real.caches, stand_in.caches) if hasattr(r, "offset")]
+        return [(r, s) for r, s in zip(real.caches, stand_in.caches, strict=True) if hasattr(r, "offset")]
     return [(real, stand_in)]

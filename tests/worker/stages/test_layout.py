@@ -38,7 +38,7 @@ def test_extras_cross_a_cut_packed_with_the_hidden_state() -> None:
     got_hidden, got = _unpack(packed, layout)
     assert mx.array_equal(got_hidden, hidden)
     assert mx.array_equal(got[0], v_first) and got[0].dtype == mx.bfloat16
-    assert all(mx.array_equal(a, b) for a, b in zip(got[1], kv))
+    assert all(mx.array_equal(a, b) for a, b in zip(got[1], kv, strict=True))
     assert got[2:] == [None, None, None]
     made_up = _made_up_extras(layout, hidden[:1, :3])
     assert [None if m is None else getattr(m, "shape", None) or [a.shape for a in m] for m in made_up] == [

@@ -48,7 +48,7 @@ def test_the_members_partial_outputs_add_up_to_the_whole_layers() -> None:
     whole = nn.Linear(16, 8, bias=True)
     members = [_Member(0), _Member(1)]
     blocks = [_Block(whole, m) for m in members]
-    for block, member in zip(blocks, members):
+    for block, member in zip(blocks, members, strict=True):
         group_reductions(block, member)
         assert type(block.down_proj) is GroupShardedToAllLinear
     x = mx.random.normal((2, 16))
