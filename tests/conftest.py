@@ -22,6 +22,7 @@ from fixtures.fake_hub import fake_hub, hub_env  # noqa: F401
 from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded_requests  # noqa: F401
 from fixtures.serve_process import server  # noqa: F401
 from fixtures.tiny_models import tiny_models  # noqa: F401
+from fixtures.vision_models import vision_models  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,26 @@ Name = Callable[[str], str]
 
 
 @dataclass(frozen=True)
+class Image:
+    """One image of a request: its file's bytes (base64, as the doors receive them) and their SHA-256.
+
+    The bytes go to every rank with the request (``mlx.launch`` broadcasts standard input), but only the
+    first stage decodes them; the hash keys the prompt cache (``worker.engine``), so a follow-up about the
+    same picture reuses its prefix and another picture never does.
+    """
+
+    data: str
+    sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"data": self.data, "sha256": self.sha256}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Image:
+        return cls(**strict_fields(cls, data, "an image of the request", "worker"))
+
+
+@dataclass(frozen=True)
 class Request:
     """A generation request: its prompt, and mlx_lm.generate's options by the same names."""
 
@@ -80,6 +100,11 @@ class Request:
     # Constrained decoding (``worker.constraints``): OpenAI's ``{"type": "json_object"}`` or
     # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
     response_format: dict[str, Any] | None = None
+    # Images in (a vision-language model): the prompt as the controller tokenized it holds each image's
+    # placeholder tokens; ``vision_prompt`` is the text the image processor expanded into them, which the first
+    # stage processes again with the pixels.
+    images: tuple[Image, ...] = ()
+    vision_prompt: str | None = None
 
     def check(self, name: Name = lambda f: f"'{f}'", vocab_size: int | None = None) -> Request:
         """This request, once every field is in range (its numbers normalized: integers as ``int``, the rest as
@@ -98,6 +123,8 @@ class Request:
             data["logit_bias"] = {str(k): v for k, v in data["logit_bias"].items()}
         if "extra_eos_token" in data:
             data["extra_eos_token"] = list(data["extra_eos_token"])
+        if "images" in data:
+            data["images"] = [image.to_wire() for image in data["images"]]
         return data
 
     @classmethod
@@ -109,6 +136,8 @@ class Request:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
         if "extra_eos_token" in values:
             values["extra_eos_token"] = tuple(values["extra_eos_token"])
+        if "images" in values:
+            values["images"] = tuple(Image.from_wire(image) for image in values["images"])
         return cls(**values)
 
     # --- what mlx-lm takes -----------------------------------------------------------

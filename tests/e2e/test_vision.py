@@ -1,0 +1,116 @@
+"""Images in: ``mlxpipe generate --image`` on real ranks gives single-process mlx-vlm's greedy tokens.
+
+The vision tower and projector run on the first stage (the highest rank); Qwen2.5-VL's multi-axis rotary
+positions travel with the hidden state to the other stage. Tiny random checkpoints of the families
+(``fixtures/vision_models.py``); the reference is ``mlx_vlm.stream_generate`` in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.vision_models import VisionModels
+from fixtures.vision_models import test_image as picture_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
+TIMEOUT = 180
+PROMPT = "Describe this."
+MAX_TOKENS = 12
+# A four-rank hostfile of this machine: 2 stages x --tp 2.
+LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
+
+
+def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MLXPIPE, *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two different small pictures."""
+    root = tmp_path_factory.mktemp("images")
+    paths = [root / f"picture-{seed}.png" for seed in (0, 1)]
+    for seed, path in enumerate(paths):
+        path.write_bytes(picture_bytes(seed))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(vision_models: VisionModels, images: list[Path]) -> dict[tuple[str, int], list[int]]:
+    """(family, picture) -> mlx-vlm's greedy tokens, computed once per pair on first use."""
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    class Reference(dict[tuple[str, int], list[int]]):
+        def __missing__(self, key: tuple[str, int]) -> list[int]:
+            family, picture = key
+            if key not in cache:
+                model, processor = load(str(vision_models[family]))
+                prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+                responses = stream_generate(model, processor, prompt, image=[str(images[picture])],
+                                            max_tokens=MAX_TOKENS, temperature=0.0)
+                cache[key] = [r.token for r in responses][:MAX_TOKENS]
+            return cache[key]
+
+    return Reference()
+
+
+def generate(model: Path, image: Path, *flags: str) -> list[int]:
+    result = mlxpipe("generate", "--model", str(model), "--image", str(image), "--prompt", PROMPT,
+                     "--max-tokens", str(MAX_TOKENS), "--json", *flags)
+    assert result.returncode == 0, result.stderr
+    return [int(t) for t in json.loads(result.stdout)["tokens"]]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3"])
+def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
+                                 reference: dict[tuple[str, int], list[int]], family: str) -> None:
+    """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
+    assert generate(vision_models[family], images[0], "--hostfile", "hostfiles/local-2.json") == reference[family, 0]
+
+
+@pytest.mark.ranks
+def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path],
+                                  reference: dict[tuple[str, int], list[int]]) -> None:
+    """The picture reaches the model: another one gives mlx-vlm's other tokens."""
+    tokens = generate(vision_models["qwen2_5_vl"], images[1], "--hostfile", "hostfiles/local-2.json")
+    assert tokens == reference["qwen2_5_vl", 1]
+    assert tokens != reference["qwen2_5_vl", 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("layout", ["tp2", "2x-tp2"])
+def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
+                                       reference: dict[tuple[str, int], list[int]], layout: str,
+                                       tmp_path: Path) -> None:
+    """--tp 2 (one stage) and 2 stages x --tp 2: positions and embeddings reach every member of a group."""
+    hostfile = tmp_path / "local-4.json"
+    hostfile.write_text(json.dumps(LOCAL_4))
+    flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
+    tokens = generate(vision_models["qwen2_5_vl"], images[0], *flags, "--tp", "2")
+    assert tokens == reference["qwen2_5_vl", 0]
+
+
+def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:
+    """An image to a text-only model: one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(demo_model), "--image", str(images[0]), "--prompt", PROMPT)
+    assert result.returncode != 0
+    assert "is a text-only model; it takes no images" in result.stderr
+    assert "starting" not in result.stderr
+
+
+def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:
+    """A file that is no image: one line naming the flag and the file."""
+    bad = tmp_path / "notes.png"
+    bad.write_text("not a picture")
+    result = mlxpipe("generate", "--model", str(vision_models["qwen2_5_vl"]), "--image", str(bad), "--prompt", PROMPT)
+    assert result.returncode != 0
+    assert f"--image {bad}: the image data is not an image that can be decoded" in result.stderr
