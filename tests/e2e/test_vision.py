@@ -114,3 +114,16 @@ def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> 
     result = mlxpipe("generate", "--model", str(vision_models["qwen2_5_vl"]), "--image", str(bad), "--prompt", PROMPT)
     assert result.returncode != 0
     assert f"--image {bad}: the image data is not an image that can be decoded" in result.stderr
+
+
+@pytest.mark.ranks
+def test_chat_keeps_the_image_for_every_turn(vision_models: VisionModels, images: list[Path]) -> None:
+    """``chat --image``: the picture belongs to the first message; a second turn reuses the cached prefix."""
+    result = subprocess.run(
+        [MLXPIPE, "chat", "--model", str(vision_models["qwen2_5_vl"]), "--image", str(images[0]),
+         "--max-tokens", "4", "--hostfile", "hostfiles/local-2.json"],
+        input="Describe this.\nAnd again?\n\n", capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("tok/s") == 2
+
