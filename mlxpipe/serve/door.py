@@ -15,7 +15,7 @@ import hmac
 import json
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,6 +25,10 @@ from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
 from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.queue import RequestQueue
+from mlxpipe.vision.images import ImageLimits
+
+if TYPE_CHECKING:
+    from mlxpipe.vision.prompt import VisionPrompt
 
 T = TypeVar("T")
 
@@ -47,6 +51,9 @@ class ServerSettings:
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
+    # A vision-language model's processor (images in: ``bodies.with_images``); None: the model takes no images.
+    vision: VisionPrompt | None = None
+    image_limits: ImageLimits = ImageLimits()  # noqa: RUF009 - frozen, one shared default is safe
 
 
 class ClientGone(Exception):

@@ -7,13 +7,20 @@ positions travel with the hidden state to the other stage. Tiny random checkpoin
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from openai import BadRequestError, OpenAI
+from PIL import Image as Pil
 
+from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
 
@@ -127,3 +134,69 @@ def test_chat_keeps_the_image_for_every_turn(vision_models: VisionModels, images
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("tok/s") == 2
 
+
+# --- serve: OpenAI Chat's image_url parts ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision_models: VisionModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    with ready_server(["--model", str(vision_models["qwen2_5_vl"]), "--hostfile", "hostfiles/local-2.json"],
+                      tmp_path_factory.mktemp("vision-serve-home")) as proc:
+        yield proc
+
+
+def _data_uri(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def _ask(client: OpenAI, *uris: str) -> Any:
+    model = client.models.list().data[0].id
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris]
+    content.append({"type": "text", "text": PROMPT})
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}],  # type: ignore[misc, list-item]
+        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True,
+    )
+
+
+@pytest.mark.ranks
+def test_serve_openai_image_equals_mlx_vlm(vision_server: ServeProcess, vision_models: VisionModels,
+                                           images: list[Path], reference: dict[tuple[str, int], list[int]]) -> None:
+    """A data: URI image through the official client: mlx-vlm's greedy tokens, another image other tokens, and the
+    same image again (its prefix from the prompt cache, keyed by the image's hash) the same tokens."""
+    from mlx_vlm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(vision_models["qwen2_5_vl"])
+    client = OpenAI(base_url=vision_server.url, api_key="none")
+    pieces = {}
+    for picture in (0, 1, 0):
+        reply = _ask(client, _data_uri(images[picture].read_bytes()))
+        tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+        if picture in pieces:
+            assert tokens == pieces[picture]
+        pieces[picture] = tokens
+        assert tokens == [tokenizer.decode([t]) for t in reference["qwen2_5_vl", picture]]
+    assert pieces[0] != pieces[1]
+
+
+@pytest.mark.ranks
+def test_serve_bad_images_are_400s_naming_the_part(vision_server: ServeProcess, images: list[Path]) -> None:
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0)
+    tiff = io.BytesIO()
+    Pil.new("RGB", (8, 8)).save(tiff, format="TIFF")
+    good = _data_uri(images[0].read_bytes())
+    cases = [
+        ((_data_uri(b"hello"),), "messages[0].content[0]", "not an image that can be decoded"),
+        ((good, _data_uri(tiff.getvalue(), "tiff")), "messages[0].content[1]", "supported formats"),
+        (("data:image/png;base64,@@@",), "messages[0].content[0]", "not valid base64"),
+        (("https://example.invalid/a.png",), "messages[0].content[0]", "image URLs are off"),
+        ((good,) * 9, "messages[0].content[8]", "at most 8 images"),
+    ]
+    for uris, param, words in cases:
+        with pytest.raises(BadRequestError) as info:
+            _ask(client, *uris)
+        body = info.value.body
+        assert isinstance(body, dict)
+        error = body.get("error", body)  # the client hands over the error object, or the whole body
+        assert error["param"] == param and words in error["message"], error
+    assert vision_server.health()["restarts"] == 0
