@@ -7,8 +7,9 @@ blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` 
 are dropped; images and documents are refused (400). A last assistant message is a prefill: the reply continues
 it, as Anthropic's API does. ``tools`` (``name``, ``description``, ``input_schema``) go to the template as
 function tools; ``tool_choice`` ``none`` withholds them, ``any`` and ``tool`` reach the template as its
-``tool_choice`` variable (nothing enforces them: that would take constrained decoding). Every error names the
-field (``messages[1].content[0].tool_use_id``).
+``tool_choice`` variable (nothing enforces them: that would take constrained decoding). A user's ``image`` blocks
+with a ``base64`` source go to a vision-language model (``bodies.with_images``). Every error names the field
+(``messages[1].content[0].tool_use_id``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.request import Image, Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -53,17 +54,31 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     request = bodies.options(body, settings, _OPTIONS)
     tools = _tools(body)
     choice = _tool_choice(body, tools)
-    messages, prefill = chat_messages(body)
+    images: list[tuple[Image, str]] = []
+    messages, prefill = chat_messages(body, settings, images)
     request = replace(request, messages=messages, prefill_response=prefill)
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
-    tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages")
+    if images:
+        if offered or prefill is not None:
+            what = "'tools'" if offered else "a last assistant message (a prefill)"
+            raise ApiError(400, f"{what} cannot go with images on this server yet", param="messages")
+        vision = bodies.with_images(request, images, settings, "messages")
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages")
     return Parsed(bodies.for_ranks(request, tokens, settings, "messages", new_id), field(body, "stream", bool, False),
                   bodies.stops(body, "stop_sequences"), offered)
 
 
-def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """The chat template's messages (the system prompt first), and the prefill: a last assistant message's text."""
+def chat_messages(body: dict[str, Any], settings: ServerSettings | None = None,
+                  images: list[tuple[Image, str]] | None = None) -> tuple[list[dict[str, Any]], str | None]:
+    """The chat template's messages (the system prompt first), and the prefill: a last assistant message's text.
+
+    A user's images go into ``images`` (each with its field), a ``{"type": "image"}`` part in its message; without
+    ``images`` (or ``settings``), an image block is refused."""
     messages = field(body, "messages", list)
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
@@ -73,7 +88,7 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | Non
         out.append({"role": "system", "content": system})
     names: dict[str, str] = {}  # tool_use id -> its tool's name, for the tool messages that answer it
     for i, message in enumerate(messages):
-        out.extend(_message(message, f"messages[{i}]", names))
+        out.extend(_message(message, f"messages[{i}]", names, settings, images))
     prefill = None
     last = out[-1]
     if last["role"] == "assistant" and not last.get("tool_calls"):
@@ -103,7 +118,8 @@ def _texts(blocks: list[Any], where: str) -> str:
     return "".join(texts)
 
 
-def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, Any]]:
+def _message(message: Any, where: str, names: dict[str, str], settings: ServerSettings | None = None,
+             images: list[tuple[Image, str]] | None = None) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results come first, as ``tool`` messages."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise ApiError(400, f"'{where}' must be an object with a 'role' of 'user' or 'assistant'", param=where)
@@ -114,11 +130,20 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
         raise ApiError(400, f"'{where}.content' must be a string or a list of content blocks",
                        param=f"{where}.content")
     texts, calls, results = [], [], []
+    parts: list[dict[str, str]] = []  # the user's text and images in order, where it sends images
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _kind(block)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user" and images is not None and settings is not None and settings.vision:
+            source = block.get("source")
+            if not isinstance(source, dict) or source.get("type") != "base64":
+                raise ApiError(400, f"'{at}.source' must be a base64 source (type 'base64', 'media_type', 'data')",
+                               param=f"{at}.source")
+            images.append((bodies.image_from_base64(source.get("data"), f"{at}.source.data", settings), at))
+            parts.append({"type": "image"})
         elif kind in _MEDIA:
             raise bodies.image_refused(at, _MEDIA[kind])
         elif kind == "tool_use" and role == "assistant":
@@ -144,12 +169,14 @@ def _message(message: Any, where: str, names: dict[str, str]) -> list[dict[str, 
         else:
             allowed = "text, tool_use or thinking" if role == "assistant" else "text or tool_result"
             raise ApiError(400, f"'{at}' must be a {allowed} block, got type {str(kind)[:40]!r}", param=at)
-    out = list(results)
+    out: list[dict[str, Any]] = list(results)
     if role == "assistant":
         reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         if calls:
             reply["tool_calls"] = calls
         out.append(reply)
+    elif any(part["type"] == "image" for part in parts):
+        out.append({"role": "user", "content": parts})
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})
     return out

@@ -159,6 +159,18 @@ def image_from_uri(uri: Any, where: str, settings: ServerSettings) -> Image:
         raise ApiError(400, f"'{where}': {e.message}", param=where, code="invalid_image") from None
 
 
+def image_from_base64(source: Any, where: str, settings: ServerSettings) -> Image:
+    """An image a body sends as base64 text, checked against the server's limits; a 400 naming ``where``."""
+    from mlxpipe.vision.images import ImageError, check_image, decode_base64
+
+    if not isinstance(source, str) or not source:
+        raise ApiError(400, f"'{where}' must be the image's base64 data", param=where)
+    try:
+        return check_image(decode_base64(source), settings.image_limits)
+    except ImageError as e:
+        raise ApiError(400, f"'{where}': {e.message}", param=where, code="invalid_image") from None
+
+
 def with_images(request: Request, images: list[tuple[Image, str]], settings: ServerSettings,
                 param: str) -> Request:
     """``request`` (its messages, each image a ``{"type": "image"}`` part) with ``images`` (each with the field

@@ -200,3 +200,55 @@ def test_serve_bad_images_are_400s_naming_the_part(vision_server: ServeProcess, 
         error = body.get("error", body)  # the client hands over the error object, or the whole body
         assert error["param"] == param and words in error["message"], error
     assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_anthropic_base64_image(vision_server: ServeProcess, vision_models: VisionModels,
+                                     images: list[Path]) -> None:
+    """Anthropic's base64 image blocks through the official client: the same reply as OpenAI's door gives; a bad
+    one is a 400 in Anthropic's shape naming the block."""
+    import anthropic
+
+    openai_text = _ask(OpenAI(base_url=vision_server.url, api_key="none"),
+                       _data_uri(images[0].read_bytes())).choices[0].message.content
+    client = anthropic.Anthropic(base_url=vision_server.base, api_key="none", max_retries=0, timeout=120)
+
+    def ask(data: str) -> Any:
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        return client.messages.create(
+            model=str(vision_models["qwen2_5_vl"]), max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [{"type": "image", "source": source},  # type: ignore[typeddict-item]
+                                                   {"type": "text", "text": PROMPT}]}],
+        )
+
+    reply = ask(base64.b64encode(images[0].read_bytes()).decode())
+    assert "".join(block.text for block in reply.content if block.type == "text") == openai_text
+    with pytest.raises(anthropic.BadRequestError) as info:
+        ask(base64.b64encode(b"hello").decode())
+    body = info.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert "'messages[0].content[0].source.data': the image data is not an image" in body["error"]["message"]
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_ollama_images(vision_server: ServeProcess, vision_models: VisionModels, images: list[Path]) -> None:
+    """Ollama's ``images`` (base64) through the official client, in /api/chat and /api/generate: the same reply as
+    OpenAI's door gives; a bad one is a 400 naming the field."""
+    import ollama
+
+    openai_text = _ask(OpenAI(base_url=vision_server.url, api_key="none"),
+                       _data_uri(images[0].read_bytes())).choices[0].message.content
+    client = ollama.Client(host=vision_server.base)
+    model, options = str(vision_models["qwen2_5_vl"]), {"temperature": 0, "num_predict": MAX_TOKENS}
+    picture = images[0].read_bytes()
+    chat = client.chat(model=model, messages=[{"role": "user", "content": PROMPT, "images": [picture]}],
+                       options=options)
+    assert chat.message.content == openai_text
+    generated = client.generate(model=model, prompt=PROMPT, images=[picture], options=options)
+    assert generated.response == openai_text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=model, messages=[{"role": "user", "content": PROMPT, "images": [b"hello"]}])
+    assert info.value.status_code == 400
+    assert "'messages[0].images[0]': the image data is not an image" in str(info.value)
+    assert vision_server.health()["restarts"] == 0
