@@ -189,7 +189,7 @@ def test_serve_bad_images_are_400s_naming_the_part(vision_server: ServeProcess, 
         ((_data_uri(b"hello"),), "messages[0].content[0]", "not an image that can be decoded"),
         ((good, _data_uri(tiff.getvalue(), "tiff")), "messages[0].content[1]", "supported formats"),
         (("data:image/png;base64,@@@",), "messages[0].content[0]", "not valid base64"),
-        (("https://example.invalid/a.png",), "messages[0].content[0]", "image URLs are off"),
+        (("https://example.invalid/a.png",), "messages[0].content[0]", "image URLs are not fetched"),
         ((good,) * 9, "messages[0].content[8]", "at most 8 images"),
     ]
     for uris, param, words in cases:

@@ -55,7 +55,7 @@ def test_data_uri() -> None:
         from_data_uri("data:image/png,rawbytes")
     with pytest.raises(ImageError, match="not valid base64"):
         from_data_uri("data:image/png;base64,@@@")
-    with pytest.raises(ImageError, match="image URLs are off on this server"):
+    with pytest.raises(ImageError, match="image URLs are not fetched by this server"):
         from_data_uri("https://example.invalid/a.png")
 
 
