@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 Images = Annotated[list[Path] | None, typer.Option(
     "--image", help="An image for a vision-language model (PNG, JPEG, WebP, GIF, BMP); repeat it for several. "
-    "Needs mlxpipe[vision].", show_default="none: text only",
+    "Needs mlx-vlm: pip install 'mlxpipe\\[vision]'.", show_default="none: text only",
 )]
 Prompt = Annotated[str | None, typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",

@@ -42,7 +42,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from hashlib import sha256
 from typing import Any, cast
 
 import mlx.core as mx
@@ -148,7 +147,7 @@ class Engine:
         self.positions = loaded.positions
         self.prompts: dict[int, vision.PromptFeatures] = {}
         self._positions_in: mx.array | None = None  # received with the hidden state of this tick's micro-batch
-        self._image_token = _image_token_of(loaded.config) if loaded.vision else None
+        self._image_token = vision.image_token_of(loaded.config) if loaded.vision else None
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (see worker.ahead).
         self.lazy: set[int] = set()
@@ -554,20 +553,11 @@ class Engine:
         return extra
 
     def _cache_key(self, request: Request, tokens: Sequence[int]) -> list[int]:
-        """The prompt cache's key of ``tokens``: the tokens, with each image's placeholder tokens made its own
-        (from the image's hash), so that only the same picture reuses a cached prefix."""
+        """The prompt cache's key of ``tokens``: with images, each image's placeholder tokens made its own
+        (``vision.cache_key``), so that only the same picture reuses a cached prefix."""
         if not request.images or self._image_token is None:
             return list(tokens)
-        marks = [-1 - int(image.sha256[:15], 16) for image in request.images]
-        runs = _runs(tokens, self._image_token)
-        if len(runs) != len(marks):  # not one run per image: every placeholder keyed by all the images
-            marks = [-1 - int(sha256("".join(i.sha256 for i in request.images).encode()).hexdigest()[:15], 16)]
-            runs = [[i for run in runs for i in run]]
-        key = list(tokens)
-        for run, mark in zip(runs, marks, strict=False):
-            for i in run:
-                key[i] = mark
-        return key
+        return vision.cache_key(tokens, request.images, self._image_token)
 
     # --- shapes --------------------------------------------------------------------
 
@@ -592,24 +582,3 @@ class Engine:
         axis = 0 if self.exchange.incoming_layout is not None else self.exchange.token_axis - 1
         return (*shape[:axis], rows, *shape[axis + 1 :]), dtype
 
-
-def _image_token_of(config: dict[str, Any]) -> int | None:
-    """A vision-language model's image placeholder token, as its config names it."""
-    for key in ("image_token_id", "image_token_index", "media_placeholder_token_id"):
-        value = config.get(key)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _runs(tokens: Sequence[int], token: int) -> list[list[int]]:
-    """The positions of each run of ``token`` in ``tokens``."""
-    runs: list[list[int]] = []
-    for i, t in enumerate(tokens):
-        if t != token:
-            continue
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

@@ -13,7 +13,9 @@ travel with the hidden state to the later stages (``pack_positions``), which nev
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -22,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpipe.errors import ModelError
-from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.request import Image, Request
 
 # What mlx-vlm's ``get_input_embeddings`` may hand the language model besides the embeddings, and which of it
 # mlxpipe carries: position ids (rope deltas say how they go on after the prompt). Anything else a language
@@ -152,6 +154,8 @@ def features(model: nn.Module, processor: Any, config: dict[str, Any], request: 
     delta = cast(int, mx.array(deltas).reshape(-1)[0].astype(mx.int32).item()) if deltas is not None else 0
     if positions is not None:
         positions = positions.astype(mx.int32)
+        if positions.ndim == 2:  # a prompt without images: (1, tokens), the same position on every axis
+            positions = mx.broadcast_to(positions[None], (_POSITION_AXES, *positions.shape))
         mx.eval(out.inputs_embeds, positions)
     else:
         mx.eval(out.inputs_embeds)
@@ -200,3 +204,48 @@ def unpack_positions(message: mx.array, shape: tuple[int, ...], dtype: Any) -> t
     hidden = mx.contiguous(hidden).view(dtype).reshape(shape)
     positions = mx.contiguous(ids).view(mx.int32).reshape(batch, tokens, _POSITION_AXES).transpose(2, 0, 1)
     return hidden, positions
+
+
+# --- the prompt cache's keys ---------------------------------------------------------
+
+
+def image_token_of(config: dict[str, Any]) -> int | None:
+    """A vision-language model's image placeholder token, as its config names it."""
+    for key in ("image_token_id", "image_token_index", "media_placeholder_token_id"):
+        value = config.get(key)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def cache_key(tokens: Sequence[int], images: Sequence[Image], image_token: int) -> list[int]:
+    """``tokens`` with each image's run of placeholder tokens replaced by a mark of that image's hash (a negative
+    id, which no token has). Where the runs are not one per image (a family that breaks an image into rows),
+    every placeholder is marked by the hash of all the images."""
+    marks = [_mark(image.sha256) for image in images]
+    runs = _runs(tokens, image_token)
+    if len(runs) != len(marks):
+        marks = [_mark(hashlib.sha256("".join(image.sha256 for image in images).encode()).hexdigest())]
+        runs = [[i for run in runs for i in run]]
+    key = list(tokens)
+    for run, mark in zip(runs, marks, strict=True):
+        for i in run:
+            key[i] = mark
+    return key
+
+
+def _mark(digest: str) -> int:
+    return -1 - int(digest[:15], 16)
+
+
+def _runs(tokens: Sequence[int], token: int) -> list[list[int]]:
+    """The positions of each run of ``token`` in ``tokens``."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(tokens):
+        if t != token:
+            continue
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

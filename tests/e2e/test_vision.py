@@ -252,3 +252,32 @@ def test_serve_ollama_images(vision_server: ServeProcess, vision_models: VisionM
     assert info.value.status_code == 400
     assert "'messages[0].images[0]': the image data is not an image" in str(info.value)
     assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_images_in_flight_together_equal_solo(vision_server: ServeProcess, vision_models: VisionModels,
+                                                    images: list[Path],
+                                                    reference: dict[tuple[str, int], list[int]]) -> None:
+    """Image requests batched together, with a text-only one among them: each gives its solo tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_vlm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(vision_models["qwen2_5_vl"])
+    client = OpenAI(base_url=vision_server.url, api_key="none")
+    text_only = client.chat.completions.create(
+        model=str(vision_models["qwen2_5_vl"]), messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS, temperature=0.0,
+    ).choices[0].message.content
+    uris = [_data_uri(images[picture].read_bytes()) for picture in (1, 0, 1, 0)]
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(_ask, client, uri) for uri in uris]
+        alone = pool.submit(lambda: client.chat.completions.create(
+            model=str(vision_models["qwen2_5_vl"]), messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=MAX_TOKENS, temperature=0.0,
+        )).result()
+        replies = [future.result() for future in futures]
+    for picture, reply in zip((1, 0, 1, 0), replies, strict=True):
+        tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+        assert tokens == [tokenizer.decode([t]) for t in reference["qwen2_5_vl", picture]]
+    assert alone.choices[0].message.content == text_only
