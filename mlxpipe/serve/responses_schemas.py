@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request, RequestError
+from mlxpipe.protocol.request import Image, Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -51,12 +51,21 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     request = _with_format(bodies.options(body, settings, _OPTIONS), body, settings)
     tools = _tools(body)
     choice = _tool_choice(body, tools)
-    conversation = _previous(body, store) + input_messages(body.get("input"))
+    conversation = _previous(body, store) + input_messages(body.get("input"), settings)
     instructions = field(body, "instructions", str)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     offered = tools if choice != "none" else None
     extra = {"tool_choice": choice} if offered and choice not in (None, "auto") else None
-    tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
+    images = _images(conversation)
+    if images:
+        if offered:
+            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
+        vision = bodies.with_images(replace(request, messages=messages), images, settings, "input")
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input")
     # text.format is the body's name of the structured output a server with a draft model refuses.
     ranked = bodies.for_ranks(request, tokens, settings, "input", new_id, {"response_format": "text.format"})
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
@@ -111,8 +120,21 @@ def _previous(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]
     return [dict(m) for m in stored.messages]
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``."""
+def _images(conversation: list[dict[str, Any]]) -> list[tuple[Image, str]]:
+    """The images of the conversation's image parts (a stored turn's too: a follow-up sees its pictures), in order,
+    each with the field it came from."""
+    found = []
+    for message in conversation:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "image":
+                found.append((Image(data=part["image_data"], sha256=part["sha256"]), part["where"]))
+    return found
+
+
+def input_messages(value: Any, settings: ServerSettings | None = None) -> list[dict[str, Any]]:
+    """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``; a
+    vision-language model's (``settings.vision``) ``input_image`` parts become image parts that carry the image."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -123,7 +145,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         kind = _kind(item, "message")
         if kind == "message":
-            out.append(_message(item, where))
+            out.append(_message(item, where, settings))
         elif kind == "function_call":
             call_id = field(item, "call_id", str, None, f"{where}.")
             name = field(item, "name", str, None, f"{where}.")
@@ -156,28 +178,36 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: str, settings: ServerSettings | None = None) -> dict[str, Any]:
     role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
     if role is None:
         raise ApiError(400, f"'{where}.role' must be user, assistant, system or developer", param=f"{where}.role")
     content = item.get("content")
-    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content", settings)
     return {"role": role, "content": text}
 
 
-def _parts(parts: Any, where: str) -> str:
-    """The text of a message's content parts (``input_text``, ``output_text``, ``text``)."""
+def _parts(parts: Any, where: str, settings: ServerSettings | None = None) -> str | list[dict[str, str]]:
+    """The text of a message's content parts (``input_text``, ``output_text``, ``text``); with a vision-language
+    model's ``input_image`` parts (``data:`` URIs), the parts, each image one that carries it."""
     if not isinstance(parts, list):
         raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where)
-    texts = []
+    out: list[dict[str, str]] = []
     for j, part in enumerate(parts):
         kind = _kind(part)
+        if kind == "input_image" and settings is not None and settings.vision is not None:
+            at = f"{where}[{j}]"
+            image = bodies.image_from_uri(part.get("image_url"), f"{at}.image_url", settings)
+            out.append({"type": "image", "image_data": image.data, "sha256": image.sha256, "where": at})
+            continue
         if kind in _MEDIA:
             raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise ApiError(400, f"'{where}[{j}]' must be an input_text part", param=f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+        out.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image" for part in out):
+        return out
+    return "".join(part["text"] for part in out)
 
 
 def _arguments(text: str, where: str) -> Any:

@@ -281,3 +281,30 @@ def test_serve_images_in_flight_together_equal_solo(vision_server: ServeProcess,
         tokens = [entry.token for entry in reply.choices[0].logprobs.content]
         assert tokens == [tokenizer.decode([t]) for t in reference["qwen2_5_vl", picture]]
     assert alone.choices[0].message.content == text_only
+
+
+@pytest.mark.ranks
+def test_serve_responses_input_image(vision_server: ServeProcess, vision_models: VisionModels,
+                                     images: list[Path]) -> None:
+    """Responses' input_image (a data: URI) through the official client: the same reply as Chat's; a follow-up by
+    previous_response_id still sees the picture; a bad one is a 400 naming the part."""
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0)
+    model, uri = str(vision_models["qwen2_5_vl"]), _data_uri(images[0].read_bytes())
+    chat_text = _ask(client, uri).choices[0].message.content
+    content: Any = [{"type": "input_image", "image_url": uri, "detail": "auto"}, {"type": "input_text", "text": PROMPT}]
+    first = client.responses.create(model=model, input=[{"role": "user", "content": content}],
+                                    max_output_tokens=MAX_TOKENS, temperature=0.0)
+    assert first.output_text == chat_text
+    follow = client.responses.create(model=model, input="And again?", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0.0)
+    # Its prompt holds the stored turn, picture included: more tokens than the first, the reply cut at 4.
+    assert follow.status == "incomplete" and follow.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens and follow.usage.output_tokens == 4
+    bad: Any = [{"type": "input_image", "image_url": _data_uri(b"hello"), "detail": "auto"}]
+    with pytest.raises(BadRequestError) as info:
+        client.responses.create(model=model, input=[{"role": "user", "content": bad}], max_output_tokens=4)
+    body = info.value.body
+    assert isinstance(body, dict)
+    error = body.get("error", body)
+    assert error["param"] == "input[0].content[0].image_url" and "not an image" in error["message"]
+    assert vision_server.health()["restarts"] == 0
