@@ -16,7 +16,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,lint]'
+	$(PY) -m pip install -q -e '.[test,lint,vision]'
 	$(PY) -m pip install -q --no-deps $(DEMO_WHEEL)
 	touch $@
 

@@ -25,6 +25,7 @@ from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded
 from fixtures.serve_process import server  # noqa: F401
 from fixtures.tiny_models import tiny_models  # noqa: F401
 from fixtures.tool_model import tool_model  # noqa: F401
+from fixtures.vision_models import vision_models  # noqa: F401
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -82,7 +82,7 @@ def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic
                     prefill_step_size: int | None = None, port: int | None, timeout: float, trust_remote_code: bool,
                     quiet: bool, from_controller: bool = False, context: int | None = None,
                     adapter_path: Path | None = None, draft_model: str | None = None,
-                    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> PipelineConfig:
+                    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, images: bool = False) -> PipelineConfig:
     """The typed config of the pipeline the flags describe (``PipelineConfig`` checks them on construction)."""
     from mlxpipe.launch.run import PipelineConfig
 
@@ -92,6 +92,7 @@ def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic
         adapter_path=str(adapter_path.expanduser().resolve()) if adapter_path is not None else None,
         draft_model=_model_dir_or_id(draft_model),
         num_draft_tokens=num_draft_tokens,
+        images=images,
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -55,13 +56,17 @@ from mlxpipe.cli._options import (
 )
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Image, Request
 
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import RequestResult
     from mlxpipe.launch.pipeline import Pipeline
     from mlxpipe.launch.run import PipelineConfig
 
+Images = Annotated[list[Path] | None, typer.Option(
+    "--image", help="An image for a vision-language model (PNG, JPEG, WebP, GIF, BMP); repeat it for several. "
+    "Needs mlx-vlm: pip install 'mlxpipe\\[vision]'.", show_default="none: text only",
+)]
 Prompt = Annotated[str | None, typer.Option(
     "--prompt", "-p", help="The prompt; '-' reads it from standard input.",
     show_default="none: required without --prompts-file",
@@ -86,6 +91,7 @@ Output = Annotated[Path | None, typer.Option(
 
 def generate(
     prompt: Prompt = None,
+    image: Images = None,
     model: Model = None,
     hostfile: Hostfile = None,
     revision: Revision = None,
@@ -162,19 +168,23 @@ def generate(
         prompt = sys.stdin.read()
     if workload is None and prompts_file is not None:
         workload = "batch"  # many prompts at once: judged by aggregate throughput
+    if image and prompts_file is not None:
+        raise UsageError("--image goes with --prompt, not --prompts-file")
+    images = read_images(image)
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=json_out, from_controller=from_controller, context=context,
-        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens, images=bool(images),
     )
     run_config = settle_config(run_config, quiet=json_out)
     if prompts_file is not None:
         _generate_batch(run_config, options, prompts_file, concurrency, output, json_out, decode_batch)
         return
     with running_pipeline(run_config) as pipe:
-        answer = pipe.generate(request_for(prompt, None, options), None if json_out else _stream_text)
+        request = replace(request_for(prompt, None, options), images=images)
+        answer = pipe.generate(request, None if json_out else _stream_text)
     if json_out:
         console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
     else:
@@ -241,6 +251,7 @@ def _stream_text(text: str) -> None:
 
 
 def chat(
+    image: Images = None,
     model: Model = None,
     hostfile: Hostfile = None,
     revision: Revision = None,
@@ -288,16 +299,33 @@ def chat(
 
     flags = RequestFlags.of(locals())
     check_draft_flags(draft_model, max_kv_size)
+    images = read_images(image)
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     options = flags.request(target.preset)
     run_config = pipeline_config(
         target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
-        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens, images=bool(images),
     )
     run_config = settle_config(run_config, quiet=False)
     with running_pipeline(run_config) as pipe:
-        _chat_turns(pipe, options)
+        _chat_turns(pipe, replace(options, images=images))
+
+
+def read_images(paths: list[Path] | None) -> tuple[Image, ...]:
+    """The --image files, checked (and mlx-vlm asked for) before anything starts."""
+    if not paths:
+        return ()
+    from mlxpipe.vision.images import read_image_file
+    from mlxpipe.vision.prompt import require_vision
+
+    require_vision()
+    return tuple(read_image_file(str(path)) for path in paths)
+
+
+def _with_images(text: str, count: int) -> list[dict[str, str]]:
+    """A chat message's content with ``count`` images first, then its text."""
+    return [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
 
 
 def _chat_turns(pipe: Pipeline, options: Request) -> None:
@@ -306,13 +334,16 @@ def _chat_turns(pipe: Pipeline, options: Request) -> None:
 
     from mlxpipe.launch.pipeline import request_for
 
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     while True:
         console.err.print("[bold]>[/] ", end="")
         line = sys.stdin.readline()
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        # The chat's images (--image) belong to its first message, where they stay for every later turn.
+        text = line.rstrip("\n")
+        first = options.images and not messages
+        messages.append({"role": "user", "content": _with_images(text, len(options.images)) if first else text})
         try:
             answer = pipe.generate(request_for(None, messages, options, keep_cache=True), _stream_text)
         except RequestFailed as e:  # this turn failed, the pipeline did not: the chat goes on

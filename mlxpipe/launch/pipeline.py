@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
-from mlxpipe.errors import LaunchError, RequestFailed
+from mlxpipe.errors import LaunchError, RequestFailed, UsageError
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
@@ -29,6 +29,7 @@ from mlxpipe.protocol.request import Request
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult, RequestResult
     from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.vision.prompt import VisionPrompt
 
 WORKER = ("-m", "mlxpipe.worker")
 
@@ -105,6 +106,8 @@ class Pipeline:
         )
         self.ranks = Ranks(self.spec)
         self.loaded: dict[int, RankStats] = {}
+        # The model's processor here, made at the first request with images.
+        self._vision_prompt: VisionPrompt | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -128,10 +131,25 @@ class Pipeline:
                     return
         raise LaunchError("the ranks ended before loading the model", f"logs: {self.run_dir}")
 
+    def with_images(self, request: Request) -> Request:
+        """A request with images, its prompt tokenized by the model's processor here (``vision.prompt``); a
+        model that takes no images refuses it before anything reaches a rank."""
+        if not request.images:
+            return request
+        from mlxpipe.vision.prompt import VisionPrompt, is_vision_config, require_vision
+
+        require_vision()
+        if not self.job.vision:
+            why = "" if is_vision_config(self.meta.config) else ": it is a text-only model"
+            raise UsageError(f"{self.meta.source} takes no images{why}")
+        if self._vision_prompt is None:
+            self._vision_prompt = VisionPrompt(controller_model_dir(self.meta), self.meta.config)
+        return self._vision_prompt.tokenize(request)
+
     def generate(self, request: Request, on_text: OnText | None = None) -> Answer:
         """Send one request; stream rank 0's text; return once every rank is done."""
         # Every rank must sample the same token: they share one seed.
-        request = request.with_seed(lambda: random.randrange(2**31))
+        request = self.with_images(request).with_seed(lambda: random.randrange(2**31))
         self.ranks.send(Generate(request))
         answer = Answer(text="")
         done: set[int] = set()
@@ -240,7 +258,7 @@ def _rank_stats(event: Loaded, host: str, plan: Plan) -> RankStats:
     )
 
 
-def request_for(prompt: str | None, messages: Sequence[dict[str, str]] | None, options: Request,
+def request_for(prompt: str | None, messages: Sequence[dict[str, Any]] | None, options: Request,
                 keep_cache: bool = False) -> Request:
     """``options`` (the command's flags) for this prompt or these messages."""
     return replace(options, prompt=prompt, messages=list(messages) if messages is not None else None,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlxpipe import console
 from mlxpipe.cluster import storage
@@ -57,6 +57,7 @@ class PipelineConfig:
     draft_model: str | None = None  # speculative decoding: a directory at this path on every host, or a hub id
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     worker: tuple[str, ...] = WORKER  # tests run a worker that misbehaves on purpose
+    images: bool = False  # the run is given images (--image): a model that takes none is refused before launch
 
     def __post_init__(self) -> None:
         check_mode(self.mode, "--pipeline")
@@ -123,7 +124,29 @@ class PipelineConfig:
             draft_paths=list(paths) if paths is not None else None,
             num_draft_tokens=self.num_draft_tokens,
             tp=self.target.tp,
+            vision=vision_job(meta.config, self.mode, train is not None, paths is not None),
         )
+
+
+def vision_job(config: dict[str, Any], mode: str, training: bool, drafting: bool) -> bool:
+    """Whether the ranks load a vision-language model with mlx-vlm (images in): its config has a vision tower's,
+    mlx-vlm is installed here, and the run is one the engine serves (else the text model alone, as before)."""
+    from mlxpipe.vision.prompt import is_vision_config, vision_installed
+
+    return is_vision_config(config) and vision_installed() and mode == "generic" and not training and not drafting
+
+
+def check_images(config: PipelineConfig, meta: ModelMetadata) -> None:
+    """Refuse images the run cannot take (a text-only model, a pipeline that runs no vision tower) before launch."""
+    from mlxpipe.vision.prompt import is_vision_config, require_vision
+
+    require_vision()
+    if not is_vision_config(meta.config):
+        raise UsageError(f"--image: {meta.source} is a text-only model; it takes no images",
+                         hint="pick a vision-language model, or drop --image")
+    if not vision_job(meta.config, config.mode, False, config.draft_model is not None):
+        raise UsageError("--image runs with the generic pipeline, without a draft model",
+                         hint="drop --pipeline native and --draft-model")
 
 
 def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
@@ -133,6 +156,8 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
     target = config.target
     with console.ProgressCallback("reading safetensors headers", enabled=not config.quiet) as progress:
         meta = load_model_metadata(target, progress=progress)
+    if config.images:
+        check_images(config, meta)
     the_plan = plan_target(target, meta, context=config.context or DEFAULT_CONTEXT)
     require_fit(the_plan)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):

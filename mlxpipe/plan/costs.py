@@ -38,12 +38,17 @@ class Costs:
     replicated_bytes: list[int] = field(default_factory=list)
     vocab_bytes: int = 0
     members: int = 1  # these are the costs of one member of a tensor-parallel group of this many
+    # A vision-language model's vision tower and projector: only the first stage (layer 0's) holds them.
+    vision_bytes: int = 0
+    vision_files: set[str] = field(default_factory=set)
 
 
 # The routed experts' weights (mlx-lm's stacked ``switch_mlp``, or per-expert tensors).
 _EXPERT_RE = re.compile(r"\.(switch_mlp|experts)\.")
 _HEAD_RE = re.compile(r"(^|\.)lm_head\.")
 _EMBED_RE = re.compile(r"(^|\.)embed_tokens\.")
+# A vision-language model's towers and projectors, as mlx-vlm's checkpoints name them.
+_VISION_RE = re.compile(r"^(vision_tower|vision_model|visual|multi_modal_projector|mm_projector|embed_vision)\.")
 # A layer's tensors that every member of a tensor-parallel group keeps whole: norms, MoE routers
 # (``mlp.gate.weight``, ``router``; never ``gate_proj``), and every 1-D tensor (biases, norm
 # scales: small, and a row-parallel layer's bias is added after the sum).
@@ -57,11 +62,15 @@ def model_costs(meta: ModelMetadata) -> Costs:
     layer_bytes, layer_work, replicated = [0] * n, [0] * n, [0] * n
     layer_files: list[set[str]] = [set() for _ in range(n)]
     shared_bytes, shared_files = 0, set()
-    head_bytes = embed_bytes = 0
+    head_bytes = embed_bytes = vision_bytes = 0
+    vision_files: set[str] = set()
     active, experts = active_experts(meta.text_config)
     for t in meta.tensors:
         layer = meta.layer_of(t)
-        if layer is None:
+        if layer is None and _VISION_RE.search(t.name):
+            vision_bytes += t.nbytes
+            vision_files.add(t.file)
+        elif layer is None:
             shared_bytes += t.nbytes
             shared_files.add(t.file)
             if _HEAD_RE.search(t.name):
@@ -79,7 +88,8 @@ def model_costs(meta: ModelMetadata) -> Costs:
     head_work = head_bytes or embed_bytes
     sharded = [total - kept for total, kept in zip(layer_bytes, replicated, strict=True)]
     return Costs(layer_bytes, shared_bytes, layer_files, shared_files, kv_bytes_per_token(meta),
-                 layer_work, head_work, sharded, replicated, head_bytes + embed_bytes)
+                 layer_work, head_work, sharded, replicated, head_bytes + embed_bytes,
+                 vision_bytes=vision_bytes, vision_files=vision_files)
 
 
 def is_replicated(name: str, shape: Sequence[int]) -> bool:
@@ -124,4 +134,6 @@ def max_context(kv: Sequence[tuple[int, int | None]], free: int, limit: int) -> 
 
 
 def rank_weight_bytes(costs: Costs, start: int, end: int) -> int:
-    return costs.shared_bytes + sum(costs.layer_bytes[start:end])
+    """What a rank of layers ``start`` .. ``end`` holds: the first stage adds the vision tower and projector."""
+    vision = costs.vision_bytes if start == 0 else 0
+    return costs.shared_bytes + vision + sum(costs.layer_bytes[start:end])

@@ -150,7 +150,7 @@ def make_plan(
         support_files=meta.support_files,
         notes=_notes(hosts) + tensor.notes(tp, len(stages), meta.text_config)
         + _strategy_notes(strategy, costs, meta, workload)
-        + _group_notes(groups),
+        + _group_notes(groups) + _vision_notes(costs),
         tp=tp,
     )
     if not plan.fits:
@@ -167,7 +167,7 @@ def _rank_plan(meta: ModelMetadata, costs: Costs, host: Host, place: tuple[int, 
     """One rank's share: its stage's layers, a member's part of them (``costs`` are per member)."""
     (stage, tp_index), (start, end) = place, layers
     n = meta.num_layers
-    files = set(costs.shared_files).union(*costs.layer_files[start:end])
+    files = set(costs.shared_files).union(*costs.layer_files[start:end], costs.vision_files if start == 0 else ())
     weights = rank_weight_bytes(costs, start, end)
     kv = costs.kv[start:end]
     budget = budget_bytes(host)
@@ -211,6 +211,7 @@ def suggest_split(costs: Costs, hosts: Sequence[Host], context: int) -> list[int
         return None
     n, size = len(costs.layer_bytes), len(hosts)
     caps = [b - costs.shared_bytes - RUNTIME_OVERHEAD for b in budgets]  # type: ignore[operator]
+    caps[-1] -= costs.vision_bytes  # the highest rank takes the first layers, and the vision tower with them
     if any(c <= 0 for c in caps):
         return None
 
@@ -285,6 +286,13 @@ def _notes(hosts: Sequence[Host]) -> tuple[str, ...]:
             "If you raised it with `sudo sysctl iogpu.wired_limit_mb=N`, add wired_limit_gb to that host.",
         )
     return ()
+
+
+def _vision_notes(costs: Costs) -> tuple[str, ...]:
+    if not costs.vision_bytes:
+        return ()
+    return ("the vision tower and projector run on the first stage (the rank of layer 0): its weights and download "
+            "count them, and no other rank holds them.",)
 
 
 def _strategy_notes(strategy: str, costs: Costs, meta: ModelMetadata, workload: Workload) -> tuple[str, ...]:

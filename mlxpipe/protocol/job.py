@@ -70,6 +70,8 @@ class JobSpec:
     draft_paths: list[str] | None = None
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     tp: int = 1  # ranks per tensor-parallel group (one pipeline stage each)
+    # A vision-language model, loaded by mlx-vlm: images in (``worker.vision``). False: the text model alone.
+    vision: bool = False
 
     def __post_init__(self) -> None:
         at_least(self.tp, 1, "tp")
@@ -82,6 +84,9 @@ class JobSpec:
         if self.tp > 1 and self.mode != "generic":
             raise UsageError("tensor parallelism (--tp) runs with the generic pipeline only",
                              hint="run without --pipeline native")
+        if self.vision and (self.mode != "generic" or self.train is not None or self.draft_paths is not None):
+            raise UsageError("a vision-language model runs with the generic pipeline, without a draft model or "
+                             "training")
         if self.tp > 1 and self.train is not None:
             raise UsageError("LoRA training does not run with --tp yet", hint="train without --tp (a pipeline)")
         if not self.split or any(n <= 0 for n in self.split):

@@ -34,6 +34,26 @@ Name = Callable[[str], str]
 
 
 @dataclass(frozen=True)
+class Image:
+    """One image of a request: its file's bytes (base64, as the doors receive them) and their SHA-256.
+
+    The bytes go to every rank with the request (``mlx.launch`` broadcasts standard input), but only the
+    first stage decodes them; the hash keys the prompt cache (``worker.engine``), so a follow-up about the
+    same picture reuses its prefix and another picture never does.
+    """
+
+    data: str
+    sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"data": self.data, "sha256": self.sha256}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Image:
+        return cls(**strict_fields(cls, data, "an image of the request", "worker"))
+
+
+@dataclass(frozen=True)
 class Request:
     """A generation request: its prompt, and mlx_lm.generate's options by the same names."""
 
@@ -81,6 +101,12 @@ class Request:
     # Constrained decoding (``worker.constraints``): OpenAI's ``{"type": "json_object"}`` or
     # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
     response_format: dict[str, Any] | None = None
+    # Images in (a vision-language model): the prompt as the controller tokenized it holds each image's
+    # placeholder tokens; ``vision_prompt`` is the text the image processor expanded into them, which the first
+    # stage processes again with the pixels.
+    images: tuple[Image, ...] = ()
+    vision_prompt: str | None = None
+
     # Tool calls held to the model's own format by the same grammar engine (``worker.tool_grammar``): forced by
     # ``tool_choice``, or completed once the model starts one; None: the reply's tool calls are the model's alone.
     tool_calls: ToolCalls | None = None
@@ -109,6 +135,8 @@ class Request:
             data["extra_eos_token"] = list(data["extra_eos_token"])
         if "tool_calls" in data:
             data["tool_calls"] = data["tool_calls"].to_wire()
+        if "images" in data:
+            data["images"] = [image.to_wire() for image in data["images"]]
         return data
 
     @classmethod
@@ -122,6 +150,8 @@ class Request:
             values["extra_eos_token"] = tuple(values["extra_eos_token"])
         if values.get("tool_calls") is not None:
             values["tool_calls"] = ToolCalls.from_wire(values["tool_calls"])
+        if "images" in values:
+            values["images"] = tuple(Image.from_wire(image) for image in values["images"])
         return cls(**values)
 
     # --- what mlx-lm takes -----------------------------------------------------------

@@ -5,17 +5,18 @@ Content blocks become the chat messages a chat template reads, as ``mlx_lm.serve
 blocks are joined, an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as an object), a user's
 ``tool_result`` blocks become ``tool`` messages (before the user's own text), ``thinking`` blocks of earlier turns
 are dropped, and ``system`` messages inside ``messages`` (Claude Code sends one mid-conversation) are system turns
-where they stand (``bodies.tokens_for`` merges them where the template takes one); images and documents are
-refused (400). A last assistant message is a prefill: the reply continues it, as Anthropic's API does. ``tools``
-(``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in tools
-(``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
+where they stand (``bodies.tokens_for`` merges them where the template takes one); images (to a text-only model) and
+documents are refused (400). A last assistant message is a prefill: the reply continues it, as Anthropic's API does.
+``tools`` (``name``, ``description``, ``input_schema``) go to the template as function tools; Anthropic's built-in
+tools (``web_search_...``, ``code_execution_...``, ``bash_...``: its servers run them, or only its models know their
 schema) are left out and named in the request's notes. ``tool_choice`` ``none`` withholds the tools, ``any`` and
 ``tool`` reach the template as its ``tool_choice`` variable and are enforced by the grammar engine
 (``serve.tool_choice``), as strict tools (``strict: true``) and ``disable_parallel_tool_use`` are. ``thinking`` is
-the template's thinking switch
-(``bodies.thinking``), ``output_config.format`` a structured output; ``cache_control``, ``metadata``,
-``context_management``, ``service_tier`` and the rest of what Claude Code sends are accepted (the prompt cache
-needs no marks: it keeps every prefix). Every error names the field (``messages[1].content[0].tool_use_id``).
+the template's thinking switch (``bodies.thinking``), ``output_config.format`` a structured output;
+``cache_control``, ``metadata``, ``context_management``, ``service_tier`` and the rest of what Claude Code sends are
+accepted (the prompt cache needs no marks: it keeps every prefix). A user's ``image`` blocks with a ``base64``
+source go to a vision-language model (``bodies.with_images``). Every error names the field
+(``messages[1].content[0].tool_use_id``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request, RequestError
+from mlxpipe.protocol.request import Image, Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -71,7 +72,8 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     request = bodies.thinking(request, body, _thinking(body, notes))
     tools = _tools(body, notes)
     choice, parallel = _tool_choice(body, tools)
-    messages, prefill = chat_messages(body, notes)
+    images: list[tuple[Image, str]] = []
+    messages, prefill = chat_messages(body, notes, settings, images)
     if prefill is not None and choice.mode == "required":
         raise ApiError(400, "'tool_choice' cannot force a tool call after a prefilled reply (a last assistant "
                             "message): the call starts at the reply's first token", param="tool_choice")
@@ -80,7 +82,16 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
     _unhonoured(body, notes)
-    tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
+    if images:
+        if offered or prefill is not None:
+            what = "'tools'" if offered else "a last assistant message (a prefill)"
+            raise ApiError(400, f"{what} cannot go with images on this server yet", param="messages")
+        vision = bodies.with_images(request, images, settings, "messages")
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
     ranked = enforce(bodies.for_ranks(request, tokens, settings, "messages", new_id,
                                       {"response_format": "output_config.format"}, notes),
                      offered, choice, parallel, _strict(body), tokenizer, settings)
@@ -134,8 +145,13 @@ def _unhonoured(body: dict[str, Any], notes: bodies.Notes) -> None:
         notes.append(f"output_config.effort {str(effort)[:20]} not applied")
 
 
-def chat_messages(body: dict[str, Any], notes: bodies.Notes | None = None) -> tuple[list[dict[str, Any]], str | None]:
-    """The chat template's messages (the system prompt first), and the prefill: a last assistant message's text."""
+def chat_messages(body: dict[str, Any], notes: bodies.Notes | None = None,
+                  settings: ServerSettings | None = None, images: list[tuple[Image, str]] | None = None
+                  ) -> tuple[list[dict[str, Any]], str | None]:
+    """The chat template's messages (the system prompt first), and the prefill: a last assistant message's text.
+
+    A user's images go into ``images`` (each with its field), a ``{"type": "image"}`` part in its message; without
+    ``images`` (or ``settings``), an image block is refused."""
     messages = field(body, "messages", list)
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
@@ -146,7 +162,7 @@ def chat_messages(body: dict[str, Any], notes: bodies.Notes | None = None) -> tu
     names: dict[str, str] = {}  # tool_use id -> its tool's name, for the tool messages that answer it
     dropped: list[str] = []  # blocks of tools Anthropic ran: none of them reach the template
     for i, message in enumerate(messages):
-        out.extend(_message(message, f"messages[{i}]", names, dropped))
+        out.extend(_message(message, f"messages[{i}]", names, dropped, settings, images))
     if dropped and notes is not None:
         notes.append(f"earlier turns' hosted tool blocks dropped: {', '.join(sorted(set(dropped)))}")
     prefill = None
@@ -178,7 +194,9 @@ def _texts(blocks: list[Any], where: str) -> str:
     return "".join(texts)
 
 
-def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]) -> list[dict[str, Any]]:
+def _message(message: Any, where: str, names: dict[str, str], dropped: list[str],
+             settings: ServerSettings | None = None, images: list[tuple[Image, str]] | None = None
+             ) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results come first, as ``tool`` messages; a system
     (or developer) message is a system turn where it stands."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system", "developer"):
@@ -195,11 +213,20 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
         raise ApiError(400, f"'{where}.content' must be a string or a list of content blocks",
                        param=f"{where}.content")
     texts, calls, results = [], [], []
+    parts: list[dict[str, str]] = []  # the user's text and images in order, where it sends images
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _kind(block)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user" and images is not None and settings is not None and settings.vision:
+            source = block.get("source")
+            if not isinstance(source, dict) or source.get("type") != "base64":
+                raise ApiError(400, f"'{at}.source' must be a base64 source (type 'base64', 'media_type', 'data')",
+                               param=f"{at}.source")
+            images.append((bodies.image_from_base64(source.get("data"), f"{at}.source.data", settings), at))
+            parts.append({"type": "image"})
         elif kind in _MEDIA:
             raise bodies.image_refused(at, _MEDIA[kind])
         elif kind == "tool_use" and role == "assistant":
@@ -227,12 +254,14 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
         else:
             allowed = "text, tool_use or thinking" if role == "assistant" else "text or tool_result"
             raise ApiError(400, f"'{at}' must be a {allowed} block, got type {str(kind)[:40]!r}", param=at)
-    out = list(results)
+    out: list[dict[str, Any]] = list(results)
     if role == "assistant":
         reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
         if calls:
             reply["tool_calls"] = calls
         out.append(reply)
+    elif any(part["type"] == "image" for part in parts):
+        out.append({"role": "user", "content": parts})
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})
     return out

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
-from mlxpipe.protocol.request import Request, RequestError, parse_logit_bias
+from mlxpipe.protocol.request import Image, Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
 from mlxpipe.worker.constraints import compile_error
 
@@ -192,6 +192,55 @@ def image_refused(where: str, what: str) -> ApiError:
     """Images, documents and files (``what``: "an image"...): text-only for now, and said so."""
     return ApiError(400, f"'{where}' is {what}: this server takes text only (no images, documents or "
                          "files yet); send the text instead", param=where)
+
+
+def image_from_uri(uri: Any, where: str, settings: ServerSettings) -> Image:
+    """An image a body sends as a URI (a ``data:`` URI; ``http(s)`` only where the server allows it), checked
+    against the server's limits; a bad one is a 400 naming ``where``, the message and part."""
+    from mlxpipe.vision.images import ImageError, from_data_uri
+
+    if not isinstance(uri, str) or not uri:
+        raise ApiError(400, f"'{where}' must be an image URL (a data: URI)", param=where)
+    try:
+        return from_data_uri(uri, settings.image_limits)
+    except ImageError as e:
+        raise ApiError(400, f"'{where}': {e.message}", param=where, code="invalid_image") from None
+
+
+def image_from_base64(source: Any, where: str, settings: ServerSettings) -> Image:
+    """An image a body sends as base64 text, checked against the server's limits; a 400 naming ``where``."""
+    from mlxpipe.vision.images import ImageError, check_image, decode_base64
+
+    if not isinstance(source, str) or not source:
+        raise ApiError(400, f"'{where}' must be the image's base64 data", param=where)
+    try:
+        return check_image(decode_base64(source), settings.image_limits)
+    except ImageError as e:
+        raise ApiError(400, f"'{where}': {e.message}", param=where, code="invalid_image") from None
+
+
+def with_images(request: Request, images: list[tuple[Image, str]], settings: ServerSettings,
+                param: str) -> Request:
+    """``request`` (its messages, each image a ``{"type": "image"}`` part) with ``images`` (each with the field
+    it came from), tokenized by the model's processor; a model that takes none, or too many images, is a 400."""
+    if not images:
+        return request
+    first = images[0][1]
+    if settings.vision is None:
+        raise ApiError(400, f"'{first}' is an image: this server's model takes no images (a text-only model)",
+                       param=first, code="invalid_image")
+    limit = settings.image_limits.max_images
+    if len(images) > limit:
+        where = images[limit][1]
+        raise ApiError(400, f"'{where}': a request may hold at most {limit} images", param=where,
+                       code="invalid_image")
+    request = replace(request, images=tuple(image for image, _ in images))
+    try:
+        return settings.vision.tokenize(request)
+    except UsageError as e:
+        raise ApiError(400, e.message, param=param) from None
+    except Exception as e:  # noqa: BLE001 - the processor or its chat template rejects these messages
+        raise ApiError(400, f"the image processor rejected '{param}': {e}", param=param) from None
 
 
 def tokens_for(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +28,10 @@ from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import RequestFailed
 from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.queue import RequestLog, RequestQueue
+from mlxpipe.vision.images import ImageLimits
+
+if TYPE_CHECKING:
+    from mlxpipe.vision.prompt import VisionPrompt
 
 T = TypeVar("T")
 
@@ -50,6 +54,9 @@ class ServerSettings:
     vocab_size: int | None = None  # the model's: logit_bias may name no token beyond it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
+    # A vision-language model's processor (images in: ``bodies.with_images``); None: the model takes no images.
+    vision: VisionPrompt | None = None
+    image_limits: ImageLimits = ImageLimits()  # noqa: RUF009 - frozen, one shared default is safe
     served_names: tuple[str, ...] = ()  # --served-model-name: more names the model answers to, listed with it
     any_model_name: bool = False  # --any-model-name: every name a body gives is this model
     # The names seen under --any-model-name, each said once in the server's output.

@@ -2,9 +2,10 @@
 
 Sampling comes in ``options`` under Ollama's names (``num_predict``, ``repeat_penalty``, ``stop``...), messages as
 Ollama sends them (an assistant's ``tool_calls`` with object arguments, ``tool`` messages with ``tool_name``), and
-``/api/generate``'s prompt goes through the chat template unless ``raw``; ``think`` is the template's thinking switch.
-Images and ``format`` (structured output) are refused with a 400; options that tune Ollama's own runtime
-(``num_ctx``, ``num_thread``...) are ignored.
+``/api/generate``'s prompt goes through the chat template unless ``raw``; ``think`` is the template's thinking
+switch. Images (base64, a message's ``images`` or ``/api/generate``'s) go to a vision-language model
+(``bodies.with_images``), and are refused with a 400 by a text-only one; ``format`` (structured output) is refused
+with a 400; options that tune Ollama's own runtime (``num_ctx``, ``num_thread``...) are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.request import Image, Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -65,8 +66,9 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         # Structured output (format "json" or a schema) would map to Request.response_format once the grammar
         # engine has landed; refused until then, never silently unconstrained.
         raise ApiError(400, "'format' (structured output) is not supported by this server yet", param="format")
-    if body.get("images"):
+    if body.get("images") and (chat or settings.vision is None):
         raise bodies.image_refused("images", "an image")
+    images: list[tuple[Image, str]] = []
     options = field(body, "options", dict, {})
     request = _options(options, settings)
     stops = bodies.stops(options, "stop")
@@ -75,7 +77,7 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     notes: bodies.Notes = []
     request = bodies.thinking(request, body, _think(body, notes))
     if chat:
-        request = replace(request, messages=_messages(field(body, "messages", list)))
+        request = replace(request, messages=_messages(field(body, "messages", list), settings, images))
     else:
         prompt = field(body, "prompt", str, "")
         if not prompt:
@@ -84,7 +86,19 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         system = field(body, "system", str)
         request = replace(request, prompt=prompt, ignore_chat_template=raw,
                           system_prompt=system if system is not None else request.system_prompt)
-    tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
+        images.extend(_images(body.get("images"), "images", settings))
+        if images and (raw or system is not None):
+            what = "raw" if raw else "system"
+            raise ApiError(400, f"'{what}' cannot go with images on this server yet", param=what)
+    if images:
+        if tools:
+            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
+        vision = bodies.with_images(request, images, settings, param)
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
     # Ollama has no tool_choice: a call the model starts is completed under the grammar.
     ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"},
                                       notes), tools, Choice(), True, (), tokenizer, settings)
@@ -113,7 +127,18 @@ def _options(options: dict[str, Any], settings: ServerSettings) -> Any:
                        param=f"options.{e.param}") from None
 
 
-def _messages(messages: list[Any] | None) -> list[dict[str, Any]]:
+def _images(value: Any, where: str, settings: ServerSettings) -> list[tuple[Image, str]]:
+    """A list of base64 images (Ollama's ``images``), each checked, with its field."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(400, f"'{where}' must be a list of base64 images", param=where)
+    return [(bodies.image_from_base64(data, f"{where}[{k}]", settings), f"{where}[{k}]")
+            for k, data in enumerate(value)]
+
+
+def _messages(messages: list[Any] | None, settings: ServerSettings,
+              images: list[tuple[Image, str]]) -> list[dict[str, Any]]:
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
@@ -122,9 +147,13 @@ def _messages(messages: list[Any] | None) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"'{where}' must be an object with a 'role' of system, user, assistant or tool",
                            param=where)
-        if m.get("images"):
+        if m.get("images") and settings.vision is None:
             raise bodies.image_refused(f"{where}.images", "an image")
-        message: dict[str, Any] = {"role": m["role"], "content": field(m, "content", str, "", f"{where}.")}
+        content = field(m, "content", str, "", f"{where}.")
+        pictures = _images(m.get("images"), f"{where}.images", settings)
+        images.extend(pictures)
+        parts = [*({"type": "image"} for _ in pictures), {"type": "text", "text": content}]
+        message: dict[str, Any] = {"role": m["role"], "content": parts if pictures else content}
         calls = field(m, "tool_calls", list, None, f"{where}.")
         if calls:
             message["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]", i, j) for j, c in enumerate(calls)]

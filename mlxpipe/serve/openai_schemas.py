@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request
+from mlxpipe.protocol.request import Image, Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -83,7 +83,17 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
     param = "messages" if chat else "prompt"
-    tokens = bodies.tokens_for(tokenizer, _prompt(body, chat, request), offered, extra, param, notes)
+    images: list[tuple[Image, str]] = []
+    prompt = _prompt(body, chat, request, settings, images)
+    if images:
+        if offered:
+            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
+        vision = bodies.with_images(prompt, images, settings, param)
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, prompt, offered, extra, param, notes)
     ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, notes=notes), offered, choice,
                      field(body, "parallel_tool_calls", bool, True), _strict(offered), tokenizer, settings)
     return Parsed(ranked, stream, include_usage, stops, offered, model, notes)
@@ -154,13 +164,15 @@ def _strict(tools: list[Any] | None) -> set[str]:
     return {f["name"] for f in functions(tools) if f.get("strict") is True}
 
 
-def _prompt(body: dict[str, Any], chat: bool, options: Request) -> Request:
-    """``options`` with the body's messages (chat) or its prompt (the legacy completions: no chat template)."""
+def _prompt(body: dict[str, Any], chat: bool, options: Request, settings: ServerSettings,
+            images: list[tuple[Image, str]]) -> Request:
+    """``options`` with the body's messages (chat) or its prompt (the legacy completions: no chat template); the
+    messages' images, each with its field, go into ``images``."""
     if chat:
         messages = field(body, "messages", list, None)
         if not messages:
             raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
-        return replace(options, messages=[_message(m, i) for i, m in enumerate(messages)])
+        return replace(options, messages=[_message(m, i, settings, images) for i, m in enumerate(messages)])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -169,8 +181,9 @@ def _prompt(body: dict[str, Any], chat: bool, options: Request) -> Request:
     return replace(options, prompt=prompt, ignore_chat_template=True)
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
-    """A chat message for the template: string content, or the text of its parts."""
+def _message(m: Any, i: int, settings: ServerSettings, images: list[tuple[Image, str]]) -> dict[str, Any]:
+    """A chat message for the template: string content, or the text of its parts; with ``image_url`` parts, the
+    parts (each image a ``{"type": "image"}`` part, its image in ``images``)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, f"'{where}' must be an object with a 'role'", param=where)
@@ -178,11 +191,22 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         m = {**m, "role": "system"}
     content = m.get("content")
     if isinstance(content, list):
-        texts: list[str] = [p["text"] for p in content
-                            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
-        if len(texts) != len(content):
-            raise ApiError(400, f"'{where}.content' may hold only text parts", param=f"{where}.content")
-        content = "".join(texts)
+        parts: list[dict[str, str]] = []
+        for j, p in enumerate(content):
+            at = f"{where}.content[{j}]"
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            elif isinstance(p, dict) and p.get("type") == "image_url":
+                url = p.get("image_url")
+                images.append((bodies.image_from_uri(url.get("url") if isinstance(url, dict) else url, at, settings),
+                               at))
+                parts.append({"type": "image"})
+            else:
+                raise ApiError(400, f"'{where}.content' may hold only text and image_url parts",
+                               param=f"{where}.content")
+        if any(part["type"] == "image" for part in parts):
+            return {**m, "content": parts}
+        content = "".join(part["text"] for part in parts)
     elif content is not None and not isinstance(content, str):
         raise ApiError(400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content")
     return {**m, "content": content if content is not None else ""}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
-from mlxpipe.protocol.request import Request, RequestError
+from mlxpipe.protocol.request import Image, Request, RequestError
 from mlxpipe.serve import bodies
 from mlxpipe.serve.bodies import field
 from mlxpipe.serve.door import ApiError, ServerSettings
@@ -155,7 +155,7 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     for i, tool in enumerate(field(body, "tools", list) or []):
         toolbox.add(tool, f"tools[{i}]")
     dropped: list[str] = []
-    conversation = _previous(body, store) + input_messages(body.get("input"), toolbox, dropped)
+    conversation = _previous(body, store) + input_messages(body.get("input"), toolbox, dropped, settings)
     if len(toolbox.tools) > bodies.MAX_TOOLS:
         raise ApiError(400, f"'tools' takes at most {bodies.MAX_TOOLS} tools, got {len(toolbox.tools)}",
                        param="tools")
@@ -169,7 +169,16 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     offered = tools if choice.mode != "none" else None
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
-    tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input", notes)
+    images = _images(conversation)
+    if images:
+        if offered:
+            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
+        vision = bodies.with_images(replace(request, messages=messages), images, settings, "input")
+        assert vision.tokens is not None  # with_images tokenizes
+        tokens = vision.tokens
+        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
+    else:
+        tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input", notes)
     # text.format is the body's name of the structured output a server with a draft model refuses.
     ranked = bodies.for_ranks(request, tokens, settings, "input", new_id,
                               {"response_format": "text.format", "max_tokens": "max_output_tokens"}, notes)
@@ -239,11 +248,24 @@ def _previous(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]
     return [dict(m) for m in stored.messages]
 
 
-def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str] | None = None
-                   ) -> list[dict[str, Any]]:
+def _images(conversation: list[dict[str, Any]]) -> list[tuple[Image, str]]:
+    """The images of the conversation's image parts (a stored turn's too: a follow-up sees its pictures), in order,
+    each with the field it came from."""
+    found = []
+    for message in conversation:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "image":
+                found.append((Image(data=part["image_data"], sha256=part["sha256"]), part["where"]))
+    return found
+
+
+def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str] | None = None,
+                   settings: ServerSettings | None = None) -> list[dict[str, Any]]:
     """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``; the
     tools of an ``additional_tools`` item go to ``toolbox``; items of hosted tools are left out (their types
-    added to ``dropped``)."""
+    added to ``dropped``); a vision-language model's (``settings.vision``) ``input_image`` parts become image parts
+    that carry the image."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -255,7 +277,7 @@ def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str
         where = f"input[{i}]"
         kind = _kind(item, "message")
         if kind == "message":
-            out.append(_message(item, where))
+            out.append(_message(item, where, settings))
         elif kind in ("function_call", "custom_tool_call"):
             call_id = field(item, "call_id", str, None, f"{where}.")
             name = field(item, "name", str, None, f"{where}.")
@@ -296,28 +318,36 @@ def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str
     return out
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: str, settings: ServerSettings | None = None) -> dict[str, Any]:
     role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
     if role is None:
         raise ApiError(400, f"'{where}.role' must be user, assistant, system or developer", param=f"{where}.role")
     content = item.get("content")
-    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content", settings)
     return {"role": role, "content": text}
 
 
-def _parts(parts: Any, where: str) -> str:
-    """The text of a message's content parts (``input_text``, ``output_text``, ``text``)."""
+def _parts(parts: Any, where: str, settings: ServerSettings | None = None) -> str | list[dict[str, str]]:
+    """The text of a message's content parts (``input_text``, ``output_text``, ``text``); with a vision-language
+    model's ``input_image`` parts (``data:`` URIs), the parts, each image one that carries it."""
     if not isinstance(parts, list):
         raise ApiError(400, f"'{where}' must be a string or a list of text parts", param=where)
-    texts = []
+    out: list[dict[str, str]] = []
     for j, part in enumerate(parts):
         kind = _kind(part)
+        if kind == "input_image" and settings is not None and settings.vision is not None:
+            at = f"{where}[{j}]"
+            image = bodies.image_from_uri(part.get("image_url"), f"{at}.image_url", settings)
+            out.append({"type": "image", "image_data": image.data, "sha256": image.sha256, "where": at})
+            continue
         if kind in _MEDIA:
             raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise ApiError(400, f"'{where}[{j}]' must be an input_text part", param=f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
+        out.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image" for part in out):
+        return out
+    return "".join(part["text"] for part in out)
 
 
 def _arguments(text: str, where: str) -> Any:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.vision.prompt import VisionPrompt
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -58,6 +59,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         raise UsageError("--served-model-name: a name may not be empty")
     meta, plan = prepare(config)
     tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
+    vision = _vision_prompt(config, meta)
     log = RequestLog()
 
     def on_state(state: str, detail: str | None) -> None:
@@ -78,6 +80,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
         draft_model=config.draft_model is not None, served_names=served_names, any_model_name=any_model_name,
+        vision=vision,
     )
     app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
@@ -150,6 +153,18 @@ def _say_disk_tier(queue: RequestQueue) -> None:
     if folders:
         console.err.print(f"prompt cache on disk: up to {queue.options.prompt_cache_gb:g} GB per rank, in "
                           + ", ".join(folders))
+
+
+def _vision_prompt(config: PipelineConfig, meta: ModelMetadata) -> VisionPrompt | None:
+    """The processor that tokenizes requests with images, where the ranks run the model with mlx-vlm."""
+    from mlxpipe.launch.pipeline import controller_model_dir
+    from mlxpipe.launch.run import vision_job
+
+    if not vision_job(meta.config, config.mode, False, config.draft_model is not None):
+        return None
+    from mlxpipe.vision.prompt import VisionPrompt
+
+    return VisionPrompt(controller_model_dir(meta), meta.config)
 
 
 def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:

@@ -38,8 +38,9 @@ waiting for its input, waiting in the collective, idle without requests.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -53,6 +54,7 @@ from mlxpipe.protocol.events import BatchDone
 from mlxpipe.protocol.message import Message
 from mlxpipe.protocol.messages import Cancel, Exit, RequestId, Submit
 from mlxpipe.protocol.request import Request
+from mlxpipe.worker import vision
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
@@ -144,6 +146,13 @@ class Engine:
         self.cache_tiers: dict[int, str] = {}  # where a request's cached tokens came from: "memory" or "disk"
         self._by_id: dict[RequestId, int] = {}
         self._exit = False
+        # A vision-language model (worker.vision): the first stage keeps each prompt's input embeddings and
+        # position ids; with position ids, those of each micro-batch travel with its hidden state.
+        self.vision = loaded.vision
+        self.positions = loaded.positions
+        self.prompts: dict[int, vision.PromptFeatures] = {}
+        self._positions_in: mx.array | None = None  # received with the hidden state of this tick's micro-batch
+        self._image_token = vision.image_token_of(loaded.config) if loaded.vision else None
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (see worker.ahead).
         self.lazy: set[int] = set()
@@ -159,17 +168,22 @@ class Engine:
         try:
             if not prompt:
                 raise UsageError("the prompt has no tokens")
+            if request.images and not self.vision:
+                raise UsageError("this model takes no images")
             request = request.check(vocab_size=self.vocab_size)
             extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         except MlxpipeError as e:
             return self.refuse(request, e.message)
-        found = self.prompt_caches.fetch(prompt, request)
+        found = self.prompt_caches.fetch(prompt, request, self._cache_key(request, prompt))
         cache, cached = found.cache, found.tokens
         # Decode groups merge their members' caches: quantized ones cannot merge (mlx-lm's
         # is_batchable), and caches of one kind only, so requests group by their cache settings.
         key = None if request.kv_bits is not None else (request.max_kv_size or self.context.job.max_kv_size,)
         index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra, batch_key=key)
         self.requests.append(request)
+        if self.vision and self.stage == 0:  # the first stage: the vision tower, once per prompt
+            loaded = self.context.loaded
+            self.prompts[index] = vision.features(self.model, loaded.processor, loaded.config, request, prompt)
         self.caches.own[index] = cache
         if found.tier is not None:
             self.cache_tiers[index] = found.tier
@@ -309,7 +323,7 @@ class Engine:
         if self.rank == 0:
             self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
             self.processors[index] = processors
-        if self.pipe_size == 1 and lazy_sampling(request, bool(processors)):
+        if self.pipe_size == 1 and lazy_sampling(request, bool(processors)) and not self.positions:
             self.lazy.add(index)
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
@@ -318,7 +332,9 @@ class Engine:
         cache = self.caches.for_batch(batch)
         if self.exchange is not None:
             self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
-        logits = self.model(mx.array(batch.rows), cache=cache)
+        inputs = mx.array(batch.rows)
+        extra = self._vision_inputs(batch, inputs) if self.vision else {}
+        logits = self.model(inputs, cache=cache, **extra)
         if len(batch.requests) == 1:
             # As generate_step: after every forward pass (the stand-ins' caches take it too). A request
             # with quantized caches decodes alone (its batch_key), so a group never needs it.
@@ -327,6 +343,8 @@ class Engine:
         if self.pipe_rank > 0:
             assert self.exchange is not None and self.exchange.hidden_out is not None
             hidden_out = self.exchange.hidden_out
+            if self.positions:
+                hidden_out = vision.pack_positions(hidden_out, extra["position_ids"])
             mx.eval(hidden_out, state)
             sending = time.perf_counter()
             self.spent.compute += sending - tic
@@ -393,8 +411,15 @@ class Engine:
             return None
         tic = time.perf_counter()
         shape, dtype = self._incoming_shape(len(batch.requests), batch.width)
-        hidden = self.topology.recv_up(shape, dtype)
-        mx.eval(hidden)
+        if self.positions:  # the position ids come packed with the hidden state
+            rows, width = len(batch.requests), batch.width
+            per_token = math.prod(shape) * dtype.size // (rows * width)
+            message = self.topology.recv_up((rows, width, per_token + vision.POSITION_BYTES), mx.uint8)
+            hidden, self._positions_in = vision.unpack_positions(message, shape, dtype)
+            mx.eval(hidden, self._positions_in)
+        else:
+            hidden = self.topology.recv_up(shape, dtype)
+            mx.eval(hidden)
         self.spent.recv += time.perf_counter() - tic
         return hidden
 
@@ -486,15 +511,50 @@ class Engine:
         state = self.schedule.requests[index]
         if cache is not None and self.prompt_caches.keeps and state.fed_tokens:
             # Every micro-batch it entered has left every stage: the caches hold exactly fed_tokens.
-            self.prompt_caches.keep(state.fed_tokens, cache, self.requests[index])
+            request = self.requests[index]
+            self.prompt_caches.keep(state.fed_tokens, cache, request, self._cache_key(request, state.fed_tokens))
         if self.rank == 0:
             self.reporter.finished(self, index, timing, time.perf_counter())
         self.cache_tiers.pop(index, None)
         self.eos.pop(index, None)
+        self.prompts.pop(index, None)
         self.errors.pop(index, None)
         self.logprobs.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
+
+    # --- a vision-language model ---------------------------------------------------
+
+    def _vision_inputs(self, batch: MicroBatch, inputs: mx.array) -> dict[str, Any]:
+        """What a micro-batch hands the language model besides its tokens: on the first stage, the prompt's
+        embeddings (its images merged in) where its rows read the prompt, and the position ids; on the later
+        stages, the position ids that came with the hidden state."""
+        extra: dict[str, Any] = {}
+        if self.stage > 0:
+            if self.positions:
+                extra["position_ids"] = self._positions_in
+            return extra
+        rows = list(zip(batch.requests, batch.starts, strict=True))
+        if self.positions:
+            extra["position_ids"] = mx.concatenate(
+                [vision.positions_of(self.prompts.get(i), start, batch.width) for i, start in rows], axis=1)
+        if any(start < self.prompts[i].embeddings.shape[1] for i, start in rows if i in self.prompts):
+            embeddings = []
+            for row, (i, start) in enumerate(rows):
+                prompt = self.prompts.get(i)
+                if prompt is not None and start < prompt.embeddings.shape[1]:
+                    embeddings.append(prompt.embeddings[:, start : start + batch.width])
+                else:  # a reply's token: embedded as the language model would embed it
+                    embeddings.append(vision.text_embeddings(self.model, inputs[row : row + 1]))
+            extra["input_embeddings"] = mx.concatenate(embeddings, axis=0)
+        return extra
+
+    def _cache_key(self, request: Request, tokens: Sequence[int]) -> list[int]:
+        """The prompt cache's key of ``tokens``: with images, each image's placeholder tokens made its own
+        (``vision.cache_key``), so that only the same picture reuses a cached prefix."""
+        if not request.images or self._image_token is None:
+            return list(tokens)
+        return vision.cache_key(tokens, request.images, self._image_token)
 
     # --- shapes --------------------------------------------------------------------
 
@@ -518,3 +578,4 @@ class Engine:
         # tokens, hidden)); a packed message is (batch, tokens, bytes).
         axis = 0 if self.exchange.incoming_layout is not None else self.exchange.token_axis - 1
         return (*shape[:axis], rows, *shape[axis + 1 :]), dtype
+

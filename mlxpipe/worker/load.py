@@ -25,7 +25,7 @@ from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.groups import Topology
-from mlxpipe.worker.stages.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native
+from mlxpipe.worker.stages.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native, strip_weights
 from mlxpipe.worker.stages.layers import check_supported, find_layers
 from mlxpipe.worker.tensor import check_shardable, shard_model
 from mlxpipe.worker.tensor.vocab import follow_exchange
@@ -49,6 +49,11 @@ class LoadedModel:
     draft: nn.Module | None = None  # the whole draft model of speculative decoding, on every rank
     topology: Topology | None = None  # this rank's stage and tensor group (None: built by hand, one stage)
     sharding: str = "none"  # how the stage's layers were sliced across its tensor group (``tensor.shard_model``)
+    # A vision-language model (``worker.vision``): mlx-vlm's processor on the first stage (None elsewhere), and
+    # whether its language model takes the position ids its embeddings compute (they cross the cuts).
+    processor: Any = None
+    vision: bool = False
+    positions: bool = False
 
 
 class _LoadRecorder:
@@ -89,6 +94,8 @@ def load_rank(job: JobSpec, group: mx.distributed.Group) -> LoadedModel:
     path = Path(job.model_paths[rank]).expanduser()  # remote paths may start with ~
     if not (path / "config.json").is_file():
         raise ModelError(f"rank {rank}: no config.json in {path}")
+    if job.vision:
+        return load_vision_rank(job, group, topology, path, tic)
     recorder = _LoadRecorder()
     model, config = load_model(
         path,
@@ -127,6 +134,35 @@ def load_rank(job: JobSpec, group: mx.distributed.Group) -> LoadedModel:
     draft = load_draft(job.draft_paths[rank], tokenizer, rank) if job.draft_paths is not None else None
     barrier(group)
     return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, draft, topology, sharding)
+
+
+def load_vision_rank(job: JobSpec, group: Any, topology: Topology, path: Path, tic: float) -> LoadedModel:
+    """``load_rank`` for a vision-language model: mlx-vlm's model, its language model's blocks cut as any
+    model's; the vision tower and projector kept (and the image processor loaded) on the first stage only."""
+    from mlxpipe.worker import vision
+
+    model, config = vision.load_vision_model(path)
+    unsupported = vision.unsupported_features(model)
+    if unsupported:
+        raise ModelError(f"{config.get('model_type')}: its language model reads {', '.join(unsupported)} from the "
+                         "vision tower, which the pipeline does not carry")
+    first = topology.stage == topology.stages - 1
+    if not first:  # only the first stage runs the vision tower and projector
+        for key in vision.vision_modules(model):
+            strip_weights(model[key])
+    sharding = shard_model(model, topology)
+    start, end = pipeline_generic(model, topology, job.split)
+    if topology.sharded:
+        follow_exchange(model, find_exchange(model))
+    mx.eval(model.parameters())
+    learn_layouts(model, topology)
+    tokenizer = load_tokenizer(path, {"trust_remote_code": job.trust_remote_code},
+                               eos_token_ids=config.get("eos_token_id"))
+    processor = vision.load_vision_processor(path) if first else None
+    positions = vision.needs_positions(model)
+    barrier(group)
+    return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, None, topology, sharding,
+                       processor=processor, vision=True, positions=positions)
 
 
 def load_draft(path_text: str, tokenizer: TokenizerWrapper, rank: int) -> nn.Module:

@@ -146,7 +146,9 @@ class RankLoop:
             done = Done(rank=self.rank, finish_reason="error", error=_reason(e), tokens=[], generation_tokens=0,
                         peak_memory=mx.get_peak_memory() / 1e9, id=request.id)
         else:
-            if self.job.mode == "generic" and self.group.size() > 1 and self.loaded.draft is None:
+            # A vision-language model runs in the engine even alone: its embeddings and positions are the engine's.
+            engine = self.group.size() > 1 or self.loaded.vision
+            if self.job.mode == "generic" and engine and self.loaded.draft is None:
                 done = self._generate_in_engine(request, tokens)
             else:
                 done = self.streamed.generate(request, tokens, tic)

@@ -54,21 +54,22 @@ class PromptCaches:
         """Whether a tier keeps a finished request's caches."""
         return self.memory is not None or self.disk is not None
 
-    def fetch(self, prompt: list[int], request: Request) -> Found:
-        """Caches for ``prompt``: the longest cached prefix either tier holds, else empty ones."""
-        found = self._from_memory(prompt)
+    def fetch(self, prompt: list[int], request: Request, key: list[int] | None = None) -> Found:
+        """Caches for ``prompt``: the longest cached prefix either tier holds, else empty ones. ``key``: what the
+        memory tier finds it by, when not its tokens (a prompt with images: each image's hash in its place)."""
+        found = self._from_memory(key if key is not None else prompt)
         if self.disk_tier and self._fits_disk(request):
             found = self._from_disk(prompt, found)
         if found.tier is not None:
             return found
         return Found(make_prompt_cache(self.model, max_kv_size=request.max_kv_size or self.job.max_kv_size))
 
-    def keep(self, tokens: Sequence[int], cache: list[Any], request: Request) -> None:
-        """A finished request's caches, holding exactly ``tokens``, into every tier."""
+    def keep(self, tokens: Sequence[int], cache: list[Any], request: Request, key: Sequence[int] | None = None) -> None:
+        """A finished request's caches, holding exactly ``tokens``, into every tier (``key``: as ``fetch``'s)."""
         if self.disk is not None and self._fits_disk(request):
             self.disk.save(tokens, cache)  # first: the memory tier may trim them when a later request reuses them
         if self.memory is not None:
-            self.memory.insert_cache(_MODEL_KEY, list(tokens), cache)
+            self.memory.insert_cache(_MODEL_KEY, list(key if key is not None else tokens), cache)
 
     def close(self) -> None:
         """Let the disk tier's writer finish what is queued."""
@@ -102,5 +103,6 @@ class PromptCaches:
 
     def _fits_disk(self, request: Request) -> bool:
         """Whether ``request``'s caches are of the kind the disk tier keeps: the job's (its folder's), not
-        quantized. The same answer on every rank: a request and a job every rank shares."""
-        return request.kv_bits is None and request.max_kv_size in (None, self.job.max_kv_size)
+        quantized, and without images (its files are keyed by tokens alone, and an image is more than its
+        placeholder tokens). The same answer on every rank: a request and a job every rank shares."""
+        return not request.images and request.kv_bits is None and request.max_kv_size in (None, self.job.max_kv_size)

@@ -55,6 +55,9 @@ class MicroBatch:
     rows: tuple[tuple[int, ...], ...]  # each row's tokens; every row has the same length
     samples: bool  # the last stage samples each row's next token
     group: int | None = None
+    # Where each row's first token stands in its request's sequence (prompt, then reply): a vision model's
+    # first stage reads the prompt's embeddings and position ids there.
+    starts: tuple[int, ...] = ()
 
     @property
     def request(self) -> int:
@@ -285,12 +288,13 @@ class Schedule:
                 continue
             group.members.append(r.index)
             r.group = group.id
-        rows = []
+        rows, starts = [], []
         for index in group.members:
-            request = self.requests[index]
-            rows.append(self._next_micro_batch(request).rows[0])
+            entry = self._next_micro_batch(self.requests[index])
+            rows.append(entry.rows[0])
+            starts.append(entry.starts[0])
         group.ready_at = _NEVER
-        return MicroBatch(tuple(group.members), tuple(rows), samples=True, group=group.id)
+        return MicroBatch(tuple(group.members), tuple(rows), samples=True, group=group.id, starts=tuple(starts))
 
     def _drop_empty_groups(self) -> None:
         self.ended_groups = [g for g, group in self.groups.items() if not group.members]
@@ -369,13 +373,14 @@ class Schedule:
     def _next_micro_batch(self, request: RequestState) -> MicroBatch:
         """Feed ``request``'s next tokens as ``generate_step`` does, and say when it may enter again."""
         remaining = len(request.prompt) - request.fed
+        start = (len(request.fed_tokens),)
         if remaining > 1:
             n = min(self.prefill_step, remaining - 1)
             tokens = tuple(request.prompt[request.fed : request.fed + n])
             request.fed += n
             request.ready_at = self.tick + 1
             request.fed_tokens.extend(tokens)
-            return MicroBatch((request.index,), (tokens,), samples=False)
+            return MicroBatch((request.index,), (tokens,), samples=False, starts=start)
         if remaining == 1:
             tokens = (request.prompt[-1],)
             request.fed += 1
@@ -383,4 +388,4 @@ class Schedule:
             tokens = (request.generated[-1],)
         request.ready_at = _NEVER  # until its token is sampled
         request.fed_tokens.extend(tokens)
-        return MicroBatch((request.index,), (tokens,), samples=True)
+        return MicroBatch((request.index,), (tokens,), samples=True, starts=start)

@@ -366,7 +366,7 @@ sys.stderr.write(json.dumps({"code": code, "after_import": after_import, "after_
 
 
 def test_plan_does_not_import_mlx(model: Path) -> None:
-    heavy = ("mlx", "mlx_lm", "transformers", "torch")
+    heavy = ("mlx", "mlx_lm", "mlx_vlm", "transformers", "torch")
     probe = f"HEAVY = {heavy!r}\n" + _PROBE
     proc = subprocess.run(
         [sys.executable, "-c", probe, "plan", "--model", str(model), "--hostfile", str(LOCAL_2), "--json"],

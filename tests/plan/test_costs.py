@@ -81,3 +81,28 @@ def test_nested_text_config() -> None:
     )
     assert (m.model_type, m.num_layers) == ("gemma3", 6)  # mlx-lm loads it by the top-level type
     assert kv_bytes_per_token(m) == [(2 * 4 * 256 * 2, 1024)] * 5 + [(2 * 4 * 256 * 2, None)]
+
+
+def test_vision_tower_counts_on_the_first_stage_only() -> None:
+    """A vision-language model's tower and projector: held, and fetched, by the rank of layer 0 alone."""
+    from mlxpipe.model.metadata import Tensor
+    from mlxpipe.plan.costs import model_costs
+
+    config = {"model_type": "qwen2_5_vl", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vision_config": {"depth": 1}}
+    tensors = (
+        Tensor("language_model.model.embed_tokens.weight", "F32", (16, 8), "a.safetensors"),
+        Tensor("language_model.model.layers.0.mlp.up_proj.weight", "F32", (8, 8), "a.safetensors"),
+        Tensor("language_model.model.layers.1.mlp.up_proj.weight", "F32", (8, 8), "b.safetensors"),
+        Tensor("language_model.lm_head.weight", "F32", (16, 8), "b.safetensors"),
+        Tensor("vision_tower.blocks.0.attn.qkv.weight", "F32", (100, 8), "v.safetensors"),
+        Tensor("multi_modal_projector.linear.weight", "F32", (10, 8), "v.safetensors"),
+    )
+    vision_meta = ModelMetadata("vlm", config, tensors, {"a.safetensors": 1, "b.safetensors": 1, "v.safetensors": 1})
+    costs = model_costs(vision_meta)
+    assert costs.vision_bytes == (100 + 10) * 8 * 4 and costs.vision_files == {"v.safetensors"}
+    plan = make_plan(vision_meta, hosts(2), split=[1, 1])
+    last, first = plan.ranks  # rank 1 runs layer 0
+    assert first.start == 0 and "v.safetensors" in first.files and "v.safetensors" not in last.files
+    assert first.weight_bytes - last.weight_bytes == costs.vision_bytes
+    assert any("vision tower" in note for note in plan.notes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
@@ -135,3 +136,17 @@ def test_earlier_turns_of_hosted_tools_are_dropped_and_said() -> None:
     assert messages[1] == {"role": "assistant", "content": "Found."}
     assert notes == ["earlier turns' hosted tool blocks dropped: server_tool_use, web_search_tool_result"]
 
+
+def test_an_image_to_a_text_only_model_is_a_400_naming_the_block() -> None:
+    from fixtures.vision_models import test_image as picture_bytes
+    from mlxpipe.serve.anthropic_schemas import parse
+    from mlxpipe.serve.door import ServerSettings
+
+    data = base64.b64encode(picture_bytes(0)).decode()
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]}
+    with pytest.raises(ApiError) as info:
+        parse(body, ServerSettings(model_id="m", api_key=None, context=4096), None, lambda: "x")  # type: ignore[arg-type]
+    assert (info.value.status, info.value.param) == (400, "messages[0].content[1]")
+    assert "this server takes text only" in info.value.message

@@ -18,7 +18,7 @@ def advance_cache(cache: Any, batch: int, num_tokens: int) -> None:
     """
     if cache is None:
         return
-    if isinstance(cache, CacheList):
+    if _is_cache_list(cache):
         for sub in cache.caches:
             advance_cache(sub, batch, num_tokens)
         return
@@ -28,6 +28,11 @@ def advance_cache(cache: Any, batch: int, num_tokens: int) -> None:
     cache.update_and_fetch(empty, empty)
     # Fresh leaves keep the never-evaluated graph of a stand-in from growing.
     cache.state = _fresh_empty(cache.state)
+
+
+def _is_cache_list(cache: Any) -> bool:
+    """mlx-lm's ``CacheList``, or mlx-vlm's of the same name (its language models' caches)."""
+    return isinstance(cache, CacheList) or type(cache).__name__ == "CacheList"
 
 
 def _fresh_empty(tree: Any) -> Any:
@@ -45,7 +50,7 @@ def tie_into_cache(cache: Any, dependency: mx.array) -> None:
     mlx-lm's prefill evaluates only ``cache.state``; a send nothing in it
     depends on would never run and the receiving rank would wait forever.
     """
-    if isinstance(cache, CacheList):
+    if _is_cache_list(cache):
         for sub in cache.caches:
             if _has_array(sub.state):
                 tie_into_cache(sub, dependency)

@@ -9,6 +9,7 @@ groups, over the neighbouring members).
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
@@ -250,9 +251,17 @@ def _find_cache(args: Args, kwargs: Kwargs) -> Any:
     if kwargs.get("cache") is not None:
         return kwargs["cache"]
     for value in (*args, *kwargs.values()):
-        if isinstance(value, _BaseCache):
+        if isinstance(value, cache_types()):
             return value
     return None
+
+
+def cache_types() -> tuple[type, ...]:
+    """mlx-lm's caches, and mlx-vlm's (its own classes of the same shape) once a vision-language model loaded it:
+    a rank that never imported mlx-vlm holds none of its caches, and a text model's rank never pays its import."""
+    module = sys.modules.get("mlx_vlm.models.cache")
+    vision_cache = getattr(module, "_BaseCache", None)
+    return (_BaseCache,) if vision_cache is None else (_BaseCache, vision_cache)
 
 
 _STAGE_CLASSES: dict[type, type] = {}

@@ -1,0 +1,310 @@
+"""Images in: ``mlxpipe generate --image`` on real ranks gives single-process mlx-vlm's greedy tokens.
+
+The vision tower and projector run on the first stage (the highest rank); Qwen2.5-VL's multi-axis rotary
+positions travel with the hidden state to the other stage. Tiny random checkpoints of the families
+(``fixtures/vision_models.py``); the reference is ``mlx_vlm.stream_generate`` in this process.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import BadRequestError, OpenAI
+from PIL import Image as Pil
+
+from fixtures.serve_process import ServeProcess, ready_server
+from fixtures.vision_models import VisionModels
+from fixtures.vision_models import test_image as picture_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
+TIMEOUT = 180
+PROMPT = "Describe this."
+MAX_TOKENS = 12
+# A four-rank hostfile of this machine: 2 stages x --tp 2.
+LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
+
+
+def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MLXPIPE, *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two different small pictures."""
+    root = tmp_path_factory.mktemp("images")
+    paths = [root / f"picture-{seed}.png" for seed in (0, 1)]
+    for seed, path in enumerate(paths):
+        path.write_bytes(picture_bytes(seed))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(vision_models: VisionModels, images: list[Path]) -> dict[tuple[str, int], list[int]]:
+    """(family, picture) -> mlx-vlm's greedy tokens, computed once per pair on first use."""
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    class Reference(dict[tuple[str, int], list[int]]):
+        def __missing__(self, key: tuple[str, int]) -> list[int]:
+            family, picture = key
+            if key not in cache:
+                model, processor = load(str(vision_models[family]))
+                prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+                responses = stream_generate(model, processor, prompt, image=[str(images[picture])],
+                                            max_tokens=MAX_TOKENS, temperature=0.0)
+                cache[key] = [r.token for r in responses][:MAX_TOKENS]
+            return cache[key]
+
+    return Reference()
+
+
+def generate(model: Path, image: Path, *flags: str) -> list[int]:
+    result = mlxpipe("generate", "--model", str(model), "--image", str(image), "--prompt", PROMPT,
+                     "--max-tokens", str(MAX_TOKENS), "--json", *flags)
+    assert result.returncode == 0, result.stderr
+    return [int(t) for t in json.loads(result.stdout)["tokens"]]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3"])
+def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
+                                 reference: dict[tuple[str, int], list[int]], family: str) -> None:
+    """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
+    assert generate(vision_models[family], images[0], "--hostfile", "hostfiles/local-2.json") == reference[family, 0]
+
+
+@pytest.mark.ranks
+def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path],
+                                  reference: dict[tuple[str, int], list[int]]) -> None:
+    """The picture reaches the model: another one gives mlx-vlm's other tokens."""
+    tokens = generate(vision_models["qwen2_5_vl"], images[1], "--hostfile", "hostfiles/local-2.json")
+    assert tokens == reference["qwen2_5_vl", 1]
+    assert tokens != reference["qwen2_5_vl", 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("layout", ["tp2", "2x-tp2"])
+def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
+                                       reference: dict[tuple[str, int], list[int]], layout: str,
+                                       tmp_path: Path) -> None:
+    """--tp 2 (one stage) and 2 stages x --tp 2: positions and embeddings reach every member of a group."""
+    hostfile = tmp_path / "local-4.json"
+    hostfile.write_text(json.dumps(LOCAL_4))
+    flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
+    tokens = generate(vision_models["qwen2_5_vl"], images[0], *flags, "--tp", "2")
+    assert tokens == reference["qwen2_5_vl", 0]
+
+
+def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:
+    """An image to a text-only model: one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(demo_model), "--image", str(images[0]), "--prompt", PROMPT)
+    assert result.returncode != 0
+    assert "is a text-only model; it takes no images" in result.stderr
+    assert "starting" not in result.stderr
+
+
+def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:
+    """A file that is no image: one line naming the flag and the file."""
+    bad = tmp_path / "notes.png"
+    bad.write_text("not a picture")
+    result = mlxpipe("generate", "--model", str(vision_models["qwen2_5_vl"]), "--image", str(bad), "--prompt", PROMPT)
+    assert result.returncode != 0
+    assert f"--image {bad}: the image data is not an image that can be decoded" in result.stderr
+
+
+@pytest.mark.ranks
+def test_chat_keeps_the_image_for_every_turn(vision_models: VisionModels, images: list[Path]) -> None:
+    """``chat --image``: the picture belongs to the first message; a second turn reuses the cached prefix."""
+    result = subprocess.run(
+        [MLXPIPE, "chat", "--model", str(vision_models["qwen2_5_vl"]), "--image", str(images[0]),
+         "--max-tokens", "4", "--hostfile", "hostfiles/local-2.json"],
+        input="Describe this.\nAnd again?\n\n", capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("tok/s") == 2
+
+
+# --- serve: OpenAI Chat's image_url parts ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision_models: VisionModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    with ready_server(["--model", str(vision_models["qwen2_5_vl"]), "--hostfile", "hostfiles/local-2.json"],
+                      tmp_path_factory.mktemp("vision-serve-home")) as proc:
+        yield proc
+
+
+def _data_uri(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def _ask(client: OpenAI, *uris: str) -> Any:
+    model = client.models.list().data[0].id
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris]
+    content.append({"type": "text", "text": PROMPT})
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}],  # type: ignore[misc, list-item]
+        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True,
+    )
+
+
+@pytest.mark.ranks
+def test_serve_openai_image_equals_mlx_vlm(vision_server: ServeProcess, vision_models: VisionModels,
+                                           images: list[Path], reference: dict[tuple[str, int], list[int]]) -> None:
+    """A data: URI image through the official client: mlx-vlm's greedy tokens, another image other tokens, and the
+    same image again (its prefix from the prompt cache, keyed by the image's hash) the same tokens."""
+    from mlx_vlm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(vision_models["qwen2_5_vl"])
+    client = OpenAI(base_url=vision_server.url, api_key="none")
+    pieces = {}
+    for picture in (0, 1, 0):
+        reply = _ask(client, _data_uri(images[picture].read_bytes()))
+        tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+        if picture in pieces:
+            assert tokens == pieces[picture]
+        pieces[picture] = tokens
+        assert tokens == [tokenizer.decode([t]) for t in reference["qwen2_5_vl", picture]]
+    assert pieces[0] != pieces[1]
+
+
+@pytest.mark.ranks
+def test_serve_bad_images_are_400s_naming_the_part(vision_server: ServeProcess, images: list[Path]) -> None:
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0)
+    tiff = io.BytesIO()
+    Pil.new("RGB", (8, 8)).save(tiff, format="TIFF")
+    good = _data_uri(images[0].read_bytes())
+    cases = [
+        ((_data_uri(b"hello"),), "messages[0].content[0]", "not an image that can be decoded"),
+        ((good, _data_uri(tiff.getvalue(), "tiff")), "messages[0].content[1]", "supported formats"),
+        (("data:image/png;base64,@@@",), "messages[0].content[0]", "not valid base64"),
+        (("https://example.invalid/a.png",), "messages[0].content[0]", "image URLs are not fetched"),
+        ((good,) * 9, "messages[0].content[8]", "at most 8 images"),
+    ]
+    for uris, param, words in cases:
+        with pytest.raises(BadRequestError) as info:
+            _ask(client, *uris)
+        body = info.value.body
+        assert isinstance(body, dict)
+        error = body.get("error", body)  # the client hands over the error object, or the whole body
+        assert error["param"] == param and words in error["message"], error
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_anthropic_base64_image(vision_server: ServeProcess, vision_models: VisionModels,
+                                     images: list[Path]) -> None:
+    """Anthropic's base64 image blocks through the official client: the same reply as OpenAI's door gives; a bad
+    one is a 400 in Anthropic's shape naming the block."""
+    import anthropic
+
+    openai_text = _ask(OpenAI(base_url=vision_server.url, api_key="none"),
+                       _data_uri(images[0].read_bytes())).choices[0].message.content
+    client = anthropic.Anthropic(base_url=vision_server.base, api_key="none", max_retries=0, timeout=120)
+
+    def ask(data: str) -> Any:
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        return client.messages.create(
+            model=str(vision_models["qwen2_5_vl"]), max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [{"type": "image", "source": source},  # type: ignore[typeddict-item]
+                                                   {"type": "text", "text": PROMPT}]}],
+        )
+
+    reply = ask(base64.b64encode(images[0].read_bytes()).decode())
+    assert "".join(block.text for block in reply.content if block.type == "text") == openai_text
+    with pytest.raises(anthropic.BadRequestError) as info:
+        ask(base64.b64encode(b"hello").decode())
+    body = info.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert "'messages[0].content[0].source.data': the image data is not an image" in body["error"]["message"]
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_ollama_images(vision_server: ServeProcess, vision_models: VisionModels, images: list[Path]) -> None:
+    """Ollama's ``images`` (base64) through the official client, in /api/chat and /api/generate: the same reply as
+    OpenAI's door gives; a bad one is a 400 naming the field."""
+    import ollama
+
+    openai_text = _ask(OpenAI(base_url=vision_server.url, api_key="none"),
+                       _data_uri(images[0].read_bytes())).choices[0].message.content
+    client = ollama.Client(host=vision_server.base)
+    model, options = str(vision_models["qwen2_5_vl"]), {"temperature": 0, "num_predict": MAX_TOKENS}
+    picture = images[0].read_bytes()
+    chat = client.chat(model=model, messages=[{"role": "user", "content": PROMPT, "images": [picture]}],
+                       options=options)
+    assert chat.message.content == openai_text
+    generated = client.generate(model=model, prompt=PROMPT, images=[picture], options=options)
+    assert generated.response == openai_text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=model, messages=[{"role": "user", "content": PROMPT, "images": [b"hello"]}])
+    assert info.value.status_code == 400
+    assert "'messages[0].images[0]': the image data is not an image" in str(info.value)
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_images_in_flight_together_equal_solo(vision_server: ServeProcess, vision_models: VisionModels,
+                                                    images: list[Path],
+                                                    reference: dict[tuple[str, int], list[int]]) -> None:
+    """Image requests batched together, with a text-only one among them: each gives its solo tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_vlm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(vision_models["qwen2_5_vl"])
+    client = OpenAI(base_url=vision_server.url, api_key="none")
+    text_only = client.chat.completions.create(
+        model=str(vision_models["qwen2_5_vl"]), messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS, temperature=0.0,
+    ).choices[0].message.content
+    uris = [_data_uri(images[picture].read_bytes()) for picture in (1, 0, 1, 0)]
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(_ask, client, uri) for uri in uris]
+        alone = pool.submit(lambda: client.chat.completions.create(
+            model=str(vision_models["qwen2_5_vl"]), messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=MAX_TOKENS, temperature=0.0,
+        )).result()
+        replies = [future.result() for future in futures]
+    for picture, reply in zip((1, 0, 1, 0), replies, strict=True):
+        tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+        assert tokens == [tokenizer.decode([t]) for t in reference["qwen2_5_vl", picture]]
+    assert alone.choices[0].message.content == text_only
+
+
+@pytest.mark.ranks
+def test_serve_responses_input_image(vision_server: ServeProcess, vision_models: VisionModels,
+                                     images: list[Path]) -> None:
+    """Responses' input_image (a data: URI) through the official client: the same reply as Chat's; a follow-up by
+    previous_response_id still sees the picture; a bad one is a 400 naming the part."""
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0)
+    model, uri = str(vision_models["qwen2_5_vl"]), _data_uri(images[0].read_bytes())
+    chat_text = _ask(client, uri).choices[0].message.content
+    content: Any = [{"type": "input_image", "image_url": uri, "detail": "auto"}, {"type": "input_text", "text": PROMPT}]
+    first = client.responses.create(model=model, input=[{"role": "user", "content": content}],
+                                    max_output_tokens=MAX_TOKENS, temperature=0.0)
+    assert first.output_text == chat_text
+    follow = client.responses.create(model=model, input="And again?", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0.0)
+    # Its prompt holds the stored turn, picture included: more tokens than the first, the reply cut at 4.
+    assert follow.status == "incomplete" and follow.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens and follow.usage.output_tokens == 4
+    bad: Any = [{"type": "input_image", "image_url": _data_uri(b"hello"), "detail": "auto"}]
+    with pytest.raises(BadRequestError) as info:
+        client.responses.create(model=model, input=[{"role": "user", "content": bad}], max_output_tokens=4)
+    body = info.value.body
+    assert isinstance(body, dict)
+    error = body.get("error", body)
+    assert error["param"] == "input[0].content[0].image_url" and "not an image" in error["message"]
+    assert vision_server.health()["restarts"] == 0
