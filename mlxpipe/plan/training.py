@@ -18,16 +18,26 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 
-if TYPE_CHECKING:
-    from mlxpipe.lora.run import TrainOptions
-
 LORA_BYTES = 4  # LoRA parameters are float32 (mlx-lm draws them so)
 OPTIMIZER_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "muon": 1, "adafactor": 1}
+
+
+class TrainingShape(Protocol):
+    """What the estimate reads of a run's options (``lora.run.TrainOptions`` has them): the planner stays below
+    the LoRA trainer that imports it."""
+
+    max_seq_length: int
+    batch_size: int
+    micro_batches: int
+    num_layers: int
+    lora_parameters: dict[str, Any]
+    optimizer: str
+    schedule: str
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ def lora_parameters_of(meta: ModelMetadata, layer: int, rank: int, keys: list[st
 
 
 def training_memory(
-    meta: ModelMetadata, the_plan: Plan, options: TrainOptions, longest: int
+    meta: ModelMetadata, the_plan: Plan, options: TrainingShape, longest: int
 ) -> list[RankTrainingMemory]:
     """Every rank's estimate for ``options`` (a ``TrainOptions``) with the data's ``longest`` sequence."""
     config = meta.text_config
