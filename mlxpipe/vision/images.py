@@ -12,15 +12,12 @@ import hashlib
 import io
 from dataclasses import dataclass
 
+from mlxpipe.defaults import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Image
 
-# What a client may send, unless the server's flags say otherwise (docs/serve.md): formats Pillow decodes and
-# mlx-vlm's processors take; bytes and pixels per image, images per request.
+# The formats a client may send: those Pillow decodes and mlx-vlm's processors take.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
-DEFAULT_MAX_IMAGES = 8
 
 
 class ImageError(UsageError):
