@@ -52,3 +52,4 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest request body; a larger 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 DEFAULT_MAX_IMAGES = 8
+DEFAULT_IMAGE_URL_TIMEOUT = 10.0  # seconds an image URL may take to fetch, whole (serve --allow-image-urls)

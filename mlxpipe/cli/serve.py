@@ -38,6 +38,7 @@ from mlxpipe.cli._options import (
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
+    DEFAULT_IMAGE_URL_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -137,6 +138,16 @@ MaxImagePixels = Annotated[float, typer.Option(
 MaxImages = Annotated[int, typer.Option(
     "--max-images", help="Most images one request may send; more get a 400."
 )]
+AllowImageUrls = Annotated[bool, typer.Option(
+    "--allow-image-urls",
+    help="Fetch the http(s) image URLs a request sends (OpenAI's image_url, Responses' input_image, Anthropic's "
+    "url sources), each up to --max-image-mb within --image-url-timeout. Off: such a URL gets a 400; the server "
+    "then fetches nothing for a client.",
+)]
+ImageUrlTimeout = Annotated[float, typer.Option(
+    "--image-url-timeout", help="Seconds an image URL may take to fetch, whole, with --allow-image-urls; "
+    "longer gets a 400."
+)]
 RingPort = Annotated[int | None, typer.Option(
     "--ring-port", help="First port of the ranks' ring.",
     show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=tcp_port,
@@ -167,6 +178,8 @@ def serve(
     max_image_mb: MaxImageMb = DEFAULT_MAX_IMAGE_BYTES / MIB,
     max_image_pixels: MaxImagePixels = DEFAULT_MAX_IMAGE_PIXELS / MEGAPIXEL,
     max_images: MaxImages = DEFAULT_MAX_IMAGES,
+    allow_image_urls: AllowImageUrls = False,
+    image_url_timeout: ImageUrlTimeout = DEFAULT_IMAGE_URL_TIMEOUT,
     prompt_cache_size: PromptCacheSize = DEFAULT_PROMPT_CACHE_SIZE,
     prompt_cache_gb: PromptCacheGb = DEFAULT_PROMPT_CACHE_GB,
     prompt_cache_dir: PromptCacheDir = None,
@@ -206,6 +219,7 @@ def serve(
 
     flags = RequestFlags.of(locals())
     limits = image_limits(max_image_mb, max_image_pixels, max_images)
+    positive(image_url_timeout, "--image-url-timeout")
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
     defaults = flags.request(Preset(max_tokens=target.preset.max_tokens))
@@ -235,6 +249,7 @@ def serve(
         run_config, options, host=host, port=port, api_key=api_key,
         defaults=defaults, context=context, max_body_bytes=max_body_size,
         served_names=tuple(served_model_name or ()), any_model_name=any_model_name, image_limits=limits,
+        image_url_timeout=image_url_timeout if allow_image_urls else None,
     )
     raise typer.Exit(code)
 

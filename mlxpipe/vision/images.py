@@ -67,10 +67,11 @@ def decode_base64(text: str) -> bytes:
 
 
 def from_data_uri(uri: str, limits: ImageLimits = ImageLimits()) -> Image:
-    """An image from a ``data:image/...;base64,...`` URI. The server fetches nothing for a client: an http(s) URL
-    is refused."""
+    """An image from a ``data:image/...;base64,...`` URI. An http(s) URL left here was not fetched (the server
+    fetches only with ``--allow-image-urls``, before parsing): refused, naming the flag."""
     if uri.startswith(("http://", "https://")):
-        raise ImageError("image URLs are not fetched by this server: send the image inline as a data: URI")
+        raise ImageError("image URLs are not fetched by this server without --allow-image-urls: send the image "
+                         "inline as a data: URI, or restart mlxpipe serve with --allow-image-urls")
     head, sep, body = uri.partition(",")
     if not uri.startswith("data:") or not sep or not head.endswith(";base64"):
         raise ImageError("an image URL must be a data: URI with base64 data (data:image/png;base64,...)")
