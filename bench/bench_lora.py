@@ -121,8 +121,9 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
     """2 local ranks loaded to train with ``options`` (each worker pinned to a core of its own if ``pinned``):
     the pipe, the metadata, the plan, the datasets and the step requests of the training data."""
     from mlxpipe.cluster.target import resolve_target
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.launch.run import PipelineConfig, launch, prepare
+    from mlxpipe.launch.run import launch, prepare
     from mlxpipe.lora import run as lora
     from mlxpipe.protocol.messages import Step
 

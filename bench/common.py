@@ -99,7 +99,8 @@ def pinned_pipeline(model: Path, ranks: int, **config: Any) -> Iterator[Any]:
     """A loaded pipeline of ``ranks`` local ranks started as the CLI starts one (``running_pipeline``),
     each worker pinned to a core of its own; ``config``: more ``PipelineConfig`` fields."""
     from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.launch.run import PipelineConfig, running_pipeline
+    from mlxpipe.launch.config import PipelineConfig
+    from mlxpipe.launch.run import running_pipeline
 
     strategy = config.pop("strategy", None)
     target = resolve_target(str(model), None, REPO / "hostfiles" / f"local-{ranks}.json", strategy, None, None)

@@ -17,7 +17,7 @@ from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKEN
 if TYPE_CHECKING:
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import Settled, Target
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
 
 # The flags a --config preset may give too (the flag wins, then the preset, then mlx_lm.generate's default).
 _FROM_PRESET = ("max_tokens", "temp", "top_p", "min_p", "seed", "system_prompt")
@@ -84,7 +84,7 @@ def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic
                     adapter_path: Path | None = None, draft_model: str | None = None,
                     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, images: bool = False) -> PipelineConfig:
     """The typed config of the pipeline the flags describe (``PipelineConfig`` checks them on construction)."""
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
 
     return PipelineConfig(
         target=target, backend=backend, mode=mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
@@ -98,7 +98,7 @@ def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic
 
 def _model_dir_or_id(model: str | None) -> str | None:
     """A directory as an absolute path (the ranks run elsewhere), anything else as given (a hub id)."""
-    from mlxpipe.launch.run import draft_dir
+    from mlxpipe.launch.config import draft_dir
 
     local = draft_dir(model) if model is not None else None
     return model if local is None else str(local.resolve())

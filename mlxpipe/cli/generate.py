@@ -60,8 +60,8 @@ from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Image, Request
 
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import RequestResult
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.launch.pipeline import Pipeline
-    from mlxpipe.launch.run import PipelineConfig
 
 Images = Annotated[list[Path] | None, typer.Option(
     "--image", help="An image for a vision-language model (PNG, JPEG, WebP, GIF, BMP); repeat it for several. "

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.timing import where_time_goes
@@ -26,9 +26,6 @@ from mlxpipe.paths import replacing
 from mlxpipe.protocol.checks import at_least
 from mlxpipe.protocol.events import Result
 from mlxpipe.protocol.request import Request, parse_logit_bias
-
-if TYPE_CHECKING:
-    from mlxpipe.launch.pipeline import RankStats
 
 
 def check_decode_batch(decode_batch: int) -> int:
@@ -70,6 +67,20 @@ _OPTIONS: dict[str, tuple[type, ...]] = {
     "kv_group_size": (int,),
     "quantized_kv_start": (int,),
 }
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's figures of a run: its layers, host, load time and peak memory."""
+
+    rank: int
+    host: str
+    start: int
+    end: int
+    peak_memory_gb: float
+    load_seconds: float | None = None
+    stage: int | None = None  # with --tp: the rank's pipeline stage and place in its group (None without)
+    tp_index: int | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed, UsageError
+from mlxpipe.launch.batch import RankStats
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
@@ -28,24 +29,10 @@ from mlxpipe.protocol.request import Request
 
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult, RequestResult
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.vision.prompt import VisionPrompt
 
-WORKER = ("-m", "mlxpipe.worker")
-
 OnText = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class RankStats:
-    rank: int
-    host: str
-    start: int
-    end: int
-    peak_memory_gb: float
-    load_seconds: float | None = None
-    stage: int | None = None  # with --tp: the rank's pipeline stage and place in its group (None without)
-    tp_index: int | None = None
 
 
 @dataclass

@@ -32,8 +32,8 @@ from mlxpipe.worker.train_schedule import SCHEDULES
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.launch.pipeline import Pipeline
-    from mlxpipe.launch.run import PipelineConfig
     from mlxpipe.model.metadata import ModelMetadata
     from mlxpipe.plan.shard import Plan
     from mlxpipe.plan.training import RankTrainingMemory

@@ -82,16 +82,12 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
     _unhonoured(body, notes)
-    if images:
-        if offered or prefill is not None:
-            what = "'tools'" if offered else "a last assistant message (a prefill)"
-            raise ApiError(400, f"{what} cannot go with images on this server yet", param="messages")
-        vision = bodies.with_images(request, images, settings, "messages")
-        assert vision.tokens is not None  # with_images tokenizes
-        tokens = vision.tokens
-        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
-    else:
-        tokens = bodies.tokens_for(tokenizer, request, offered, extra, "messages", notes)
+    if images and prefill is not None:
+        raise ApiError(400, "a last assistant message (a prefill) cannot go with images on this server yet",
+                       param="messages")
+    tokens, pictures, vision_prompt = bodies.tokens_and_images(tokenizer, request, images, offered, extra, "messages",
+                                                               settings, notes)
+    request = replace(request, images=pictures, vision_prompt=vision_prompt)
     ranked = enforce(bodies.for_ranks(request, tokens, settings, "messages", new_id,
                                       {"response_format": "output_config.format"}, notes),
                      offered, choice, parallel, _strict(body), tokenizer, settings)

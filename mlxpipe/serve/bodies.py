@@ -246,6 +246,21 @@ def with_images(request: Request, images: list[tuple[Image, str]], settings: Ser
         raise ApiError(400, f"the image processor rejected '{param}': {e}", param=param) from None
 
 
+def tokens_and_images(tokenizer: TokenizerWrapper, prompt: Request, images: list[tuple[Image, str]],
+                      tools: list[Any] | None, extra: dict[str, Any] | None, param: str, settings: ServerSettings,
+                      notes: Notes) -> tuple[list[int], tuple[Image, ...], str | None]:
+    """The prompt's token ids, with the images that go with them and the text the image processor expanded
+    (``Request.images``, ``Request.vision_prompt``): through the model's processor when the messages hold images
+    (``with_images``), else through the chat template (``tokens_for``)."""
+    if not images:
+        return tokens_for(tokenizer, prompt, tools, extra, param, notes), (), None
+    if tools:
+        raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
+    vision = with_images(prompt, images, settings, param)
+    assert vision.tokens is not None  # with_images tokenizes
+    return vision.tokens, vision.images, vision.vision_prompt
+
+
 def tokens_for(tokenizer: TokenizerWrapper, request: Request, tools: list[Any] | None, extra: dict[str, Any] | None,
                param: str, notes: Notes | None = None) -> list[int]:
     """The prompt's token ids through the chat template (``extra``: more template variables, such as

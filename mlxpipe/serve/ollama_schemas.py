@@ -90,15 +90,9 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         if images and (raw or system is not None):
             what = "raw" if raw else "system"
             raise ApiError(400, f"'{what}' cannot go with images on this server yet", param=what)
-    if images:
-        if tools:
-            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
-        vision = bodies.with_images(request, images, settings, param)
-        assert vision.tokens is not None  # with_images tokenizes
-        tokens = vision.tokens
-        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
-    else:
-        tokens = bodies.tokens_for(tokenizer, request, tools, None, param, notes)
+    tokens, pictures, vision_prompt = bodies.tokens_and_images(tokenizer, request, images, tools, None, param,
+                                                               settings, notes)
+    request = replace(request, images=pictures, vision_prompt=vision_prompt)
     # Ollama has no tool_choice: a call the model starts is completed under the grammar.
     ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, {"max_tokens": "options.num_predict"},
                                       notes), tools, Choice(), True, (), tokenizer, settings)

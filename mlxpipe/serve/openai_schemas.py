@@ -85,15 +85,9 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     param = "messages" if chat else "prompt"
     images: list[tuple[Image, str]] = []
     prompt = _prompt(body, chat, request, settings, images)
-    if images:
-        if offered:
-            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
-        vision = bodies.with_images(prompt, images, settings, param)
-        assert vision.tokens is not None  # with_images tokenizes
-        tokens = vision.tokens
-        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
-    else:
-        tokens = bodies.tokens_for(tokenizer, prompt, offered, extra, param, notes)
+    tokens, pictures, vision_prompt = bodies.tokens_and_images(tokenizer, prompt, images, offered, extra, param,
+                                                               settings, notes)
+    request = replace(request, images=pictures, vision_prompt=vision_prompt)
     ranked = enforce(bodies.for_ranks(request, tokens, settings, param, new_id, notes=notes), offered, choice,
                      field(body, "parallel_tool_calls", bool, True), _strict(offered), tokenizer, settings)
     return Parsed(ranked, stream, include_usage, stops, offered, model, notes)

@@ -43,8 +43,10 @@ from mlxpipe.defaults import (
     DEFAULT_QUEUE_TIMEOUT,
 )
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
-from mlxpipe.launch.pipeline import Pipeline, RankStats
-from mlxpipe.launch.run import PipelineConfig, launch
+from mlxpipe.launch.batch import RankStats
+from mlxpipe.launch.config import PipelineConfig
+from mlxpipe.launch.pipeline import Pipeline
+from mlxpipe.launch.run import launch
 from mlxpipe.launch.timing import where_time_goes
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan

@@ -170,15 +170,9 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
     images = _images(conversation)
-    if images:
-        if offered:
-            raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
-        vision = bodies.with_images(replace(request, messages=messages), images, settings, "input")
-        assert vision.tokens is not None  # with_images tokenizes
-        tokens = vision.tokens
-        request = replace(request, images=vision.images, vision_prompt=vision.vision_prompt)
-    else:
-        tokens = bodies.tokens_for(tokenizer, replace(request, messages=messages), offered, extra, "input", notes)
+    tokens, pictures, vision_prompt = bodies.tokens_and_images(tokenizer, replace(request, messages=messages), images,
+                                                               offered, extra, "input", settings, notes)
+    request = replace(request, images=pictures, vision_prompt=vision_prompt)
     # text.format is the body's name of the structured output a server with a draft model refuses.
     ranked = bodies.for_ranks(request, tokens, settings, "input", new_id,
                               {"response_format": "text.format", "max_tokens": "max_output_tokens"}, notes)

@@ -23,7 +23,8 @@ import uvicorn
 from mlxpipe import console
 from mlxpipe.defaults import DEFAULT_MAX_BODY_BYTES
 from mlxpipe.errors import LaunchError, UsageError
-from mlxpipe.launch.run import PipelineConfig, prepare
+from mlxpipe.launch.config import PipelineConfig
+from mlxpipe.launch.run import prepare
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
 from mlxpipe.vision.images import ImageLimits
@@ -162,8 +163,8 @@ def _say_disk_tier(queue: RequestQueue) -> None:
 
 def _vision_prompt(config: PipelineConfig, meta: ModelMetadata) -> VisionPrompt | None:
     """The processor that tokenizes requests with images, where the ranks run the model with mlx-vlm."""
+    from mlxpipe.launch.config import vision_job
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.launch.run import vision_job
 
     if not vision_job(meta.config, config.mode, False, config.draft_model is not None):
         return None

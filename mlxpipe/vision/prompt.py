@@ -64,7 +64,6 @@ class VisionPrompt:
     """The controller's processor of one vision-language model: a request's prompt and images as token ids."""
 
     def __init__(self, model_dir: Path, config: dict[str, Any]) -> None:
-        from mlxpipe.worker.vision import load_vision_processor
 
         self.config = config
         self.processor = load_vision_processor(model_dir)
@@ -98,3 +97,18 @@ def _parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             out.append(message)
     return out
+
+
+def load_vision_processor(path: Path) -> Any:
+    """mlx-vlm's processor of the checkpoint at ``path``, as ``mlx_vlm.load`` makes it."""
+    from mlx_vlm.utils import get_model_and_args, load_config, load_image_processor, load_processor
+
+    config = load_config(path)
+    # Importing the family's module first, as ``mlx_vlm.load`` does by loading the model: it registers the
+    # family's own processor classes (without them transformers may pick ones that need PyTorch).
+    get_model_and_args(dict(config))
+    processor = load_processor(path, True, eos_token_ids=config.get("eos_token_id"))
+    image_processor = load_image_processor(path)
+    if image_processor is not None:
+        processor.image_processor = image_processor
+    return processor

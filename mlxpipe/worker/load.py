@@ -139,6 +139,7 @@ def load_rank(job: JobSpec, group: mx.distributed.Group) -> LoadedModel:
 def load_vision_rank(job: JobSpec, group: Any, topology: Topology, path: Path, tic: float) -> LoadedModel:
     """``load_rank`` for a vision-language model: mlx-vlm's model, its language model's blocks cut as any
     model's; the vision tower and projector kept (and the image processor loaded) on the first stage only."""
+    from mlxpipe.vision.prompt import load_vision_processor
     from mlxpipe.worker import vision
 
     model, config = vision.load_vision_model(path)
@@ -158,7 +159,7 @@ def load_vision_rank(job: JobSpec, group: Any, topology: Topology, path: Path, t
     learn_layouts(model, topology)
     tokenizer = load_tokenizer(path, {"trust_remote_code": job.trust_remote_code},
                                eos_token_ids=config.get("eos_token_id"))
-    processor = vision.load_vision_processor(path) if first else None
+    processor = load_vision_processor(path) if first else None
     positions = vision.needs_positions(model)
     barrier(group)
     return LoadedModel(model, tokenizer, config, start, end, time.perf_counter() - tic, None, topology, sharding,

@@ -44,21 +44,6 @@ def load_vision_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     return as_language_model(model), load_config(path)
 
 
-def load_vision_processor(path: Path) -> Any:
-    """mlx-vlm's processor of the checkpoint at ``path``, as ``mlx_vlm.load`` makes it."""
-    from mlx_vlm.utils import get_model_and_args, load_config, load_image_processor, load_processor
-
-    config = load_config(path)
-    # Importing the family's module first, as ``mlx_vlm.load`` does by loading the model: it registers the
-    # family's own processor classes (without them transformers may pick ones that need PyTorch).
-    get_model_and_args(dict(config))
-    processor = load_processor(path, True, eos_token_ids=config.get("eos_token_id"))
-    image_processor = load_image_processor(path)
-    if image_processor is not None:
-        processor.image_processor = image_processor
-    return processor
-
-
 class _LanguageCall:
     """Put in front of mlx-vlm's model class: mlx-lm's call (tokens and caches in, logits out)."""
 

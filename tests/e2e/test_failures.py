@@ -288,7 +288,7 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
 def start_pipeline(site: Site, model: Path, worker: tuple[str, ...], timeout: float = 60.0) -> Pipeline:
     """A loaded pipeline whose ranks run ``worker``, started as every command starts one."""
     from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.launch.run import start_pipeline as start
 
     target = resolve_target(str(model), None, site.hostfile, None, None, None)

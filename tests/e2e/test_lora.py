@@ -203,7 +203,7 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
     from fixtures.processes import local_rank_processes
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.errors import LaunchError
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.lora import run as lora
 
     out = workdir / "dies"

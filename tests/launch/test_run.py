@@ -36,7 +36,7 @@ def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models,
 def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, four_hosts: Path) -> None:
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.hub.client import load_metadata
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.protocol.job import JobSpec
 
     target = resolve_target(str(tiny), None, four_hosts, None, None, None, 2)
@@ -50,7 +50,7 @@ def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, f
 def test_job_spec_without_tp_is_unchanged(tiny: Path) -> None:
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.hub.client import load_metadata
-    from mlxpipe.launch.run import PipelineConfig
+    from mlxpipe.launch.config import PipelineConfig
 
     target = resolve_target(str(tiny), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     meta_ = load_metadata(str(tiny))
