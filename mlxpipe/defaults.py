@@ -47,3 +47,9 @@ DEFAULT_PROMPT_CACHE_GB = 16.0
 PROMPT_CACHE_UNDER_HF_HOME = "mlxpipe/prompt-cache"
 DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest request body; a larger one gets a 413
+# What one image a client sends may be, and how many a request may hold (serve's --max-image-mb,
+# --max-image-pixels, --max-images); here so the command line names them without importing the vision room.
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_MAX_IMAGES = 8
+DEFAULT_IMAGE_URL_TIMEOUT = 10.0  # seconds an image URL may take to fetch, whole (serve --allow-image-urls)

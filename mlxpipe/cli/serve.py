@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -38,7 +38,11 @@ from mlxpipe.cli._options import (
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
+    DEFAULT_IMAGE_URL_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_PORT,
@@ -49,7 +53,14 @@ from mlxpipe.defaults import (
     PROMPT_CACHE_UNDER_HF_HOME,
 )
 from mlxpipe.errors import UsageError
+from mlxpipe.protocol.checks import at_least, positive
 from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+
+if TYPE_CHECKING:
+    from mlxpipe.vision.images import ImageLimits
+
+MIB = 1024 * 1024
+MEGAPIXEL = 1_000_000
 
 Host = Annotated[str, typer.Option(
     "--host", help="Address the HTTP API listens on. Beyond loopback, set --api-key."
@@ -117,6 +128,26 @@ AnyModelName = Annotated[bool, typer.Option(
     help="Answer every model name with this model (agents ask for their own: a default, a small fast model "
     "for titles); each new name is said once in the output.",
 )]
+MaxImageMb = Annotated[float, typer.Option(
+    "--max-image-mb", help="Largest image a request may send, in MiB (after base64 decoding); a larger one gets a 400."
+)]
+MaxImagePixels = Annotated[float, typer.Option(
+    "--max-image-pixels", help="Largest image a request may send, in megapixels (width x height); a larger one "
+    "gets a 400."
+)]
+MaxImages = Annotated[int, typer.Option(
+    "--max-images", help="Most images one request may send; more get a 400."
+)]
+AllowImageUrls = Annotated[bool, typer.Option(
+    "--allow-image-urls",
+    help="Fetch the http(s) image URLs a request sends (OpenAI's image_url, Responses' input_image, Anthropic's "
+    "url sources), each up to --max-image-mb within --image-url-timeout. Off: such a URL gets a 400; the server "
+    "then fetches nothing for a client.",
+)]
+ImageUrlTimeout = Annotated[float, typer.Option(
+    "--image-url-timeout", help="Seconds an image URL may take to fetch, whole, with --allow-image-urls; "
+    "longer gets a 400."
+)]
 RingPort = Annotated[int | None, typer.Option(
     "--ring-port", help="First port of the ranks' ring.",
     show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=tcp_port,
@@ -144,6 +175,11 @@ def serve(
     queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT,
     max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES,
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
+    max_image_mb: MaxImageMb = DEFAULT_MAX_IMAGE_BYTES / MIB,
+    max_image_pixels: MaxImagePixels = DEFAULT_MAX_IMAGE_PIXELS / MEGAPIXEL,
+    max_images: MaxImages = DEFAULT_MAX_IMAGES,
+    allow_image_urls: AllowImageUrls = False,
+    image_url_timeout: ImageUrlTimeout = DEFAULT_IMAGE_URL_TIMEOUT,
     prompt_cache_size: PromptCacheSize = DEFAULT_PROMPT_CACHE_SIZE,
     prompt_cache_gb: PromptCacheGb = DEFAULT_PROMPT_CACHE_GB,
     prompt_cache_dir: PromptCacheDir = None,
@@ -179,10 +215,11 @@ def serve(
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.launch.batch import check_decode_batch
-    from mlxpipe.protocol.checks import at_least
     from mlxpipe.serve import server
 
     flags = RequestFlags.of(locals())
+    limits = image_limits(max_image_mb, max_image_pixels, max_images)
+    positive(image_url_timeout, "--image-url-timeout")
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
     defaults = flags.request(Preset(max_tokens=target.preset.max_tokens))
@@ -211,6 +248,20 @@ def serve(
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,
         defaults=defaults, context=context, max_body_bytes=max_body_size,
-        served_names=tuple(served_model_name or ()), any_model_name=any_model_name,
+        served_names=tuple(served_model_name or ()), any_model_name=any_model_name, image_limits=limits,
+        image_url_timeout=image_url_timeout if allow_image_urls else None,
     )
     raise typer.Exit(code)
+
+
+def image_limits(max_image_mb: float, max_image_pixels: float, max_images: int) -> ImageLimits:
+    """The limits every image a request sends is checked against, from ``--max-image-mb``, ``--max-image-pixels``
+    (megapixels) and ``--max-images``."""
+    from mlxpipe.vision.images import ImageLimits
+
+    positive(max_image_mb, "--max-image-mb")
+    positive(max_image_pixels, "--max-image-pixels")
+    at_least(max_images, 1, "--max-images")
+    # At least one byte and one pixel: a tiny positive value still means "some image", never "none at all".
+    return ImageLimits(max_bytes=max(1, int(max_image_mb * MIB)), max_pixels=max(1, int(max_image_pixels * MEGAPIXEL)),
+                       max_images=max_images)

@@ -22,6 +22,7 @@ from mlxpipe.serve import anthropic_shapes as shapes
 from mlxpipe.serve.anthropic_schemas import Parsed, parse
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
+from mlxpipe.serve.image_urls import fetch_image_urls
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
 
@@ -48,7 +49,7 @@ class AnthropicApi:
         """The prompt's tokens through the chat template, as ``messages`` would count them (nothing generated)."""
         try:
             authorize(request, self.settings.api_key)
-            body = await read_json(request, self.settings.max_body_bytes)
+            body = await fetch_image_urls(await read_json(request, self.settings.max_body_bytes), self.settings)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, counting=True)
         except ApiError as e:
             return shapes.error_response(refused(self.log, request, DOOR, e))
@@ -61,7 +62,7 @@ class AnthropicApi:
     async def messages(self, request: Request) -> Response:
         try:
             authorize(request, self.settings.api_key)
-            body = await read_json(request, self.settings.max_body_bytes)
+            body = await fetch_image_urls(await read_json(request, self.settings.max_body_bytes), self.settings)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id)
             generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
                                      DOOR, parsed.notes)

@@ -218,6 +218,10 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user" and images is not None and settings is not None and settings.vision:
             source = block.get("source")
+            if isinstance(source, dict) and source.get("type") == "url":  # fetched before parsing, with the flag
+                raise ApiError(400, f"'{at}.source': url sources are fetched only by a server started with "
+                                    "--allow-image-urls: send a base64 source, or restart mlxpipe serve with "
+                                    "--allow-image-urls", param=f"{at}.source", code="invalid_image")
             if not isinstance(source, dict) or source.get("type") != "base64":
                 raise ApiError(400, f"'{at}.source' must be a base64 source (type 'base64', 'media_type', 'data')",
                                param=f"{at}.source")

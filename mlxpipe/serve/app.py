@@ -63,7 +63,9 @@ def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: Server
     doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
-    view = ClusterView(queue, log, settings.model_id)  # the cluster's page at /
+    limits = settings.image_limits
+    images = None if settings.vision is None else {"max_bytes": limits.max_bytes, "max_images": limits.max_images}
+    view = ClusterView(queue, log, settings.model_id, images)  # the cluster's page at /
     view.start()
     routes += page_routes(view, settings.api_key)
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: failed})

@@ -201,6 +201,9 @@ def image_from_uri(uri: Any, where: str, settings: ServerSettings) -> Image:
 
     if not isinstance(uri, str) or not uri:
         raise ApiError(400, f"'{where}' must be an image URL (a data: URI)", param=where)
+    if settings.vision is None:  # before the URL is looked at: no flag makes a text-only model see it
+        raise ApiError(400, f"'{where}' is an image: this server's model takes no images (a text-only model)",
+                       param=where, code="invalid_image")
     try:
         return from_data_uri(uri, settings.image_limits)
     except ImageError as e:

@@ -52,8 +52,10 @@ class History:
 class ClusterView:
     """What the page shows, from the queue, the plan and the request log."""
 
-    def __init__(self, queue: RequestQueue, log: RequestLog, model_id: str) -> None:
+    def __init__(self, queue: RequestQueue, log: RequestLog, model_id: str,
+                 images: dict[str, int] | None = None) -> None:
         self.queue, self.log, self.model_id = queue, log, model_id
+        self.images = images  # the image limits, where the model takes images: the page's chat offers to attach
         self.history = History()
         self._lock = threading.Lock()
 
@@ -80,6 +82,7 @@ class ClusterView:
         return {
             **health,
             "model_id": self.model_id,
+            "images": self.images,
             "detail": self.queue.detail,
             # /health's ranks as they are (a tensor-parallel group or stage it names included), with figures.
             "ranks": [self._rank(r, times.get(r["rank"])) for r in health["ranks"]],

@@ -57,6 +57,8 @@ class ServerSettings:
     # A vision-language model's processor (images in: ``bodies.with_images``); None: the model takes no images.
     vision: VisionPrompt | None = None
     image_limits: ImageLimits = ImageLimits()  # noqa: RUF009 - frozen, one shared default is safe
+    # --allow-image-urls: seconds an image URL may take to fetch (serve.image_urls); None: URLs are refused.
+    image_url_timeout: float | None = None
     served_names: tuple[str, ...] = ()  # --served-model-name: more names the model answers to, listed with it
     any_model_name: bool = False  # --any-model-name: every name a body gives is this model
     # The names seen under --any-model-name, each said once in the server's output.

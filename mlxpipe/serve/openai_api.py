@@ -22,6 +22,7 @@ from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import openai_shapes as shapes
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
+from mlxpipe.serve.image_urls import fetch_image_urls
 from mlxpipe.serve.openai_schemas import Parsed, parse
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.text import Delta, tool_calls
@@ -69,7 +70,7 @@ class OpenAIApi:
     async def _complete(self, request: Request, chat: bool) -> Response:
         try:
             authorize(request, self.settings.api_key)
-            body = await read_json(request, self.settings.max_body_bytes)
+            body = await fetch_image_urls(await read_json(request, self.settings.max_body_bytes), self.settings)
             parsed = parse(body, chat, self.settings, self.tokenizer, self.queue.new_id)
             generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, parsed.stops,
                                      DOOR, parsed.notes)

@@ -23,6 +23,7 @@ from mlxpipe.errors import RequestFailed
 from mlxpipe.serve import responses_shapes as shapes
 from mlxpipe.serve.door import ApiError, ClientGone, ServerSettings, authorize, gone, read_json, refused
 from mlxpipe.serve.generation import Generation, respond, start
+from mlxpipe.serve.image_urls import fetch_image_urls
 from mlxpipe.serve.openai_shapes import error_response
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_schemas import Parsed, flat_name, parse
@@ -67,7 +68,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         try:
             authorize(request, self.settings.api_key)
-            body = await read_json(request, self.settings.max_body_bytes)
+            body = await fetch_image_urls(await read_json(request, self.settings.max_body_bytes), self.settings)
             parsed = parse(body, self.settings, self.tokenizer, self.queue.new_id, self.store)
             generation = await start(self.queue, self.tokenizer, self.log, request, parsed.request, [], DOOR,
                                      parsed.notes)

@@ -27,6 +27,7 @@ from mlxpipe.launch.config import PipelineConfig
 from mlxpipe.launch.run import prepare
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.queue import RequestLog, RequestQueue, ServeOptions
+from mlxpipe.vision.images import ImageLimits
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -44,12 +45,16 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int, api_key: str | None,
           defaults: Request, context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          served_names: tuple[str, ...] = (), any_model_name: bool = False) -> int:
+          served_names: tuple[str, ...] = (), any_model_name: bool = False,
+          image_limits: ImageLimits = ImageLimits(),  # noqa: B008 - frozen, one shared default is safe
+          image_url_timeout: float | None = None) -> int:
     """Serve until a signal (returns 128 + its number) or until the pipeline cannot be restarted (raises).
 
     ``defaults``: every request's options until its body says otherwise; ``context``: the longest prompt and
     reply a request may make (default: the model's ``max_position_embeddings``); ``served_names``: more names
-    the model answers to; ``any_model_name``: it answers to every name.
+    the model answers to; ``any_model_name``: it answers to every name; ``image_limits``: what each image a
+    request sends may be; ``image_url_timeout``: seconds to fetch an image URL a request sends (None: URLs are
+    refused).
     """
     from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.serve.app import build_app
@@ -81,7 +86,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
         draft_model=config.draft_model is not None, served_names=served_names, any_model_name=any_model_name,
-        vision=vision,
+        vision=vision, image_limits=image_limits, image_url_timeout=image_url_timeout,
     )
     app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",

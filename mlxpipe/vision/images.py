@@ -12,15 +12,12 @@ import hashlib
 import io
 from dataclasses import dataclass
 
+from mlxpipe.defaults import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Image
 
-# What a client may send, unless the server's flags say otherwise (docs/serve.md): formats Pillow decodes and
-# mlx-vlm's processors take; bytes and pixels per image, images per request.
+# The formats a client may send: those Pillow decodes and mlx-vlm's processors take.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
-DEFAULT_MAX_IMAGES = 8
 
 
 class ImageError(UsageError):
@@ -70,10 +67,11 @@ def decode_base64(text: str) -> bytes:
 
 
 def from_data_uri(uri: str, limits: ImageLimits = ImageLimits()) -> Image:
-    """An image from a ``data:image/...;base64,...`` URI. The server fetches nothing for a client: an http(s) URL
-    is refused."""
+    """An image from a ``data:image/...;base64,...`` URI. An http(s) URL left here was not fetched (the server
+    fetches only with ``--allow-image-urls``, before parsing): refused, naming the flag."""
     if uri.startswith(("http://", "https://")):
-        raise ImageError("image URLs are not fetched by this server: send the image inline as a data: URI")
+        raise ImageError("image URLs are not fetched by this server without --allow-image-urls: send the image "
+                         "inline as a data: URI, or restart mlxpipe serve with --allow-image-urls")
     head, sep, body = uri.partition(",")
     if not uri.startswith("data:") or not sep or not head.endswith(";base64"):
         raise ImageError("an image URL must be a data: URI with base64 data (data:image/png;base64,...)")

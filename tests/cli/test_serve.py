@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from mlxpipe.cli import app
+from mlxpipe.cli.serve import image_limits
+from mlxpipe.vision.images import ImageLimits
 from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
 
 
@@ -15,3 +18,19 @@ def test_serve_refuses_concurrency_with_a_draft_model(models) -> None:
     assert result.output.strip().splitlines()[0] == (
         "error: --max-concurrency: with --draft-model requests run one at a time (speculative decoding is not "
         "batched, as in mlx_lm.server)"), result.output
+
+
+@pytest.mark.parametrize(("flag", "value", "line"), [
+    ("--max-image-mb", "0", "error: --max-image-mb must be positive, got 0"),
+    ("--max-image-pixels", "-1", "error: --max-image-pixels must be positive, got -1"),
+    ("--max-images", "0", "error: --max-images must be at least 1, got 0"),
+])
+def test_serve_refuses_a_bad_image_limit_in_one_line(flag: str, value: str, line: str) -> None:
+    result = CliRunner().invoke(app, ["serve", flag, value])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [line], result.output
+
+
+def test_image_limit_flags_become_the_servers_limits() -> None:
+    assert image_limits(20, 50, 8) == ImageLimits()  # the defaults --help shows are today's constants
+    assert image_limits(0.5, 1.5, 2) == ImageLimits(max_bytes=512 * 1024, max_pixels=1_500_000, max_images=2)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 from PIL import Image as Pil
@@ -23,6 +24,7 @@ from PIL import Image as Pil
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
+from tests.e2e.test_page import _open, _until, browser  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
@@ -307,4 +309,32 @@ def test_serve_responses_input_image(vision_server: ServeProcess, vision_models:
     assert isinstance(body, dict)
     error = body.get("error", body)
     assert error["param"] == "input[0].content[0].image_url" and "not an image" in error["message"]
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_the_page_attaches_an_image(vision_server: ServeProcess, images: list[Path], browser: Any) -> None:
+    """The page's chat on a vision-language model: an attached file goes as a data: URI image_url part, and the
+    streamed reply is the API's greedy reply to the same picture and question."""
+    from selenium.webdriver.common.by import By
+
+    data = httpx.get(f"{vision_server.url}/cluster", timeout=30).json()  # the page's data: the limits
+    assert data["images"] == {"max_bytes": 20 * 1024 * 1024, "max_images": 8}
+    _open(browser, vision_server.base, key=None)
+    _until(browser, lambda d: d.find_element(By.ID, "attach").is_displayed(), "the attach control")
+    browser.find_element(By.ID, "chat-image").send_keys(str(images[0]))
+    _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#attached img.thumb"), "the attached picture")
+    browser.find_element(By.TAG_NAME, "summary").click()  # the options
+    for field, value in (("temperature", "0"), ("max-tokens", str(MAX_TOKENS))):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "chat-input").send_keys(PROMPT)
+    browser.find_element(By.ID, "send").click()
+    reply = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, '.msg.assistant[data-done="true"]'), "a reply")
+    assert not reply.find_elements(By.CLASS_NAME, "error"), reply.text
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.user img.thumb")  # the turn shows its picture
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attached img")  # sent: the next message starts bare
+    streamed = browser.execute_script("return arguments[0].textContent", reply.find_element(By.CLASS_NAME, "text"))
+    client = OpenAI(base_url=vision_server.url, api_key="none")
+    assert streamed == _ask(client, _data_uri(images[0].read_bytes())).choices[0].message.content and streamed
     assert vision_server.health()["restarts"] == 0

@@ -8,7 +8,9 @@ const KEY_STORE = "mlxpipe-api-key";
 
 const $ = (id) => document.getElementById(id);
 let modelId = null;
-let chat = [];          // the conversation so far: {role, content}
+let imageLimits = null; // {max_bytes, max_images} where the model takes images; null: text only, no attach
+let attached = [];      // images for the next message: {name, uri} (a data: URI, sent as an image_url part)
+let chat = [];          // the conversation so far: {role, content}; a turn with images keeps them, as parts
 let chatBusy = false;
 let lastCause = null;   // the root cause the server last gave: kept when it then stops answering (it gave up)
 
@@ -93,6 +95,8 @@ function setStatus(status, detail) {
 function render(data) {
   modelId = data.model_id;
   $("model").textContent = data.model_id;
+  imageLimits = data.images || null;
+  $("attach").hidden = !imageLimits;
   const cause = data.status === "failed" ? (data.error || data.detail) : data.status === "restarting" ? data.detail : null;
   lastCause = data.status === "failed" ? `Failed: ${cause}` : null;
   setStatus(data.status, cause ? `${data.status === "failed" ? "Failed" : "Restarting"}: ${cause}` : null);
@@ -278,8 +282,9 @@ function renderRequests(requests) {
 
 // --- the chat: streamed from /v1/chat/completions ----------------------------------------------------------
 
-function addMessage(role, text) {
-  const node = el("div", { class: `msg ${role}` }, el("div", { class: "role", text: role }), el("div", { class: "text", text }));
+function addMessage(role, text, images) {
+  const node = el("div", { class: `msg ${role}` }, el("div", { class: "role", text: role }), el("div", { class: "text", text }),
+    images && images.length ? el("div", { class: "images" }, ...images.map((i) => el("img", { class: "thumb", src: i.uri, alt: i.name, title: i.name }))) : null);
   $("messages").append(node);
   $("messages").scrollTop = $("messages").scrollHeight;
   return node;
@@ -289,9 +294,15 @@ async function send(text) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  chat.push({ role: "user", content: text });
+  const images = attached;
+  clearAttached();
+  // With images, OpenAI's content parts: each image a data: URI, then the text (the server checks each one).
+  const parts = images.length
+    ? [...images.map((i) => ({ type: "image_url", image_url: { url: i.uri } })), { type: "text", text }]
+    : text;
+  chat.push({ role: "user", content: parts });
   messages.push(...chat);
-  addMessage("user", text);
+  addMessage("user", text, images);
   const reply = addMessage("assistant", "");
   const out = reply.querySelector(".text");
   reply.classList.add("streaming");
@@ -374,7 +385,45 @@ $("chat-input").addEventListener("keydown", (e) => {
 
 $("chat-clear").addEventListener("click", () => {
   chat = [];
+  clearAttached();
   $("messages").replaceChildren();
+});
+
+// --- images attached to the next message, where the model takes images -----------------------------------
+
+function readAsDataUri(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+function clearAttached() {
+  attached = [];
+  $("chat-image").value = "";
+  $("attached").replaceChildren();
+}
+
+$("chat-image").addEventListener("change", async () => {
+  $("chat-error").textContent = "";
+  const files = [...$("chat-image").files];
+  $("chat-image").value = "";  // the same file can be chosen again
+  for (const file of files) {
+    // The server's limits, said here before a large file is read; the server checks again (format, pixels).
+    if (imageLimits && file.size > imageLimits.max_bytes) {
+      $("chat-error").textContent = `${file.name} is over the server's limit of ${imageLimits.max_bytes} bytes (--max-image-mb)`;
+      continue;
+    }
+    if (imageLimits && attached.length >= imageLimits.max_images) {
+      $("chat-error").textContent = `at most ${imageLimits.max_images} images per message (--max-images)`;
+      break;
+    }
+    attached.push({ name: file.name, uri: await readAsDataUri(file) });
+  }
+  $("attached").replaceChildren(...attached.map((i) => el("img", { class: "thumb", src: i.uri, alt: i.name, title: i.name })));
+  $("attached").dataset.count = String(attached.length);
 });
 
 poll();
