@@ -13,8 +13,8 @@ warm-up:
    picture read, processed, through the vision tower, the prompt prefilled). Then, apart, the image processor
    (``prepare_inputs``) and the vision tower and projector (``get_input_embeddings``, evaluated) alone;
 2. mlxpipe on 2 local ranks, each pinned to a core of its own (``common.pinned_pipeline``): from the request made
-   on the controller (the processor tokenizes it there) to its one token back (``run_batch``). The vision tower runs
-   on the first stage (rank 1, which processes the pixels again); each rank's time report (``TimeSpent``, read by
+   on the controller (the processor tokenizes it there) to its one token back (``generate_batch``). The vision
+   tower runs on the first stage (rank 1, which processes the pixels again); each rank's time report (``TimeSpent``, read by
    ``where_time_goes``) says how busy it was and how much of its computing the vision tower took.
 """
 
@@ -116,7 +116,7 @@ def ranks(model: Path, picture: Path, repeats: int) -> dict[str, Any]:
             tic = time.perf_counter()
             request = pipe.with_images(Request(prompt=QUESTION, images=(image,), max_tokens=1, temp=0.0))
             tokenized = time.perf_counter() - tic
-            result = pipe.run_batch([request], concurrency=1)
+            result = pipe.generate_batch([request], concurrency=1)
             first = time.perf_counter() - tic
             if result.results[0].error:
                 raise RuntimeError(result.results[0].error)
