@@ -14,8 +14,9 @@ warm-up:
    (``prepare_inputs``) and the vision tower and projector (``get_input_embeddings``, evaluated) alone;
 2. mlxpipe on 2 local ranks, each pinned to a core of its own (``common.pinned_pipeline``): from the request made
    on the controller (the processor tokenizes it there) to its one token back (``generate_batch``). The vision
-   tower runs on the first stage (rank 1, which processes the pixels again); each rank's time report (``TimeSpent``, read by
-   ``where_time_goes``) says how busy it was and how much of its computing the vision tower took.
+   tower runs on the first stage (rank 1, which processes the pixels again); each rank's time report
+   (``TimeSpent``, read by ``where_time_goes``) says how busy it was and how much of its computing the vision
+   tower took.
 """
 
 from __future__ import annotations
