@@ -33,6 +33,8 @@ from typing import Any
 
 from common import REPO, cores, cpu_name, placement, run_pinned
 
+sys.path.insert(0, str(REPO))  # the fixtures import tests.fixtures.tiny_models
+
 RANKS = 2
 REPEATS = 3
 QUESTION = "What is in this picture?"
