@@ -50,6 +50,7 @@ bench: install demo-model
 	$(PY) bench/bench_lora.py
 	$(PY) bench/bench_tp.py
 	$(PY) bench/bench_layout.py
+	$(PY) bench/bench_vision.py
 
 # docs/cli.md: every command's --help, generated from the app (tests/cli/test_reference.py checks it).
 docs: install

@@ -44,8 +44,9 @@ def check_images(config: PipelineConfig, meta: ModelMetadata) -> None:
                          hint="drop --pipeline native and --draft-model")
 
 
-def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
-    """Metadata and a plan that fits, every host checked and holding its files; nothing launched yet."""
+def prepare(config: PipelineConfig, training: bool = False) -> tuple[ModelMetadata, Plan]:
+    """Metadata and a plan that fits, every host checked and holding its files; nothing launched yet
+    (``training``: the ranks load the text model alone, as LoRA does)."""
     from mlxpipe.cluster.doctor import preflight, require_ok
 
     target = config.target
@@ -53,6 +54,10 @@ def prepare(config: PipelineConfig) -> tuple[ModelMetadata, Plan]:
         meta = load_model_metadata(target, progress=progress)
     if config.images:
         check_images(config, meta)
+    if vision_job(meta.config, config.mode, training, config.draft_model is not None):
+        from mlxpipe.vision.families import check_family
+
+        check_family(meta.config)
     the_plan = plan_target(target, meta, context=config.context or DEFAULT_CONTEXT)
     require_fit(the_plan)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):

@@ -25,7 +25,8 @@ def where_time_goes(times: dict[int, dict[str, float]]) -> dict[str, Any]:
     if not times:
         return {}
     ranks = [
-        {"rank": r, "busy": t["busy"], **{f"{k}_s": t[k] for k in ("compute", "send", "recv", "sync", "idle")}}
+        {"rank": r, "busy": t["busy"], **{f"{k}_s": t[k] for k in ("compute", "send", "recv", "sync", "idle")},
+         "vision_s": t.get("vision", 0.0)}  # of compute_s (a report from an older rank has none)
         for r, t in sorted(times.items())
     ]
     # Stages run from the highest rank to rank 0: the hop into rank r comes from rank r + 1.

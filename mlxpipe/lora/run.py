@@ -448,7 +448,7 @@ def train(config: PipelineConfig, options: TrainOptions, reporter: Reporter) -> 
     from mlxpipe.launch.run import launch, prepare
     from mlxpipe.plan.training import training_memory
 
-    meta, the_plan = prepare(config)
+    meta, the_plan = prepare(config, training=True)
     data = load_datasets(options, controller_model_dir(meta))
     reporter.plan(meta, the_plan, training_memory(meta, the_plan, options, longest_sequence(data.train)))
     resume = Path(options.resume_adapter_file).read_bytes() if options.resume_adapter_file else None

@@ -244,11 +244,12 @@ class Time(Event):
     wall: float
     busy: float  # compute over the time with work in the pipeline
     disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.disk_cache.figures)
+    vision: float = 0.0  # of compute: the vision tower on prompts' images (the first stage)
 
     def spent(self) -> dict[str, float]:
         """The time figures alone (``TimeSpent.report``'s)."""
         return {"compute": self.compute, "send": self.send, "recv": self.recv, "sync": self.sync, "idle": self.idle,
-                "wall": self.wall, "busy": self.busy}
+                "wall": self.wall, "busy": self.busy, "vision": self.vision}
 
 
 # --- a training rank's ------------------------------------------------------------------------------------

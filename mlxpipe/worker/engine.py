@@ -85,7 +85,8 @@ _CLEAR_CACHE_TICKS = 256
 class TimeSpent:
     """Where one rank's time goes, in seconds, over a ``run``."""
 
-    compute: float = 0.0  # this stage's layers on its micro-batches (and sampling, on rank 0)
+    compute: float = 0.0  # this stage's layers on its micro-batches (and sampling, on rank 0; the vision tower)
+    vision: float = 0.0  # of compute: the vision tower and projector on prompts' images (the first stage)
     send: float = 0.0  # handing hidden states to rank - 1 (blocks while it cannot take them)
     recv: float = 0.0  # waiting for hidden states from rank + 1: the hop into this rank
     sync: float = 0.0  # the per-tick collective: waiting for rank 0's tokens (and the others)
@@ -183,7 +184,11 @@ class Engine:
         self.requests.append(request)
         if self.vision and self.stage == 0:  # the first stage: the vision tower, once per prompt
             loaded = self.context.loaded
+            tic = time.perf_counter()
             self.prompts[index] = vision.features(self.model, loaded.processor, loaded.config, request, prompt)
+            spent = time.perf_counter() - tic
+            self.spent.vision += spent
+            self.spent.compute += spent
         self.caches.own[index] = cache
         if found.tier is not None:
             self.cache_tiers[index] = found.tier
@@ -230,7 +235,9 @@ class Engine:
                 self.exchange.hidden_in = self.exchange.hidden_out = None
 
     def _run(self, inbox: Inbox | None) -> BatchDone:
-        tic = self._tic = time.perf_counter()
+        # Requests added before the run (generate, a batch) ran their images through the vision tower already:
+        # that time is the run's too, so that busy stays the share of the run's time spent computing.
+        tic = self._tic = time.perf_counter() - self.spent.vision
         self._probe_incoming()
         hidden_in = None
         progress = self.context.progress

@@ -116,6 +116,24 @@ def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) 
     assert "starting" not in result.stderr
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "llava"])
+def test_family_that_cannot_be_split_refused_before_launch(vision_models: VisionModels, images: list[Path],
+                                                           tmp_path: Path, model_type: str) -> None:
+    """A family the table refuses (mlxpipe/vision/families.py): one line naming its model type and the reason,
+    with or without an image, and no rank started."""
+    import shutil
+
+    checkpoint = tmp_path / model_type
+    shutil.copytree(vision_models["qwen2_5_vl"], checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    for image in ((), ("--image", str(images[0]))):
+        result = mlxpipe("generate", "--model", str(checkpoint), *image, "--prompt", PROMPT)
+        assert result.returncode != 0
+        assert f"{model_type}: mlxpipe cannot split this vision-language model: " in result.stderr
+        assert "starting" not in result.stderr
+
+
 def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:
     """A file that is no image: one line naming the flag and the file."""
     bad = tmp_path / "notes.png"

@@ -1,0 +1,84 @@
+"""The vision families' table: what the controller refuses before launch, the installed mlx-vlm's sources agreeing
+with it, and docs/architectures.md generated from it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.vision_models import FAMILIES
+from mlxpipe.errors import ModelError
+from mlxpipe.vision import families
+
+
+def _mlx_vlm_models() -> Path:
+    spec = importlib.util.find_spec("mlx_vlm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("mlx-vlm is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "models"
+
+
+def test_docs_table_is_generated_from_the_code() -> None:
+    section = families.table_section(families.DOC.read_text())
+    assert section == families.table(), "run: python -m mlxpipe.vision.families"
+
+
+def test_the_families_that_run_are_the_ones_the_e2e_tests_check() -> None:
+    assert set(families.RUNS) == set(FAMILIES)
+    assert not set(families.RUNS) & set(families.refused())
+
+
+def test_refusals_match_the_installed_mlx_vlm() -> None:
+    """Every vision family whose language model names a feature the pipeline does not carry is refused for it,
+    as the ranks' load-time check (``worker.vision.unsupported_features``) would find."""
+    models = _mlx_vlm_models()
+    found = {}
+    for language in sorted(models.glob("*/language.py")):
+        folder = language.parent
+        if not any("vision_config" in p.read_text() or "VisionConfig" in p.read_text() for p in folder.glob("*.py")):
+            continue
+        source = language.read_text()
+        reads = tuple(f for f in families.FEATURE_REASONS if f in source)
+        if reads:
+            found[folder.name] = reads
+    assert {t: set(r) for t, r in found.items()} == {t: set(r) for t, r in families.READS.items()}
+    for model_type in [*families.RUNS, *families.REFUSED_OTHERWISE]:
+        assert (models / model_type).is_dir(), f"{model_type} is no mlx-vlm model type"
+
+
+def test_a_refused_family_is_refused_in_one_line_naming_it() -> None:
+    with pytest.raises(ModelError) as caught:
+        families.check_family({"model_type": "qwen3_vl", "vision_config": {}})
+    message = caught.value.message
+    assert message.startswith("qwen3_vl: mlxpipe cannot split this vision-language model: its language model reads")
+    assert "deepstack_visual_embeds" in message and "\n" not in message
+    with pytest.raises(ModelError, match=r"^llava: .*mlx-vlm 0\.7\.10 cannot run it either"):
+        families.check_family({"model_type": "llava", "vision_config": {}})
+    for model_type in [*families.RUNS, "pixtral", "some_future_vlm"]:
+        families.check_family({"model_type": model_type, "vision_config": {}})
+    assert families.status("gemma3") == "runs"
+    assert families.status("mllama") == "refused"
+    assert families.status("idefics3") == "untested"
+
+
+def test_model_types_are_remapped_as_mlx_vlm_remaps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    _mlx_vlm_models()
+    assert families.family_type({"model_type": "cohere2_vision"}) == "aya_vision"
+    assert families.family_type({"model_type": "Gemma3"}) == "gemma3"
+
+
+def test_importing_the_table_imports_neither_mlx_nor_mlx_vlm() -> None:
+    probe = (
+        "import json, sys\n"
+        "from mlxpipe.vision import families\n"
+        "families.check_family({'model_type': 'gemma3'})\n"
+        "families.family_type({'model_type': 'cohere2_vision'})\n"
+        "sys.stderr.write(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_vlm'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert json.loads(proc.stderr) == []
