@@ -74,6 +74,22 @@ def check_model(body: dict[str, Any], settings: ServerSettings) -> str:
     return model
 
 
+# OpenAI's reasoning efforts (chat's ``reasoning_effort``, the Responses API's ``reasoning.effort``): the
+# template's thinking switch has two positions, so every effort but ``none`` turns it on.
+EFFORT_THINKS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
+def effort_switch(effort: str | None, name: str, notes: Notes) -> bool | None:
+    """An OpenAI reasoning ``effort`` (the body's field ``name``) as the template's thinking switch, said in
+    ``notes``; None when the body gives none, a 400 naming ``name`` for an effort OpenAI does not have."""
+    if effort is None:
+        return None
+    if effort not in EFFORT_THINKS:
+        raise ApiError(400, f"'{name}' must be one of {', '.join(EFFORT_THINKS)}", param=name)
+    notes.append(f"{name} {effort} -> the template's thinking switch {'on' if EFFORT_THINKS[effort] else 'off'}")
+    return EFFORT_THINKS[effort]
+
+
 def thinking(request: Request, body: dict[str, Any], enabled: bool | None) -> Request:
     """``request`` with the chat template's thinking switch set from the body's own field (Anthropic's ``thinking``,
     the Responses API's ``reasoning``, chat's ``reasoning_effort``; None: the body says nothing). mlx-lm's

@@ -40,10 +40,6 @@ _CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}
 _COMPLETION_LOGPROBS = {"logprobs": "top_logprobs"}
 
 
-# reasoning_effort -> the template's thinking switch.
-_EFFORT_THINKS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True, "xhigh": True}
-
-
 @dataclass
 class Parsed:
     """A validated request body."""
@@ -94,14 +90,7 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
 
 
 def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
-    effort = field(body, "reasoning_effort", str)
-    if effort is None:
-        return None
-    if effort not in _EFFORT_THINKS:
-        raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(_EFFORT_THINKS)}", param="reasoning_effort")
-    notes.append(f"reasoning_effort {effort} -> the template's thinking switch "
-                 f"{'on' if _EFFORT_THINKS[effort] else 'off'}")
-    return _EFFORT_THINKS[effort]
+    return bodies.effort_switch(field(body, "reasoning_effort", str), "reasoning_effort", notes)
 
 
 def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[Any] | None:

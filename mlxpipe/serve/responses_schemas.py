@@ -50,8 +50,6 @@ _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "comput
                  "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call",
                  "tool_search_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
                  "compaction", "compaction_summary", "item_reference")
-# reasoning.effort -> the template's thinking switch.
-_EFFORT_THINKS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True, "xhigh": True}
 NAMESPACE_SEPARATOR = "__"
 _CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string", "description": "The tool's input."}},
                  "required": ["input"]}
@@ -191,13 +189,7 @@ def _thinking(body: dict[str, Any], notes: bodies.Notes) -> bool | None:
     """``reasoning.effort`` as the template's thinking switch (``none``: off); a summary is not made."""
     reasoning = field(body, "reasoning", dict)
     effort = field(reasoning, "effort", str, None, "reasoning.") if reasoning else None
-    if effort is None:
-        return None
-    if effort not in _EFFORT_THINKS:
-        raise ApiError(400, f"'reasoning.effort' must be one of {', '.join(_EFFORT_THINKS)}", param="reasoning.effort")
-    notes.append(f"reasoning.effort {effort} -> the template's thinking switch "
-                 f"{'on' if _EFFORT_THINKS[effort] else 'off'}")
-    return _EFFORT_THINKS[effort]
+    return bodies.effort_switch(effort, "reasoning.effort", notes)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
