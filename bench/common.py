@@ -7,7 +7,6 @@ on ``sys.path``), never from another benchmark.
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import subprocess
 import sys
@@ -17,6 +16,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the tiny-checkpoint builder lives with the test fixtures
+
+from fixtures.pinning import cores, pin_workers, rank_cores  # noqa: E402 - after the path above
+from fixtures.pinning import pin as pin  # noqa: E402 - ``as pin``: the benchmarks take it from here
 
 QWEN2_BENCH = {
     "hidden_size": 768, "intermediate_size": 1024, "num_attention_heads": 12,
@@ -28,17 +30,6 @@ QWEN2_LAYERS = 20
 # --- placement ------------------------------------------------------------------------
 
 
-def cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0))
-
-
-def rank_cores(ranks: int) -> list[int]:
-    """Core of each rank: one each where the machine has enough, else round robin."""
-    available = cores()
-    return [available[r % len(available)] for r in range(ranks)]
-
-
 def placement(ranks: int) -> str:
     """How ``ranks`` workers were placed, for the table."""
     if ranks == 0:
@@ -47,42 +38,6 @@ def placement(ranks: int) -> str:
     text = ", ".join(f"r{r}->c{c}" for r, c in enumerate(chosen))
     return text + (" (shared)" if len(set(chosen)) < ranks else "")
 
-
-def worker_pids(job_text: str) -> dict[int, int]:
-    """rank -> pid of the worker processes running ``job_text`` (found in /proc)."""
-    found: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if argv[1:3] != ["-m", "mlxpipe.worker"] or job_text not in argv:
-                continue
-            env = dict(
-                item.split("=", 1)
-                for item in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-                if "=" in item
-            )
-        except OSError:
-            continue  # gone, or not ours
-        found[int(env.get("MLX_RANK", -1))] = int(proc.name)
-    return found
-
-
-def pin(pid: int, core: int) -> None:
-    """Pin every thread of ``pid`` (the ring's I/O threads included) to ``core``."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), {core})
-        except OSError:
-            pass
-
-
-def pin_workers(job_text: str, ranks: int) -> None:
-    """Pin each of the ``ranks`` workers running ``job_text`` to its core (``rank_cores``)."""
-    pids = worker_pids(job_text)
-    for rank, core in enumerate(rank_cores(ranks)):
-        pin(pids[rank], core)
 
 
 # --- pinned runs ----------------------------------------------------------------------
