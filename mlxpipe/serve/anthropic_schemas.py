@@ -15,7 +15,8 @@ schema) are left out and named in the request's notes. ``tool_choice`` ``none`` 
 the template's thinking switch (``bodies.thinking``), ``output_config.format`` a structured output;
 ``cache_control``, ``metadata``, ``context_management``, ``service_tier`` and the rest of what Claude Code sends are
 accepted (the prompt cache needs no marks: it keeps every prefix). A user's ``image`` blocks with a ``base64``
-source go to a vision-language model (``bodies.with_images``). Every error names the field
+source go to a vision-language model (``bodies.tokens_and_images``), with the tools, the thinking switch and a
+prefill, as without images. Every error names the field
 (``messages[1].content[0].tool_use_id``).
 """
 
@@ -82,9 +83,6 @@ def parse(body: dict[str, Any], settings: ServerSettings, tokenizer: TokenizerWr
     value = choice.template_value()
     extra = {"tool_choice": value} if offered and value is not None else None
     _unhonoured(body, notes)
-    if images and prefill is not None:
-        raise ApiError(400, "a last assistant message (a prefill) cannot go with images on this server yet",
-                       param="messages")
     tokens, pictures, vision_prompt = bodies.tokens_and_images(tokenizer, request, images, offered, extra, "messages",
                                                                settings, notes)
     request = replace(request, images=pictures, vision_prompt=vision_prompt)

@@ -238,10 +238,11 @@ def image_from_base64(source: Any, where: str, settings: ServerSettings) -> Imag
         raise ApiError(400, f"'{where}': {e.message}", param=where, code="invalid_image") from None
 
 
-def with_images(request: Request, images: list[tuple[Image, str]], settings: ServerSettings,
-                param: str) -> Request:
+def with_images(request: Request, images: list[tuple[Image, str]], settings: ServerSettings, param: str,
+                tools: list[Any] | None = None) -> Request:
     """``request`` (its messages, each image a ``{"type": "image"}`` part) with ``images`` (each with the field
-    it came from), tokenized by the model's processor; a model that takes none, or too many images, is a 400."""
+    it came from), tokenized by the model's processor, ``tools`` listed by its template; a model that takes none,
+    or too many images, is a 400."""
     if not images:
         return request
     first = images[0][1]
@@ -255,7 +256,7 @@ def with_images(request: Request, images: list[tuple[Image, str]], settings: Ser
                        code="invalid_image")
     request = replace(request, images=tuple(image for image, _ in images))
     try:
-        return settings.vision.tokenize(request)
+        return settings.vision.tokenize(request, tools)
     except UsageError as e:
         raise ApiError(400, e.message, param=param) from None
     except Exception as e:  # noqa: BLE001 - the processor or its chat template rejects these messages
@@ -267,12 +268,13 @@ def tokens_and_images(tokenizer: TokenizerWrapper, prompt: Request, images: list
                       notes: Notes) -> tuple[list[int], tuple[Image, ...], str | None]:
     """The prompt's token ids, with the images that go with them and the text the image processor expanded
     (``Request.images``, ``Request.vision_prompt``): through the model's processor when the messages hold images
-    (``with_images``), else through the chat template (``tokens_for``)."""
+    (``with_images``: mlx-vlm's chat template, given the tools and template variables as mlx-vlm's server gives
+    them), else through the chat template (``tokens_for``)."""
     if not images:
         return tokens_for(tokenizer, prompt, tools, extra, param, notes), (), None
-    if tools:
-        raise ApiError(400, "'tools' cannot go with images on this server yet", param="tools")
-    vision = with_images(prompt, images, settings, param)
+    if extra:
+        prompt = replace(prompt, chat_template_config={**(prompt.chat_template_config or {}), **extra})
+    vision = with_images(prompt, images, settings, param, tools)
     assert vision.tokens is not None  # with_images tokenizes
     return vision.tokens, vision.images, vision.vision_prompt
 

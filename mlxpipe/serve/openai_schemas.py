@@ -9,6 +9,7 @@ OpenAI's name (or mlx_lm.server's, which is ``Request``'s own); only which field
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
@@ -60,7 +61,9 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
     ``developer`` messages are system turns; ``reasoning_effort`` is the template's thinking switch; tools of other
     types than ``function`` and ``web_search_options`` are left out (said in the notes); ``user``,
     ``service_tier``, ``store``, ``metadata``, ``prompt_cache_key`` change nothing here; ``tool_choice``,
-    ``parallel_tool_calls`` and a function's ``strict`` are enforced by the grammar engine (``serve.tool_choice``).
+    ``parallel_tool_calls`` and a function's ``strict`` are enforced by the grammar engine (``serve.tool_choice``);
+    an earlier call's ``arguments`` reach the template as an object. ``image_url`` parts go to a vision-language
+    model's processor with all of these (``bodies.tokens_and_images``).
     """
     model = bodies.check_model(body, settings)
     n = field(body, "n", int, 1)
@@ -192,4 +195,21 @@ def _message(m: Any, i: int, settings: ServerSettings, images: list[tuple[Image,
         content = "".join(part["text"] for part in parts)
     elif content is not None and not isinstance(content, str):
         raise ApiError(400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content")
-    return {**m, "content": content if content is not None else ""}
+    message = {**m, "content": content if content is not None else ""}
+    if isinstance(m.get("tool_calls"), list):
+        message["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+    return message
+
+
+def _call(call: Any, where: str) -> Any:
+    """An earlier tool call with its arguments (OpenAI's JSON text) as an object, as ``mlx_lm.server`` and
+    mlx-vlm's server give it to the template (which writes it with ``tojson``)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance((arguments := function.get("arguments")), str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise ApiError(400, f"'{where}.function.arguments' must be a JSON object as a string",
+                       param=f"{where}.function.arguments") from None
+    return {**call, "function": {**function, "arguments": parsed}}

@@ -14,7 +14,9 @@ request's notes.
 strict tools (``strict: true``) and ``parallel_tool_calls`` are. ``reasoning.effort`` is the template's thinking
 switch (``bodies.thinking``); ``prompt_cache_key``, ``include``, ``store``, ``client_metadata``, ``text.verbosity``
 and the like are accepted.
-Images and files are refused (400). Every error names the field (``input[2].call_id``).
+A vision-language model's ``input_image`` parts (``data:`` URIs) go to its processor with the tools and the thinking
+switch (``bodies.tokens_and_images``); files, and images to a text-only model, are refused (400). Every error names
+the field (``input[2].call_id``).
 """
 
 from __future__ import annotations

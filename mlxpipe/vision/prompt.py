@@ -68,19 +68,37 @@ class VisionPrompt:
         self.config = config
         self.processor = load_vision_processor(model_dir)
 
-    def text(self, request: Request) -> str:
-        """The prompt through the chat template, each image marked where the family marks it."""
+    def text(self, request: Request, tools: list[Any] | None = None) -> str:
+        """The prompt through the chat template, each image marked where the family marks it.
+
+        ``tools`` and the request's template variables (``chat_template_config``: the thinking switch, a
+        ``tool_choice``) reach the template as mlx-vlm's own server gives them to it, as ``get_chat_template``'s
+        keywords; the system prompt and a prefill (``prefill_response``, continued) as the text path's
+        (``prompts.prompt_tokens``)."""
         from mlx_vlm.prompt_utils import apply_chat_template, get_chat_template
 
-        if request.messages is not None:
-            return str(get_chat_template(self.processor, _parts(request.messages), True))
-        if request.prompt is None:
-            raise UsageError("a request with images needs a prompt or messages")
-        return str(apply_chat_template(self.processor, self.config, request.prompt, num_images=len(request.images)))
+        extra: dict[str, Any] = dict(request.chat_template_config or {})
+        if tools:
+            extra["tools"] = tools
+        if request.messages is None:
+            if request.prompt is None:
+                raise UsageError("a request with images needs a prompt or messages")
+            return str(apply_chat_template(self.processor, self.config, request.prompt,
+                                           num_images=len(request.images), **extra))
+        messages = _parts(request.messages)
+        if request.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
+            messages.insert(0, {"role": "system", "content": request.system_prompt})
+        prefill = request.prefill_response is not None
+        if prefill:
+            # The template writes the turn, and transformers cuts it after the prefill's text: the reply goes on.
+            messages.append({"role": "assistant", "content": request.prefill_response})
+            extra["continue_final_message"] = True
+        return str(get_chat_template(self.processor, messages, not prefill, **extra))
 
-    def tokenize(self, request: Request) -> Request:
-        """``request`` with its prompt as token ids and the text the processor expanded (``vision_prompt``)."""
-        text = self.text(request)
+    def tokenize(self, request: Request, tools: list[Any] | None = None) -> Request:
+        """``request`` with its prompt as token ids and the text the processor expanded (``vision_prompt``);
+        ``tools``: the function tools the template lists."""
+        text = self.text(request, tools)
         inputs = process(self.processor, self.config, text, request.images)
         tokens = [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
         return replace(request, prompt=None, messages=None, tokens=tokens, vision_prompt=text)

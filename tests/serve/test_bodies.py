@@ -1,7 +1,10 @@
-"""serve/bodies.py: system turns wherever a conversation has them, the thinking switch, hosted tools, the context."""
+"""serve/bodies.py: system turns wherever a conversation has them, the thinking switch, hosted tools, the context;
+images with tools, earlier calls and template variables in every door, as mlx-vlm's prompt."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +13,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from fixtures.tiny_models import CHAT_TEMPLATE, write_tokenizer
+from fixtures.vision_models import VisionModels
+from fixtures.vision_models import test_image as picture_bytes
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
@@ -111,3 +116,140 @@ def test_a_model_name_is_echoed_or_a_404() -> None:
     with pytest.raises(ApiError) as info:
         bodies.check_model({"model": "gpt-other"}, settings)
     assert info.value.status == 404 and "--any-model-name" in info.value.message
+
+
+# --- images with tools, earlier calls, their results and the thinking switch: every door, mlx-vlm's tokens ---------
+
+_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+_DATA_URI = "data:image/png;base64,"
+
+
+def _picture() -> str:
+    return base64.b64encode(picture_bytes(0)).decode()
+
+
+def _door_body(door: str) -> dict[str, Any]:
+    """One conversation in ``door``'s own shape: a system turn, a picture and a question, the model's call of
+    get_weather and its result; the tools, a forced call (where the door has tool_choice), thinking on."""
+    data, ask, result = _picture(), "Where is this?", "sunny, 21 c"
+    if door == "openai":
+        return {"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _DATA_URI + data}},
+                                         {"type": "text", "text": ask}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": _SCHEMA}}],
+            "tool_choice": "required", "parallel_tool_calls": False, "reasoning_effort": "high"}
+    if door == "anthropic":
+        source = {"type": "base64", "media_type": "image/png", "data": data}
+        return {"max_tokens": 64, "system": "Be brief.", "messages": [
+            {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": ask}]},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": result}]}],
+            "tools": [{"name": "get_weather", "input_schema": _SCHEMA}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    if door == "responses":
+        return {"instructions": "Be brief.", "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": _DATA_URI + data},
+                                         {"type": "input_text", "text": ask}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": result}],
+            "tools": [{"type": "function", "name": "get_weather", "parameters": _SCHEMA}],
+            "tool_choice": "required", "parallel_tool_calls": False, "reasoning": {"effort": "high"}}
+    return {"messages": [  # Ollama: no tool_choice (a call the model starts is completed under the grammar)
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": ask, "images": [data]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": result, "tool_name": "get_weather"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": _SCHEMA}}],
+        "think": True}
+
+
+@pytest.fixture(scope="module")
+def vision_door(vision_models: VisionModels) -> tuple[ServerSettings, Any, Path]:
+    """A vision-language model's server settings and the controller's tokenizer, as ``serve`` loads them."""
+    from mlx_lm.utils import load_tokenizer as load_controller_tokenizer
+
+    from mlxpipe.vision.prompt import VisionPrompt
+
+    path = vision_models["qwen2_5_vl"]
+    config = json.loads((path / "config.json").read_text())
+    settings = ServerSettings(model_id="m", api_key=None, context=4096, vision=VisionPrompt(path, config))
+    return settings, load_controller_tokenizer(path, eos_token_ids=config["eos_token_id"]), path
+
+
+def _parse(door: str, body: dict[str, Any], settings: ServerSettings, tokenizer: Any) -> Any:
+    from mlxpipe.serve import anthropic_schemas, ollama_schemas, openai_schemas, responses_schemas
+    from mlxpipe.serve.responses_store import ResponseStore
+
+    if door == "openai":
+        return openai_schemas.parse(body, True, settings, tokenizer, lambda: "id")
+    if door == "anthropic":
+        return anthropic_schemas.parse(body, settings, tokenizer, lambda: "id")
+    if door == "responses":
+        return responses_schemas.parse(body, settings, tokenizer, lambda: "id", ResponseStore())
+    return ollama_schemas.parse(body, True, settings, tokenizer, lambda: "id")
+
+
+def _mlx_vlm_tokens(path: Path, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+    """Single-process mlx-vlm's prompt tokens of ``messages`` and the test picture."""
+    from mlx_vlm import load
+    from mlx_vlm.prompt_utils import get_chat_template
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+    from PIL import Image as Pil
+
+    model, processor = load(str(path))
+    text = get_chat_template(processor, messages, add_generation_prompt, **kwargs)
+    inputs = prepare_inputs(processor, images=[Pil.open(io.BytesIO(picture_bytes(0)))], prompts=text,
+                            image_token_index=getattr(model.config, "image_token_index", None),
+                            add_special_tokens=should_add_special_tokens(model.config.model_type, processor))
+    return [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
+
+
+_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where is this?"}]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 c"}]
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": _SCHEMA}}]
+
+
+@pytest.mark.parametrize("door", ["openai", "anthropic", "responses", "ollama"])
+def test_images_with_tools_are_mlx_vlms_prompt(vision_door: tuple[ServerSettings, Any, Path], door: str) -> None:
+    """A picture with tools, an earlier call and its result, and the door's thinking switch: the prompt is the
+    tokens mlx-vlm makes of the same conversation and tools, and the reply is held to the tool-call grammar as a
+    text model's is (forced where the door forces it, one call where parallel calls are off)."""
+    settings, tokenizer, path = vision_door
+    parsed = _parse(door, _door_body(door), settings, tokenizer)
+    request = parsed.request
+    assert request.tokens == _mlx_vlm_tokens(path, _CONVERSATION, tools=_TOOLS, enable_thinking=True)
+    assert len(request.images) == 1 and "<tool_response>" in request.vision_prompt
+    assert request.vision_prompt.endswith("<|im_start|>assistant\n<think>\n")  # the thinking switch, on
+    calls = request.tool_calls
+    assert calls is not None and calls.format == "json_tools" and [t.name for t in calls.tools] == ["get_weather"]
+    assert (calls.required, calls.parallel) == ((False, True) if door == "ollama" else (True, False))
+
+
+def test_anthropic_prefill_with_an_image_is_continued(vision_door: tuple[ServerSettings, Any, Path]) -> None:
+    """A last assistant message with a picture before it: the prompt ends in the prefill, as mlx-vlm's template
+    continues it (``continue_final_message``)."""
+    from mlxpipe.serve import anthropic_schemas
+
+    settings, tokenizer, path = vision_door
+    source = {"type": "base64", "media_type": "image/png", "data": _picture()}
+    body = {"max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "Where?"}]},
+        {"role": "assistant", "content": "It is"}]}
+    request = anthropic_schemas.parse(body, settings, tokenizer, lambda: "id").request
+    asked = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where?"}]},
+             {"role": "assistant", "content": "It is"}]
+    assert request.tokens == _mlx_vlm_tokens(path, asked, False, continue_final_message=True)
+    assert request.vision_prompt.endswith("<|im_start|>assistant\nIt is")

@@ -65,3 +65,15 @@ def test_bad_images_are_400s_naming_the_part(settings: ServerSettings, uris: tup
         parse(_body(*uris), True, settings, None, lambda: "x")  # type: ignore[arg-type]
     assert (info.value.status, info.value.param) == (400, param)
     assert words in info.value.message
+
+
+def test_an_earlier_calls_arguments_must_be_json() -> None:
+    """An assistant's earlier call reaches the template with its arguments as an object (as mlx_lm.server and
+    mlx-vlm's server give it); arguments that are not JSON are a 400 naming them."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None,
+                                                             "tool_calls": [call]}]}
+    with pytest.raises(ApiError) as info:
+        parse(body, True, ServerSettings(model_id="m", api_key=None, context=4096), None,  # type: ignore[arg-type]
+              lambda: "x")
+    assert (info.value.status, info.value.param) == (400, "messages[1].tool_calls[0].function.arguments")
