@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 from PIL import Image as Pil
@@ -25,12 +26,14 @@ from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
 from tests.e2e.test_page import _open, _until, browser  # noqa: F401 (a fixture)
+from tests.e2e.test_tool_calls import SCHEMAS
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 180
 PROMPT = "Describe this."
 MAX_TOKENS = 12
+TOOL_TOKENS = 160  # one call of the byte tokenizer is ~40-90 tokens; the bounded schemas end it
 # A four-rank hostfile of this machine: 2 stages x --tp 2.
 LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
 
@@ -327,6 +330,136 @@ def test_serve_responses_input_image(vision_server: ServeProcess, vision_models:
     assert isinstance(body, dict)
     error = body.get("error", body)
     assert error["param"] == "input[0].content[0].image_url" and "not an image" in error["message"]
+    assert vision_server.health()["restarts"] == 0
+
+
+# --- serve: images with tools (a coding agent's screenshot and its tools) -----------------------------------------
+
+LOOK = "What is the weather in this picture?"
+
+
+def _image_turn(uri: str) -> dict[str, Any]:
+    return {"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": LOOK}]}
+
+
+@pytest.mark.ranks
+def test_serve_image_with_tools_openai(vision_server: ServeProcess, vision_models: VisionModels,
+                                       images: list[Path]) -> None:
+    """A picture with tools and a forced call, required and named, through the official client: each reply is one
+    parsed call valid against its tool's schema; the follow-up with the call's result beside the picture is a
+    normal reply, mlx-vlm's greedy tokens of the same conversation and tools."""
+    from mlx_vlm import load
+    from mlx_vlm.prompt_utils import get_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0, timeout=300)
+    model, uri = str(vision_models["qwen2_5_vl"]), _data_uri(images[0].read_bytes())
+    tools: Any = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+    calls = {}
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        reply = client.chat.completions.create(model=model, messages=[_image_turn(uri)], tools=tools,
+                                               tool_choice=choice, parallel_tool_calls=False,  # type: ignore[arg-type]
+                                               max_tokens=TOOL_TOKENS, temperature=0.0)
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert reply.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls[json.dumps(choice)] = reply.choices[0].message
+    assert calls['{"type": "function", "function": {"name": "get_time"}}'].tool_calls[0].function.name == "get_time"
+    asked = calls['"required"']
+    (call,) = asked.tool_calls or []
+    history: Any = [_image_turn(uri), asked.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    follow = client.chat.completions.create(model=model, messages=history, tools=tools, max_tokens=MAX_TOKENS,
+                                            temperature=0.0)
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
+    # The prompt is mlx-vlm's of the same conversation (the call's arguments as an object) and tools. (The reply
+    # is not mlx-vlm's greedy one: offered tools hold free text to the tool-call grammar, as for a text model.)
+    _, processor = load(model)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": LOOK}]},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": call.id, "type": "function", "function": {
+                            "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    text = get_chat_template(processor, conversation, True, tools=tools)
+    inputs = prepare_inputs(processor, images=[str(images[0])], prompts=text,
+                            image_token_index=None)
+    assert follow.usage is not None and follow.usage.prompt_tokens == inputs["input_ids"].size
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_image_with_tools_anthropic(vision_server: ServeProcess, vision_models: VisionModels,
+                                          images: list[Path]) -> None:
+    """Anthropic's base64 picture with a tool forced by name, thinking on, through the official client: a tool_use
+    block valid against the schema; the follow-up with its tool_result beside the picture is a normal reply."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=vision_server.base, api_key="none", max_retries=0, timeout=300)
+    model = str(vision_models["qwen2_5_vl"])
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(images[0].read_bytes()).decode()}
+    asked: Any = {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": LOOK}]}
+    tools: Any = [{"name": n, "description": f"{n} of a place", "input_schema": s} for n, s in SCHEMAS.items()]
+    reply = client.messages.create(model=model, max_tokens=TOOL_TOKENS, messages=[asked], tools=tools,
+                                   tool_choice={"type": "tool", "name": "get_weather"},
+                                   thinking={"type": "enabled", "budget_tokens": 1024},
+                                   extra_body={"temperature": 0})
+    (use,) = [block for block in reply.content if block.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, SCHEMAS["get_weather"])
+    history: Any = [asked, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+    follow = client.messages.create(model=model, max_tokens=MAX_TOKENS, tools=tools, messages=history,
+                                    extra_body={"temperature": 0})
+    assert follow.stop_reason in ("end_turn", "max_tokens")
+
+    def prompt(usage: Any) -> int:  # Anthropic counts what the prompt cache gave apart
+        return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+    assert prompt(follow.usage) > prompt(reply.usage) + len(LOOK)  # the call and its result beside the picture
+    assert "".join(block.text for block in follow.content if block.type == "text")
+    assert vision_server.health()["restarts"] == 0
+
+
+@pytest.mark.ranks
+def test_serve_image_with_tools_responses_and_ollama(vision_server: ServeProcess, vision_models: VisionModels,
+                                                     images: list[Path]) -> None:
+    """Responses: a picture with a strict tool, required: a function_call valid against the schema, and its output
+    after the stored response (the picture with it) gets a reply. Ollama (no tool_choice): a picture with tools and
+    ``think``: its prompt is mlx-vlm's of the same message, tools and thinking switch."""
+    import ollama
+    from mlx_vlm import load
+    from mlx_vlm.prompt_utils import get_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0, timeout=300)
+    model, uri = str(vision_models["qwen2_5_vl"]), _data_uri(images[0].read_bytes())
+    tools: Any = [{"type": "function", "name": n, "parameters": s, "strict": True} for n, s in SCHEMAS.items()]
+    content: Any = [{"type": "input_image", "image_url": uri, "detail": "auto"}, {"type": "input_text", "text": LOOK}]
+    first = client.responses.create(model=model, input=[{"role": "user", "content": content}], tools=tools,
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=TOOL_TOKENS, temperature=0.0)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    after = client.responses.create(model=model, previous_response_id=first.id, tools=tools, temperature=0.0,
+                                    max_output_tokens=MAX_TOKENS,
+                                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    assert after.status in ("completed", "incomplete") and after.output_text
+    assert after.usage is not None and first.usage is not None
+    assert after.usage.input_tokens > first.usage.input_tokens  # the stored turn: picture, call and result
+
+    # Ollama's client keeps only the schema keys its Tool type has (type, properties, required, description...).
+    city = {"type": "object", "properties": {"city": {"type": "string", "description": "a city"}}, "required": ["city"]}
+    functions: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    chat = ollama.Client(host=vision_server.base).chat(
+        model=model, messages=[{"role": "user", "content": LOOK, "images": [images[0].read_bytes()]}],
+        tools=functions, think=True, options={"temperature": 0, "num_predict": MAX_TOKENS})
+    _, processor = load(model)
+    asked = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": LOOK}]}]
+    text = get_chat_template(processor, asked, True, tools=functions, enable_thinking=True)
+    assert text.endswith("<think>\n")  # the switch reached the template
+    assert chat.prompt_eval_count == prepare_inputs(processor, images=[str(images[0])], prompts=text)["input_ids"].size
+    assert chat.message.content  # a reply: tools with a picture are no longer refused
     assert vision_server.health()["restarts"] == 0
 
 
