@@ -16,7 +16,7 @@ the template's thinking switch (``bodies.thinking``), ``output_config.format`` a
 ``cache_control``, ``metadata``, ``context_management``, ``service_tier`` and the rest of what Claude Code sends are
 accepted (the prompt cache needs no marks: it keeps every prefix). A user's ``image`` blocks with a ``base64``
 source go to a vision-language model (``bodies.tokens_and_images``), with the tools, the thinking switch and a
-prefill, as without images. Every error names the field
+prefill, as without images; so do those inside a ``tool_result`` (a tool's screenshot). Every error names the field
 (``messages[1].content[0].tool_use_id``).
 """
 
@@ -208,22 +208,19 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
                        param=f"{where}.content")
     texts, calls, results = [], [], []
     parts: list[dict[str, str]] = []  # the user's text and images in order, where it sends images
+    # A vision-language model's images: the tool results' (a screenshot a tool took) and the user's own, in the
+    # order the template shows them (the tool messages first).
+    vision = settings if images is not None and settings is not None and settings.vision is not None else None
+    answers: list[tuple[Image, str]] = []
+    own: list[tuple[Image, str]] = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = _kind(block)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
             parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image" and role == "user" and images is not None and settings is not None and settings.vision:
-            source = block.get("source")
-            if isinstance(source, dict) and source.get("type") == "url":  # fetched before parsing, with the flag
-                raise ApiError(400, f"'{at}.source': url sources are fetched only by a server started with "
-                                    "--allow-image-urls: send a base64 source, or restart mlxpipe serve with "
-                                    "--allow-image-urls", param=f"{at}.source", code="invalid_image")
-            if not isinstance(source, dict) or source.get("type") != "base64":
-                raise ApiError(400, f"'{at}.source' must be a base64 source (type 'base64', 'media_type', 'data')",
-                               param=f"{at}.source")
-            images.append((bodies.image_from_base64(source.get("data"), f"{at}.source.data", settings), at))
+        elif kind == "image" and role == "user" and vision is not None:
+            own.append(_image(block, at, vision))
             parts.append({"type": "image"})
         elif kind in _MEDIA:
             raise bodies.image_refused(at, _MEDIA[kind])
@@ -239,9 +236,14 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
             if answered is None:
                 raise ApiError(400, f"'{at}.tool_use_id' must name the tool_use it answers", param=f"{at}.tool_use_id")
             result = block.get("content")
-            text = _texts(result, f"{at}.content") if isinstance(result, list) else field(block, "content", str, "",
-                                                                                          f"{at}.")
-            tool = {"role": "tool", "tool_call_id": answered, "content": text}
+            shown: str | list[dict[str, str]]
+            if not isinstance(result, list):
+                shown = field(block, "content", str, "", f"{at}.")
+            elif vision is not None:
+                shown = _result(result, f"{at}.content", vision, answers)
+            else:
+                shown = _texts(result, f"{at}.content")
+            tool = {"role": "tool", "tool_call_id": answered, "content": shown}
             if answered in names:
                 tool["name"] = names[answered]
             results.append(tool)
@@ -252,6 +254,8 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
         else:
             allowed = "text, tool_use or thinking" if role == "assistant" else "text or tool_result"
             raise ApiError(400, f"'{at}' must be a {allowed} block, got type {str(kind)[:40]!r}", param=at)
+    if images is not None:
+        images.extend(answers + own)
     out: list[dict[str, Any]] = list(results)
     if role == "assistant":
         reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
@@ -263,6 +267,38 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def _image(block: dict[str, Any], at: str, settings: ServerSettings) -> tuple[Image, str]:
+    """An ``image`` block's picture, with its field: a base64 source (a url one only once fetched, with the flag)."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "url":  # fetched before parsing, with the flag
+        raise ApiError(400, f"'{at}.source': url sources are fetched only by a server started with "
+                            "--allow-image-urls: send a base64 source, or restart mlxpipe serve with "
+                            "--allow-image-urls", param=f"{at}.source", code="invalid_image")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        raise ApiError(400, f"'{at}.source' must be a base64 source (type 'base64', 'media_type', 'data')",
+                       param=f"{at}.source")
+    return bodies.image_from_base64(source.get("data"), f"{at}.source.data", settings), at
+
+
+def _result(blocks: list[Any], where: str, settings: ServerSettings, images: list[tuple[Image, str]]
+            ) -> str | list[dict[str, str]]:
+    """A tool_result's content for a vision-language model: its text, or, with ``image`` blocks (their pictures
+    into ``images``), its text and image parts in order, as mlx-vlm's server gives them to the template."""
+    if not any(_kind(block) == "image" for block in blocks):
+        return _texts(blocks, where)
+    parts = []
+    for j, block in enumerate(blocks):
+        at, kind = f"{where}[{j}]", _kind(block)
+        if kind == "image":
+            images.append(_image(block, at, settings))
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        else:
+            raise ApiError(400, f"'{at}' must be a text or image block, got type {str(kind)[:40]!r}", param=at)
+    return parts
 
 
 def _tools(body: dict[str, Any], notes: bodies.Notes) -> list[dict[str, Any]] | None:

@@ -392,7 +392,8 @@ def test_serve_image_with_tools_openai(vision_server: ServeProcess, vision_model
 def test_serve_image_with_tools_anthropic(vision_server: ServeProcess, vision_models: VisionModels,
                                           images: list[Path]) -> None:
     """Anthropic's base64 picture with a tool forced by name, thinking on, through the official client: a tool_use
-    block valid against the schema; the follow-up with its tool_result beside the picture is a normal reply."""
+    block valid against the schema; the follow-up with its tool_result (a screenshot in it) beside the picture is a
+    normal reply."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=vision_server.base, api_key="none", max_retries=0, timeout=300)
@@ -407,8 +408,11 @@ def test_serve_image_with_tools_anthropic(vision_server: ServeProcess, vision_mo
     (use,) = [block for block in reply.content if block.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and use.name == "get_weather"
     jsonschema.validate(use.input, SCHEMAS["get_weather"])
+    # The tool's result holds a picture too (an agent's screenshot): two pictures in the follow-up.
+    shot = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(images[1].read_bytes()).decode()}
+    result = [{"type": "text", "text": "18 C"}, {"type": "image", "source": shot}]
     history: Any = [asked, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
-                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
     follow = client.messages.create(model=model, max_tokens=MAX_TOKENS, tools=tools, messages=history,
                                     extra_body={"temperature": 0})
     assert follow.stop_reason in ("end_turn", "max_tokens")

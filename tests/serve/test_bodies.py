@@ -18,6 +18,7 @@ from fixtures.vision_models import test_image as picture_bytes
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve import bodies
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
+from mlxpipe.vision.images import check_image as image_of
 
 # Templates as published do one of three things with a system turn after the first: show it where it is
 # (ChatML's), refuse it (Mistral's and Qwen3's raise), or leave it out without a word.
@@ -124,8 +125,8 @@ _SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 _DATA_URI = "data:image/png;base64,"
 
 
-def _picture() -> str:
-    return base64.b64encode(picture_bytes(0)).decode()
+def _picture(seed: int = 0) -> str:
+    return base64.b64encode(picture_bytes(seed)).decode()
 
 
 def _door_body(door: str) -> dict[str, Any]:
@@ -198,8 +199,8 @@ def _parse(door: str, body: dict[str, Any], settings: ServerSettings, tokenizer:
 
 
 def _mlx_vlm_tokens(path: Path, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
-    """Single-process mlx-vlm's prompt tokens of ``messages`` and the test picture."""
+                    pictures: tuple[int, ...] = (0,), **kwargs: Any) -> list[int]:
+    """Single-process mlx-vlm's prompt tokens of ``messages`` and the test pictures of seeds ``pictures``."""
     from mlx_vlm import load
     from mlx_vlm.prompt_utils import get_chat_template
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
@@ -207,7 +208,7 @@ def _mlx_vlm_tokens(path: Path, messages: list[dict[str, Any]], add_generation_p
 
     model, processor = load(str(path))
     text = get_chat_template(processor, messages, add_generation_prompt, **kwargs)
-    inputs = prepare_inputs(processor, images=[Pil.open(io.BytesIO(picture_bytes(0)))], prompts=text,
+    inputs = prepare_inputs(processor, images=[Pil.open(io.BytesIO(picture_bytes(s))) for s in pictures], prompts=text,
                             image_token_index=getattr(model.config, "image_token_index", None),
                             add_special_tokens=should_add_special_tokens(model.config.model_type, processor))
     return [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
@@ -253,3 +254,34 @@ def test_anthropic_prefill_with_an_image_is_continued(vision_door: tuple[ServerS
              {"role": "assistant", "content": "It is"}]
     assert request.tokens == _mlx_vlm_tokens(path, asked, False, continue_final_message=True)
     assert request.vision_prompt.endswith("<|im_start|>assistant\nIt is")
+
+
+def test_anthropic_screenshot_in_a_tool_result(vision_door: tuple[ServerSettings, Any, Path]) -> None:
+    """A tool's result with a picture in it (a coding agent's screenshot), beside the user's own picture: the tool
+    message's text and image parts reach the template as mlx-vlm's server gives them, the pictures in the order
+    the template shows them (the tool message first), and the tokens are mlx-vlm's."""
+    from mlxpipe.serve import anthropic_schemas
+
+    settings, tokenizer, path = vision_door
+
+    def image(seed: int) -> dict[str, Any]:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _picture(seed)}}
+
+    shot = [{"type": "text", "text": "Screenshot:"}, image(0)]
+    body = {"max_tokens": 8, "tools": [{"name": "screenshot", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [image(1), {"type": "tool_result", "tool_use_id": "t1", "content": shot},
+                                     {"type": "text", "text": "And mine?"}]}]}
+    request = anthropic_schemas.parse(body, settings, tokenizer, lambda: "id").request
+    conversation = [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "screenshot", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "t1",
+         "content": [{"type": "text", "text": "Screenshot:"}, {"type": "image"}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And mine?"}]}]
+    tools = [{"type": "function", "function": {"name": "screenshot", "parameters": {"type": "object"}}}]
+    assert request.tokens == _mlx_vlm_tokens(path, conversation, pictures=(0, 1), tools=tools)
+    assert [image.sha256 for image in request.images] == [image_of(picture_bytes(s)).sha256 for s in (0, 1)]
+    assert "<tool_response>\nScreenshot:<|vision_start|>" in request.vision_prompt
