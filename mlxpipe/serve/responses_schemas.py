@@ -252,8 +252,8 @@ def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str
                    settings: ServerSettings | None = None) -> list[dict[str, Any]]:
     """``input`` as chat messages: consecutive function calls become one assistant message's ``tool_calls``; the
     tools of an ``additional_tools`` item go to ``toolbox``; items of hosted tools are left out (their types
-    added to ``dropped``); a vision-language model's (``settings.vision``) ``input_image`` parts become image parts
-    that carry the image."""
+    added to ``dropped``); a vision-language model's (``settings.vision``) ``input_image`` parts, in a message or a
+    function call's output (a tool's screenshot), become image parts that carry the image."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -286,9 +286,9 @@ def input_messages(value: Any, toolbox: Toolbox | None = None, dropped: list[str
                 raise ApiError(400, f"'{where}.call_id' must name the function call it answers",
                                param=f"{where}.call_id")
             output = item.get("output")
-            text = _parts(output, f"{where}.output") if isinstance(output, list) else field(item, "output", str, "",
-                                                                                           f"{where}.")
-            tool = {"role": "tool", "tool_call_id": call_id, "content": text}
+            shown = _parts(output, f"{where}.output", settings) if isinstance(output, list) else \
+                field(item, "output", str, "", f"{where}.")
+            tool = {"role": "tool", "tool_call_id": call_id, "content": shown}
             if call_id in names:
                 tool["name"] = names[call_id]
             out.append(tool)

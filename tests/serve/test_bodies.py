@@ -256,24 +256,38 @@ def test_anthropic_prefill_with_an_image_is_continued(vision_door: tuple[ServerS
     assert request.vision_prompt.endswith("<|im_start|>assistant\nIt is")
 
 
-def test_anthropic_screenshot_in_a_tool_result(vision_door: tuple[ServerSettings, Any, Path]) -> None:
-    """A tool's result with a picture in it (a coding agent's screenshot), beside the user's own picture: the tool
-    message's text and image parts reach the template as mlx-vlm's server gives them, the pictures in the order
-    the template shows them (the tool message first), and the tokens are mlx-vlm's."""
-    from mlxpipe.serve import anthropic_schemas
+def _screenshot_body(door: str) -> dict[str, Any]:
+    """A screenshot tool's call, its result holding a picture (seed 0), then the user's own picture (seed 1)."""
+    if door == "responses":
+        def uri(seed: int) -> str:
+            return _DATA_URI + _picture(seed)
 
-    settings, tokenizer, path = vision_door
+        return {"tools": [{"type": "function", "name": "screenshot", "parameters": {"type": "object"}}], "input": [
+            {"role": "user", "content": "Take a screenshot."},
+            {"type": "function_call", "call_id": "t1", "name": "screenshot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "t1", "output": [
+                {"type": "input_text", "text": "Screenshot:"}, {"type": "input_image", "image_url": uri(0)}]},
+            {"role": "user", "content": [{"type": "input_image", "image_url": uri(1)},
+                                         {"type": "input_text", "text": "And mine?"}]}]}
 
     def image(seed: int) -> dict[str, Any]:
         return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _picture(seed)}}
 
     shot = [{"type": "text", "text": "Screenshot:"}, image(0)]
-    body = {"max_tokens": 8, "tools": [{"name": "screenshot", "input_schema": {"type": "object"}}], "messages": [
+    return {"max_tokens": 8, "tools": [{"name": "screenshot", "input_schema": {"type": "object"}}], "messages": [
         {"role": "user", "content": "Take a screenshot."},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
         {"role": "user", "content": [image(1), {"type": "tool_result", "tool_use_id": "t1", "content": shot},
                                      {"type": "text", "text": "And mine?"}]}]}
-    request = anthropic_schemas.parse(body, settings, tokenizer, lambda: "id").request
+
+
+@pytest.mark.parametrize("door", ["anthropic", "responses"])
+def test_a_screenshot_in_a_tool_result(vision_door: tuple[ServerSettings, Any, Path], door: str) -> None:
+    """A tool's result with a picture in it (a coding agent's screenshot), beside the user's own picture: the tool
+    message's text and image parts reach the template as mlx-vlm's server gives them, the pictures in the order
+    the template shows them (the tool message first), and the tokens are mlx-vlm's."""
+    settings, tokenizer, path = vision_door
+    request = _parse(door, _screenshot_body(door), settings, tokenizer).request
     conversation = [
         {"role": "user", "content": "Take a screenshot."},
         {"role": "assistant", "content": "", "tool_calls": [
