@@ -58,15 +58,6 @@ def build(root: Path, quick: bool) -> tuple[Path, Path]:
         model = make_vision_checkpoint("qwen2_5_vl", root / "model", num_layers=LAYERS,
                                        config_overrides={**TEXT, "vision_config": VISION},
                                        processor_overrides=PROCESSOR)
-    # The fixtures' tokenizer names Gemma 3's image token for every family (``extra_special_tokens``), so Qwen-VL's
-    # processor, which takes the tokenizer's, leaves one placeholder per picture; here it gets Qwen's, and expands
-    # each picture to one token per merged patch, as a real checkpoint's does.
-    settings = model / "tokenizer_config.json"
-    tokenizer = json.loads(settings.read_text())
-    tokenizer["extra_special_tokens"] = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                                         "vision_start_token": "<|vision_start|>",
-                                         "vision_end_token": "<|vision_end|>"}
-    settings.write_text(json.dumps(tokenizer, indent=1))
     picture = root / "picture.png"
     picture.write_bytes(test_image(0, QUICK_PICTURE if quick else PICTURE))
     return model, picture

@@ -25,6 +25,7 @@ from PIL import Image as Pil
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
+from mlxpipe.vision.families import RUNS
 from tests.e2e.test_page import _open, _until, browser  # noqa: F401 (a fixture)
 from tests.e2e.test_tool_calls import SCHEMAS
 
@@ -36,6 +37,8 @@ MAX_TOKENS = 12
 TOOL_TOKENS = 160  # one call of the byte tokenizer is ~40-90 tokens; the bounded schemas end it
 # A four-rank hostfile of this machine: 2 stages x --tp 2.
 LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
+# The families the table says run (mlxpipe/vision/families.py): each is checked in every layout it claims.
+RUNNING = sorted(RUNS)
 
 
 def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
@@ -82,7 +85,7 @@ def generate(model: Path, image: Path, *flags: str) -> list[int]:
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3"])
+@pytest.mark.parametrize("family", RUNNING)
 def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
                                  reference: dict[tuple[str, int], list[int]], family: str) -> None:
     """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
@@ -100,15 +103,16 @@ def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("layout", ["tp2", "2x-tp2"])
+@pytest.mark.parametrize("family", RUNNING)
 def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
-                                       reference: dict[tuple[str, int], list[int]], layout: str,
+                                       reference: dict[tuple[str, int], list[int]], family: str, layout: str,
                                        tmp_path: Path) -> None:
-    """--tp 2 (one stage) and 2 stages x --tp 2: positions and embeddings reach every member of a group."""
+    """--tp 2 (one stage) and 2 stages x --tp 2: embeddings (and Qwen-VL's positions) reach every member of a
+    group, every family's blocks split by heads (Kimi-VL's latent attention and experts too)."""
     hostfile = tmp_path / "local-4.json"
     hostfile.write_text(json.dumps(LOCAL_4))
     flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
-    tokens = generate(vision_models["qwen2_5_vl"], images[0], *flags, "--tp", "2")
-    assert tokens == reference["qwen2_5_vl", 0]
+    assert generate(vision_models[family], images[0], *flags, "--tp", "2") == reference[family, 0]
 
 
 def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,30 @@ def test_a_prefill_is_continued(qwen: Path) -> None:
                               continue_final_message=True)
     assert made.vision_prompt == text and text.endswith("<|im_start|>assistant\nIt is")
     assert made.tokens == tokens
+
+
+# How many image features the vision tower hands the language model for one picture, from what the family's processor
+# says of it (its grid of patches, merged 2 x 2, or Gemma 3's fixed count): a picture's placeholder tokens.
+MERGED_PATCHES: dict[str, Callable[[dict[str, Any], dict[str, Any]], int]] = {
+    "qwen2_5_vl": lambda inputs, config: math.prod(inputs["image_grid_thw"].tolist()[0]) // 4,
+    "kimi_vl": lambda inputs, config: math.prod(inputs["image_grid_hws"].tolist()[0]) // 4,
+    "gemma3": lambda inputs, config: int(config["text_config"]["mm_tokens_per_image"]),
+    "mistral3": lambda inputs, config: math.prod(side // 14 // 2 for side in inputs["image_sizes"].tolist()[0]),
+}
+
+
+@pytest.mark.parametrize("family", list(MERGED_PATCHES))
+def test_a_picture_is_one_placeholder_per_merged_patch(vision_models: VisionModels, family: str) -> None:
+    """The tiny checkpoints' tokenizers name each family's own image token, so its processor expands a picture to
+    as many placeholders as the vision tower gives features (a Qwen-VL picture: one per merged patch)."""
+    from mlxpipe.vision.images import check_image
+    from mlxpipe.worker.vision import image_token_of
+
+    config = json.loads((vision_models[family] / "config.json").read_text())
+    vision = prompt.VisionPrompt(vision_models[family], config)
+    image = check_image(picture_bytes(0))
+    request = vision.tokenize(Request(prompt="Describe this.", images=(image,)))
+    assert request.tokens is not None and request.vision_prompt is not None
+    inputs = prompt.process(vision.processor, config, request.vision_prompt, (image,))
+    placeholders = request.tokens.count(image_token_of(config) or -1)
+    assert placeholders == MERGED_PATCHES[family](inputs, config) > 1

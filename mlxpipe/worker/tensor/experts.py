@@ -19,6 +19,7 @@ only member 0 keeps it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,18 @@ from mlxpipe.worker.groups import SliceGroup
 from mlxpipe.worker.tensor.reduce import reducer
 
 # Routed experts: (column-parallel projections, the row-parallel output).
-_EXPERTS = {SwitchGLU: (("gate_proj", "up_proj"), "down_proj"), SwitchMLP: (("fc1",), "fc2")}
+_EXPERTS: dict[type, tuple[tuple[str, ...], str]] = {
+    SwitchGLU: (("gate_proj", "up_proj"), "down_proj"), SwitchMLP: (("fc1",), "fc2"),
+}
+
+
+def _experts() -> dict[type, tuple[tuple[str, ...], str]]:
+    """``_EXPERTS``, and mlx-vlm's copies of the same classes where a vision-language model loaded them (Kimi-VL's
+    language model); looked up, not imported, so that a text model's rank never imports mlx-vlm."""
+    vlm = sys.modules.get("mlx_vlm.models.switch_layers")
+    if vlm is None:
+        return _EXPERTS
+    return {**_EXPERTS, vlm.SwitchGLU: _EXPERTS[SwitchGLU], vlm.SwitchMLP: _EXPERTS[SwitchMLP]}
 
 
 class ReducedMoE:
@@ -47,11 +59,11 @@ _REDUCING: dict[type, type] = {}
 def moe_blocks(block: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules of ``block`` that hold routed experts as a child: a ``SwitchGLU`` or ``SwitchMLP``, or a list
     ``experts`` of dense MLPs (DBRX)."""
-    found = []
+    found, experts = [], tuple(_experts())
     for name, module in block.named_modules():
         children = module.children()
         listed = children.get("experts")
-        if any(isinstance(child, tuple(_EXPERTS)) for child in children.values()) or (
+        if any(isinstance(child, experts) for child in children.values()) or (
             isinstance(listed, list) and len(listed) > 1 and all(isinstance(e, nn.Module) for e in listed)
         ):
             found.append((name, module))
@@ -67,8 +79,9 @@ def shard_moe(module: nn.Module, group: SliceGroup, dense_layouts: list[tuple[tu
     member (ModelError naming ``where``).
     """
     split: list[tuple[str, nn.Module, tuple[tuple[str, ...], str]]] = []
+    experts = _experts()
     for name, sub in module.named_modules():
-        layout = _EXPERTS.get(type(sub)) or next(
+        layout = experts.get(type(sub)) or next(
             (lay for lay in dense_layouts if _has_dense(sub, (*lay[0], lay[1]))), None
         )
         if sub is not module and layout is not None:

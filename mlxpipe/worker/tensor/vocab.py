@@ -187,8 +187,9 @@ def shard_vocab(model: nn.Module, tensor: TensorGroup) -> list[str]:
 
 
 def _embedding(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The token embedding: the plain or quantized embedding with the most rows."""
-    found = [(name, m) for name, m in model.named_modules() if type(m) in _EMBEDDINGS]
+    """The token embedding: the plain or quantized embedding with the most rows. One without weights is left out:
+    a vision tower's position embedding on a stage that does not run the tower (its weights stripped)."""
+    found = [(name, m) for name, m in model.named_modules() if type(m) in _EMBEDDINGS and "weight" in m]
     return max(found, key=lambda item: item[1].weight.shape[0], default=None)
 
 

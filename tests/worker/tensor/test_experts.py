@@ -132,3 +132,15 @@ def test_an_unknown_dense_part_beside_the_experts_is_refused() -> None:
 
     with pytest.raises(ModelError, match=r"layer 3: extra.weight \(64, 64\) in its MoE block is neither an expert"):
         shard_moe(_UnknownShared(), _Member(0), _MLP, "layer 3", "hint")
+
+
+def test_mlx_vlms_own_switch_layers_are_experts_too() -> None:
+    """mlx-vlm's MoE language models (Kimi-VL's) hold its copies of the switch layers: split like mlx-lm's."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'mlxpipe[vision]'")
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    block = nn.Module()
+    block.switch_mlp = SwitchGLU(HIDDEN, WIDTH, EXPERTS)
+    assert [name for name, _ in moe_blocks(block)] == [""]
+    shard_moe(block, _Member(1), _MLP, "test", "hint")
+    assert block.switch_mlp.down_proj.weight.shape == (EXPERTS, HIDDEN, WIDTH // 2)

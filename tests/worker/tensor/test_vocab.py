@@ -100,3 +100,13 @@ def test_shard_vocab_splits_the_embedding_and_the_head_where_the_vocabulary_divi
     odd: Any = _Tiny(VOCAB + 1)
     assert shard_vocab(odd, _Member(0)) == []  # 65 rows do not halve: both stay whole
     assert type(odd.embed_tokens) is nn.Embedding and type(odd.lm_head) is nn.Linear
+
+
+def test_an_embedding_whose_weights_were_stripped_is_not_the_token_embedding() -> None:
+    """A vision tower's position embedding on a stage that does not run the tower has no weights left."""
+    from mlxpipe.worker.stages.cut import strip_weights
+
+    model: Any = _Tiny(VOCAB)
+    model.tower = nn.Embedding(4 * VOCAB, HIDDEN)  # more rows than the vocabulary: it would win if it counted
+    strip_weights(model.tower)
+    assert shard_vocab(model, _Member(0)) == ["embed_tokens", "lm_head"]
