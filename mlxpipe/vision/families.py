@@ -17,16 +17,24 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mlxpipe.errors import ModelError
+from mlxpipe.errors import ModelError, UsageError
 
-# Token-identical to single-process mlx-vlm at 2 ranks, --tp 2 and 2 stages x --tp 2 (tests/e2e/test_vision.py,
-# on the tiny random checkpoints of tests/fixtures/vision_models.py).
+# Token-identical to single-process mlx-vlm at 2 ranks (tests/e2e/test_vision.py, on the tiny random checkpoints
+# of tests/fixtures/vision_models.py); Qwen2.5-VL and Qwen3-VL at --tp 2 too, Qwen2.5-VL at 2 stages x --tp 2.
 RUNS: dict[str, str] = {
     "gemma3": "Gemma 3",
     "kimi_vl": "Kimi-VL (a mixture-of-experts language model)",
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
+    "qwen3_vl": "Qwen3-VL (deepstack features, added in its first layers, all on the first stage)",
 }
+
+# Families whose language model adds the vision tower's deepstack features (with the image tokens' mask) to the
+# hidden state after each of its first k layers, k the vision config's deepstack layers: those features never
+# cross a cut when the first stage (the highest rank) holds layers 0..k-1, which any sensible split of a real
+# model does; ``check_deepstack`` refuses a split that does not.
+DEEPSTACK = ("qwen3_vl",)
+DEEPSTACK_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 
 # What a language model may read from mlx-vlm's ``get_input_embeddings`` besides the embeddings and position ids,
 # none of which crosses a pipeline cut or reaches a later stage's layers; in the words of the refusal.
@@ -79,8 +87,8 @@ def reason_of(reads: tuple[str, ...]) -> str:
 
 
 def refused() -> dict[str, str]:
-    """Every refused model type and its reason."""
-    table = {t: reason_of(reads) for t, reads in READS.items()}
+    """Every refused model type and its reason (a deepstack family that runs reads its features on the first stage)."""
+    table = {t: reason_of(reads) for t, reads in READS.items() if t not in RUNS}
     table.update(REFUSED_OTHERWISE)
     return dict(sorted(table.items()))
 
@@ -105,6 +113,27 @@ def check_family(config: dict[str, Any]) -> None:
     if reason is not None:
         raise ModelError(f"{model_type}: mlxpipe cannot split this vision-language model: {reason}",
                          hint=REFUSED_HINT)
+
+
+def deepstack_layers(config: dict[str, Any]) -> int:
+    """How many first layers of a deepstack family's language model read the deepstack features (0: none)."""
+    if family_type(config) not in DEEPSTACK:
+        return 0
+    return len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
+
+
+def check_deepstack(config: dict[str, Any], first_stage_layers: int) -> None:
+    """Raise UsageError, naming the model type and the split to change, if the first stage (the highest rank, the
+    split's last entry) does not hold every layer that reads the deepstack features."""
+    k = deepstack_layers(config)
+    if first_stage_layers >= k:
+        return
+    raise UsageError(
+        f"{family_type(config)}: its language model adds the vision tower's deepstack features after layers "
+        f"0-{k - 1}, which must all run on the first stage (the highest rank), but the split gives it "
+        f"{first_stage_layers}",
+        hint=f"give the last --split entry at least {k} layers",
+    )
 
 
 @cache

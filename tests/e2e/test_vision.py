@@ -79,7 +79,7 @@ def generate(model: Path, image: Path, *flags: str) -> list[int]:
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3", "qwen3_vl"])
 def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
                                  reference: dict[tuple[str, int], list[int]], family: str) -> None:
     """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
@@ -96,16 +96,17 @@ def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("layout", ["tp2", "2x-tp2"])
+@pytest.mark.parametrize(("family", "layout"), [("qwen2_5_vl", "tp2"), ("qwen2_5_vl", "2x-tp2"), ("qwen3_vl", "tp2")])
 def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
-                                       reference: dict[tuple[str, int], list[int]], layout: str,
+                                       reference: dict[tuple[str, int], list[int]], family: str, layout: str,
                                        tmp_path: Path) -> None:
-    """--tp 2 (one stage) and 2 stages x --tp 2: positions and embeddings reach every member of a group."""
+    """--tp 2 (one stage) and 2 stages x --tp 2: positions and embeddings (and Qwen3-VL's deepstack features)
+    reach every member of a group."""
     hostfile = tmp_path / "local-4.json"
     hostfile.write_text(json.dumps(LOCAL_4))
     flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
-    tokens = generate(vision_models["qwen2_5_vl"], images[0], *flags, "--tp", "2")
-    assert tokens == reference["qwen2_5_vl", 0]
+    tokens = generate(vision_models[family], images[0], *flags, "--tp", "2")
+    assert tokens == reference[family, 0]
 
 
 def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:
@@ -116,7 +117,7 @@ def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) 
     assert "starting" not in result.stderr
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "llava"])
+@pytest.mark.parametrize("model_type", ["gemma3n", "llava"])
 def test_family_that_cannot_be_split_refused_before_launch(vision_models: VisionModels, images: list[Path],
                                                            tmp_path: Path, model_type: str) -> None:
     """A family the table refuses (mlxpipe/vision/families.py): one line naming its model type and the reason,
@@ -132,6 +133,18 @@ def test_family_that_cannot_be_split_refused_before_launch(vision_models: Vision
         assert result.returncode != 0
         assert f"{model_type}: mlxpipe cannot split this vision-language model: " in result.stderr
         assert "starting" not in result.stderr
+
+
+def test_deepstack_layers_off_the_first_stage_refused_before_launch(vision_models: VisionModels,
+                                                                     images: list[Path]) -> None:
+    """Qwen3-VL adds deepstack features after layers 0 and 1 (the fixture's two deepstack layers): a split that
+    leaves the first stage (the highest rank) one layer is refused in one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(vision_models["qwen3_vl"]), "--image", str(images[0]),
+                     "--prompt", PROMPT, "--hostfile", "hostfiles/local-2.json", "--split", "3,1")
+    assert result.returncode != 0
+    assert "qwen3_vl: its language model adds the vision tower's deepstack features after layers 0-1" in result.stderr
+    assert "give the last --split entry at least 2 layers" in result.stderr
+    assert "starting" not in result.stderr
 
 
 def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:

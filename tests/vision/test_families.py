@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.vision_models import FAMILIES
-from mlxpipe.errors import ModelError
+from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.vision import families
 
 
@@ -31,6 +31,25 @@ def test_docs_table_is_generated_from_the_code() -> None:
 def test_the_families_that_run_are_the_ones_the_e2e_tests_check() -> None:
     assert set(families.RUNS) == set(FAMILIES)
     assert not set(families.RUNS) & set(families.refused())
+    # A family that runs reads from the vision tower only what its first stage's layers read (deepstack).
+    for model_type in families.RUNS:
+        assert set(families.READS.get(model_type, ())) <= set(families.DEEPSTACK_FEATURES), model_type
+        assert (model_type in families.READS) == (model_type in families.DEEPSTACK), model_type
+
+
+def test_a_split_without_the_deepstack_layers_on_the_first_stage_is_refused() -> None:
+    """Qwen3-VL adds deepstack features after its first k layers: the first stage (the split's last entry) must
+    hold them all; one line naming the model type, k and the flag."""
+    config = {"model_type": "qwen3_vl", "vision_config": {"deepstack_visual_indexes": [5, 11, 17]}}
+    assert families.deepstack_layers(config) == 3
+    families.check_deepstack(config, 3)
+    with pytest.raises(UsageError) as caught:
+        families.check_deepstack(config, 2)
+    assert caught.value.message == (
+        "qwen3_vl: its language model adds the vision tower's deepstack features after layers 0-2, which must all "
+        "run on the first stage (the highest rank), but the split gives it 2")
+    assert caught.value.hint == "give the last --split entry at least 3 layers"
+    families.check_deepstack({"model_type": "qwen2_5_vl", "vision_config": {}}, 1)  # no deepstack: any split
 
 
 def test_refusals_match_the_installed_mlx_vlm() -> None:
@@ -53,9 +72,10 @@ def test_refusals_match_the_installed_mlx_vlm() -> None:
 
 def test_a_refused_family_is_refused_in_one_line_naming_it() -> None:
     with pytest.raises(ModelError) as caught:
-        families.check_family({"model_type": "qwen3_vl", "vision_config": {}})
+        families.check_family({"model_type": "qwen3_omni_moe", "vision_config": {}})
     message = caught.value.message
-    assert message.startswith("qwen3_vl: mlxpipe cannot split this vision-language model: its language model reads")
+    assert message.startswith("qwen3_omni_moe: mlxpipe cannot split this vision-language model: its language "
+                              "model reads")
     assert "deepstack_visual_embeds" in message and "\n" not in message
     with pytest.raises(ModelError, match=r"^llava: .*mlx-vlm 0\.7\.10 cannot run it either"):
         families.check_family({"model_type": "llava", "vision_config": {}})
