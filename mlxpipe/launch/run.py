@@ -63,7 +63,7 @@ def prepare(config: PipelineConfig, training: bool = False) -> tuple[ModelMetada
     if vision:
         from mlxpipe.vision.families import check_deepstack
 
-        check_deepstack(meta.config, the_plan.split[-1])  # the first stage's layers, the split's last entry
+        check_deepstack(meta.config, the_plan.split)
     require_fit(the_plan)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=config.ring_port(), backend=config.chosen_backend))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ RUNS: dict[str, str] = {
 
 # Families whose language model adds the vision tower's deepstack features (with the image tokens' mask) to the
 # hidden state after each of its first k layers, k the vision config's deepstack layers: those features never
-# cross a cut when the first stage (the highest rank) holds layers 0..k-1, which any sensible split of a real
-# model does; ``check_deepstack`` refuses a split that does not.
+# cross a cut when the first stage (the highest rank) holds layers 0..k, which any sensible split of a real model
+# does (Qwen3-VL: k = 3 of 28 or more layers); ``check_deepstack`` refuses a split that does not.
 DEEPSTACK = ("qwen3_vl",)
 DEEPSTACK_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 
@@ -122,17 +123,19 @@ def deepstack_layers(config: dict[str, Any]) -> int:
     return len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
 
 
-def check_deepstack(config: dict[str, Any], first_stage_layers: int) -> None:
+def check_deepstack(config: dict[str, Any], split: Sequence[int]) -> None:
     """Raise UsageError, naming the model type and the split to change, if the first stage (the highest rank, the
-    split's last entry) does not hold every layer that reads the deepstack features."""
+    split's last entry) does not hold every layer that reads the deepstack features and the layer after them: the
+    last layer a stage holds hands its output on before the model adds the features to it."""
     k = deepstack_layers(config)
-    if first_stage_layers >= k:
+    if len(split) == 1 or split[-1] > k:
         return
+    layers = "layer 0" if k == 1 else f"layers 0-{k - 1}"
     raise UsageError(
-        f"{family_type(config)}: its language model adds the vision tower's deepstack features after layers "
-        f"0-{k - 1}, which must all run on the first stage (the highest rank), but the split gives it "
-        f"{first_stage_layers}",
-        hint=f"give the last --split entry at least {k} layers",
+        f"{family_type(config)}: its language model adds the vision tower's deepstack features after {layers}, "
+        f"which must run on the first stage (the highest rank) with the layer after them: it needs {k + 1} layers, "
+        f"the split gives it {split[-1]}",
+        hint=f"give the last --split entry at least {k + 1} layers",
     )
 
 

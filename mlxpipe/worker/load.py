@@ -149,7 +149,7 @@ def load_vision_rank(job: JobSpec, group: Any, topology: Topology, path: Path, t
     if unsupported:
         raise ModelError(f"{model_type}: its language model reads {', '.join(unsupported)} from the "
                          "vision tower, which the pipeline does not carry")
-    check_deepstack(config, job.split[-1])  # the controller's check, for a split it did not plan
+    check_deepstack(config, job.split)  # the controller's check, for a split it did not plan
     first = topology.stage == topology.stages - 1
     if not first:  # only the first stage runs the vision tower and projector
         for key in vision.vision_modules(model):

@@ -34,8 +34,8 @@ from mlxpipe.protocol.request import Image, Request
 # model reads (deepstack features, per-layer inputs, cross-attention states) the pipeline does not carry.
 CARRIED_FEATURES = ("inputs_embeds", "position_ids", "rope_deltas")
 # What the language model reads only in layers the first stage holds (Qwen3-VL's deepstack: after its first k
-# layers), so nothing of it crosses a cut; the controller refuses a split that would put one of those layers
-# on a later stage, and so does ``load_vision_rank``.
+# layers), so nothing of it crosses a cut; the controller refuses a split that would put one of those layers (or
+# the one after them) on a later stage, and so does ``load_vision_rank``.
 FIRST_STAGE_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 # ``attention_mask`` is an encoder-decoder model's (mlx-vlm's own comment); decoder-only language models name the
 # word only for the processor's padding mask, which a prompt of one request does not have.

@@ -137,12 +137,13 @@ def test_family_that_cannot_be_split_refused_before_launch(vision_models: Vision
 
 def test_deepstack_layers_off_the_first_stage_refused_before_launch(vision_models: VisionModels,
                                                                      images: list[Path]) -> None:
-    """Qwen3-VL adds deepstack features after layers 0 and 1 (the fixture's two deepstack layers): a split that
-    leaves the first stage (the highest rank) one layer is refused in one line, and no rank started."""
+    """Qwen3-VL adds deepstack features after layer 0 (the fixture's one deepstack layer): a split that leaves the
+    first stage (the highest rank) one layer, which would hand on its output before the features are added, is
+    refused in one line, and no rank started."""
     result = mlxpipe("generate", "--model", str(vision_models["qwen3_vl"]), "--image", str(images[0]),
                      "--prompt", PROMPT, "--hostfile", "hostfiles/local-2.json", "--split", "3,1")
     assert result.returncode != 0
-    assert "qwen3_vl: its language model adds the vision tower's deepstack features after layers 0-1" in result.stderr
+    assert "qwen3_vl: its language model adds the vision tower's deepstack features after layer 0" in result.stderr
     assert "give the last --split entry at least 2 layers" in result.stderr
     assert "starting" not in result.stderr
 

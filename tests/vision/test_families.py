@@ -39,17 +39,19 @@ def test_the_families_that_run_are_the_ones_the_e2e_tests_check() -> None:
 
 def test_a_split_without_the_deepstack_layers_on_the_first_stage_is_refused() -> None:
     """Qwen3-VL adds deepstack features after its first k layers: the first stage (the split's last entry) must
-    hold them all; one line naming the model type, k and the flag."""
+    hold them and the layer after them (its last layer hands its output on before the features are added); one
+    line naming the model type, k and the flag."""
     config = {"model_type": "qwen3_vl", "vision_config": {"deepstack_visual_indexes": [5, 11, 17]}}
     assert families.deepstack_layers(config) == 3
-    families.check_deepstack(config, 3)
+    families.check_deepstack(config, [30, 4])
+    families.check_deepstack(config, [3])  # one stage: nothing is handed on
     with pytest.raises(UsageError) as caught:
-        families.check_deepstack(config, 2)
+        families.check_deepstack(config, [31, 3])
     assert caught.value.message == (
-        "qwen3_vl: its language model adds the vision tower's deepstack features after layers 0-2, which must all "
-        "run on the first stage (the highest rank), but the split gives it 2")
-    assert caught.value.hint == "give the last --split entry at least 3 layers"
-    families.check_deepstack({"model_type": "qwen2_5_vl", "vision_config": {}}, 1)  # no deepstack: any split
+        "qwen3_vl: its language model adds the vision tower's deepstack features after layers 0-2, which must run "
+        "on the first stage (the highest rank) with the layer after them: it needs 4 layers, the split gives it 3")
+    assert caught.value.hint == "give the last --split entry at least 4 layers"
+    families.check_deepstack({"model_type": "qwen2_5_vl", "vision_config": {}}, [3, 1])  # no deepstack: any split
 
 
 def test_refusals_match_the_installed_mlx_vlm() -> None:
