@@ -28,13 +28,14 @@ RUNS: dict[str, str] = {
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
     "qwen3_vl": "Qwen3-VL (deepstack features, added in its first layers, all on the first stage)",
+    "qwen3_vl_moe": "Qwen3-VL's mixture-of-experts models (deepstack features as Qwen3-VL's)",
 }
 
 # Families whose language model adds the vision tower's deepstack features (with the image tokens' mask) to the
 # hidden state after each of its first k layers, k the vision config's deepstack layers: those features never
 # cross a cut when the first stage (the highest rank) holds layers 0..k, which any sensible split of a real model
 # does (Qwen3-VL: k = 3 of 28 or more layers); ``check_deepstack`` refuses a split that does not.
-DEEPSTACK = ("qwen3_vl",)
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
 DEEPSTACK_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 
 # What a language model may read from mlx-vlm's ``get_input_embeddings`` besides the embeddings and position ids,
