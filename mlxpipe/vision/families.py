@@ -24,6 +24,7 @@ from mlxpipe.errors import ModelError, UsageError
 # of tests/fixtures/vision_models.py); Qwen2.5-VL and Qwen3-VL at --tp 2 too, Qwen2.5-VL at 2 stages x --tp 2.
 RUNS: dict[str, str] = {
     "gemma3": "Gemma 3",
+    "kimi_k25": "Kimi K2.5 (Kimi-VL's vision tower, a DeepSeek-V3 language model)",
     "kimi_vl": "Kimi-VL (a mixture-of-experts language model)",
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
