@@ -26,6 +26,7 @@ RUNS: dict[str, str] = {
     "gemma3": "Gemma 3",
     "kimi_k25": "Kimi K2.5 (Kimi-VL's vision tower, a DeepSeek-V3 language model)",
     "kimi_vl": "Kimi-VL (a mixture-of-experts language model)",
+    "llama4": "Llama 4 (interleaved mixture-of-experts, chunked attention; its image tiles pixel-shuffled)",
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
     "qwen3_5": "Qwen3.5 (gated-delta linear attention between full-attention layers; Qwen3-VL's vision tower)",
