@@ -30,6 +30,7 @@ RUNS: dict[str, str] = {
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
     "qwen3_5": "Qwen3.5 (gated-delta linear attention between full-attention layers; Qwen3-VL's vision tower)",
+    "qwen3_5_moe": "Qwen3.5's mixture-of-experts models",
     "qwen3_vl": "Qwen3-VL (deepstack features, added in its first layers, all on the first stage)",
     "qwen3_vl_moe": "Qwen3-VL's mixture-of-experts models (deepstack features as Qwen3-VL's)",
 }

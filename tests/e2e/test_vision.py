@@ -80,7 +80,7 @@ def generate(model: Path, image: Path, *flags: str) -> list[int]:
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_vl", "mistral3", "qwen3_vl", "qwen3_vl_moe",
-                                    "qwen3_5", "kimi_k25", "llama4"])
+                                    "qwen3_5", "qwen3_5_moe", "kimi_k25", "llama4"])
 def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
                                  reference: dict[tuple[str, int], list[int]], family: str) -> None:
     """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
