@@ -56,9 +56,10 @@ def prepare(config: PipelineConfig, training: bool = False) -> tuple[ModelMetada
         check_images(config, meta)
     vision = vision_job(meta.config, config.mode, training, config.draft_model is not None)
     if vision:
-        from mlxpipe.vision.families import check_family
+        from mlxpipe.vision.families import check_family, check_tensor_parallel
 
         check_family(meta.config)
+        check_tensor_parallel(meta.config, target.tp)
     the_plan = plan_target(target, meta, context=config.context or DEFAULT_CONTEXT)
     if vision:
         from mlxpipe.vision.families import check_deepstack

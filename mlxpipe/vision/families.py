@@ -21,7 +21,8 @@ from typing import Any
 from mlxpipe.errors import ModelError, UsageError
 
 # Token-identical to single-process mlx-vlm at 2 ranks (tests/e2e/test_vision.py, on the tiny random checkpoints
-# of tests/fixtures/vision_models.py); Qwen2.5-VL and Qwen3-VL at --tp 2 too, Qwen2.5-VL at 2 stages x --tp 2.
+# of tests/fixtures/vision_models.py); Qwen2.5-VL and Qwen3-VL at --tp 2 too, Qwen2.5-VL at 2 stages x --tp 2. With
+# --tp, those of NO_TENSOR_PARALLEL are refused.
 RUNS: dict[str, str] = {
     "gemma3": "Gemma 3",
     "kimi_k25": "Kimi K2.5 (Kimi-VL's vision tower, a DeepSeek-V3 language model)",
@@ -33,6 +34,15 @@ RUNS: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5's mixture-of-experts models",
     "qwen3_vl": "Qwen3-VL (deepstack features, added in its first layers, all on the first stage)",
     "qwen3_vl_moe": "Qwen3-VL's mixture-of-experts models (deepstack features as Qwen3-VL's)",
+}
+
+# Families that run as a pipeline but not with --tp: mlx-vlm's models have no shard() of their own, and the generic
+# tensor-parallel sharder does not split these parts of them (the ranks would refuse it after launch).
+NO_TENSOR_PARALLEL: dict[str, str] = {
+    "kimi_vl": "its experts' router (mlp.gate)",
+    "llama4": "its experts' router (feed_forward.router)",
+    "qwen3_5": "its gated-delta layers (linear_attn)",
+    "qwen3_5_moe": "its gated-delta layers (linear_attn) and shared expert's gate",
 }
 
 # Families whose language model adds the vision tower's deepstack features (with the image tokens' mask) to the
@@ -121,6 +131,15 @@ def check_family(config: dict[str, Any]) -> None:
                          hint=REFUSED_HINT)
 
 
+def check_tensor_parallel(config: dict[str, Any], tp: int) -> None:
+    """Raise UsageError, naming the flag and the model type, if ``tp`` > 1 and the sharder cannot split the family."""
+    model_type = family_type(config)
+    what = NO_TENSOR_PARALLEL.get(model_type)
+    if tp > 1 and what is not None:
+        raise UsageError(f"--tp {tp}: {model_type}: the tensor-parallel sharder cannot split mlx-vlm's model: {what}",
+                         hint="run it as a pipeline: drop --tp")
+
+
 def deepstack_layers(config: dict[str, Any]) -> int:
     """How many first layers of a deepstack family's language model read the deepstack features (0: none)."""
     if family_type(config) not in DEEPSTACK:
@@ -182,10 +201,15 @@ def table() -> str:
         "| mlx-vlm model type | status |",
         "|---|---|",
     ]
-    lines += [f"| {t} | runs: {what} |" for t, what in sorted(RUNS.items())]
+    lines += [f"| {t} | runs: {what}{_tp_note(t)} |" for t, what in sorted(RUNS.items())]
     lines += [f"| {t} | refused: {why} |" for t, why in refusals.items()]
     lines += ["", TABLE_END]
     return "\n".join(lines)
+
+
+def _tp_note(model_type: str) -> str:
+    what = NO_TENSOR_PARALLEL.get(model_type)
+    return "" if what is None else f"; not with --tp (the sharder cannot split {what})"
 
 
 def table_section(text: str) -> str | None:

@@ -149,6 +149,16 @@ def test_deepstack_layers_off_the_first_stage_refused_before_launch(vision_model
     assert "starting" not in result.stderr
 
 
+def test_tensor_parallel_the_sharder_cannot_split_refused_before_launch(vision_models: VisionModels,
+                                                                        images: list[Path]) -> None:
+    """--tp 2 on Llama 4 (whose experts' router the sharder does not split): one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(vision_models["llama4"]), "--image", str(images[0]),
+                     "--prompt", PROMPT, "--hostfile", "hostfiles/local-2.json", "--tp", "2")
+    assert result.returncode != 0
+    assert "--tp 2: llama4: the tensor-parallel sharder cannot split mlx-vlm's model" in result.stderr
+    assert "starting" not in result.stderr
+
+
 def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:
     """A file that is no image: one line naming the flag and the file."""
     bad = tmp_path / "notes.png"

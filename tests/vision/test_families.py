@@ -88,6 +88,18 @@ def test_a_refused_family_is_refused_in_one_line_naming_it() -> None:
     assert families.status("idefics3") == "untested"
 
 
+def test_a_family_the_sharder_cannot_split_is_refused_with_tp() -> None:
+    """One line naming --tp, the model type and what the sharder cannot split; the pipeline alone runs it."""
+    config = {"model_type": "llama4", "vision_config": {}}
+    families.check_tensor_parallel(config, 1)
+    with pytest.raises(UsageError) as caught:
+        families.check_tensor_parallel(config, 2)
+    assert caught.value.message == ("--tp 2: llama4: the tensor-parallel sharder cannot split mlx-vlm's model: its "
+                                    "experts' router (feed_forward.router)")
+    families.check_tensor_parallel({"model_type": "qwen3_vl", "vision_config": {}}, 2)
+    assert set(families.NO_TENSOR_PARALLEL) <= set(families.RUNS)
+
+
 def test_model_types_are_remapped_as_mlx_vlm_remaps_them(monkeypatch: pytest.MonkeyPatch) -> None:
     _mlx_vlm_models()
     assert families.family_type({"model_type": "cohere2_vision"}) == "aya_vision"
