@@ -54,11 +54,17 @@ def prepare(config: PipelineConfig, training: bool = False) -> tuple[ModelMetada
         meta = load_model_metadata(target, progress=progress)
     if config.images:
         check_images(config, meta)
-    if vision_job(meta.config, config.mode, training, config.draft_model is not None):
-        from mlxpipe.vision.families import check_family
+    vision = vision_job(meta.config, config.mode, training, config.draft_model is not None)
+    if vision:
+        from mlxpipe.vision.families import check_family, check_tensor_parallel
 
         check_family(meta.config)
+        check_tensor_parallel(meta.config, target.tp)
     the_plan = plan_target(target, meta, context=config.context or DEFAULT_CONTEXT)
+    if vision:
+        from mlxpipe.vision.families import check_deepstack
+
+        check_deepstack(meta.config, the_plan.split)
     require_fit(the_plan)
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=config.ring_port(), backend=config.chosen_backend))

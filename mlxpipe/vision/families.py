@@ -13,20 +13,43 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from mlxpipe.errors import ModelError
+from mlxpipe.errors import ModelError, UsageError
 
-# Token-identical to single-process mlx-vlm at 2 ranks, --tp 2 and 2 stages x --tp 2 (tests/e2e/test_vision.py,
-# on the tiny random checkpoints of tests/fixtures/vision_models.py).
+# Token-identical to single-process mlx-vlm at 2 ranks (tests/e2e/test_vision.py, on the tiny random checkpoints
+# of tests/fixtures/vision_models.py); Gemma 3, Kimi-VL, Mistral 3 and Qwen2.5-VL at --tp 2 and 2 stages x --tp 2
+# too, Qwen3-VL at --tp 2. With --tp, those of NO_TENSOR_PARALLEL are refused.
 RUNS: dict[str, str] = {
     "gemma3": "Gemma 3",
+    "kimi_k25": "Kimi K2.5 (Kimi-VL's vision tower, a DeepSeek-V3 language model)",
     "kimi_vl": "Kimi-VL (a mixture-of-experts language model)",
+    "llama4": "Llama 4 (interleaved mixture-of-experts, chunked attention; its image tiles pixel-shuffled)",
     "mistral3": "Mistral 3 (a Pixtral vision tower)",
     "qwen2_5_vl": "Qwen2.5-VL (multi-axis rotary positions, carried across stages)",
+    "qwen3_5": "Qwen3.5 (gated-delta linear attention between full-attention layers; Qwen3-VL's vision tower)",
+    "qwen3_5_moe": "Qwen3.5's mixture-of-experts models",
+    "qwen3_vl": "Qwen3-VL (deepstack features, added in its first layers, all on the first stage)",
+    "qwen3_vl_moe": "Qwen3-VL's mixture-of-experts models (deepstack features as Qwen3-VL's)",
 }
+
+# Families that run as a pipeline but not with --tp: mlx-vlm's models have no shard() of their own, and the generic
+# tensor-parallel sharder does not split these parts of them (the ranks would refuse it after launch).
+NO_TENSOR_PARALLEL: dict[str, str] = {
+    "llama4": "its experts' router (feed_forward.router)",
+    "qwen3_5": "its gated-delta layers (linear_attn)",
+    "qwen3_5_moe": "its gated-delta layers (linear_attn) and shared expert's gate",
+}
+
+# Families whose language model adds the vision tower's deepstack features (with the image tokens' mask) to the
+# hidden state after each of its first k layers, k the vision config's deepstack layers: those features never
+# cross a cut when the first stage (the highest rank) holds layers 0..k, which any sensible split of a real model
+# does (Qwen3-VL: k = 3 of 28 or more layers); ``check_deepstack`` refuses a split that does not.
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
+DEEPSTACK_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 
 # What a language model may read from mlx-vlm's ``get_input_embeddings`` besides the embeddings and position ids,
 # none of which crosses a pipeline cut or reaches a later stage's layers; in the words of the refusal.
@@ -79,8 +102,8 @@ def reason_of(reads: tuple[str, ...]) -> str:
 
 
 def refused() -> dict[str, str]:
-    """Every refused model type and its reason."""
-    table = {t: reason_of(reads) for t, reads in READS.items()}
+    """Every refused model type and its reason (a deepstack family that runs reads its features on the first stage)."""
+    table = {t: reason_of(reads) for t, reads in READS.items() if t not in RUNS}
     table.update(REFUSED_OTHERWISE)
     return dict(sorted(table.items()))
 
@@ -105,6 +128,38 @@ def check_family(config: dict[str, Any]) -> None:
     if reason is not None:
         raise ModelError(f"{model_type}: mlxpipe cannot split this vision-language model: {reason}",
                          hint=REFUSED_HINT)
+
+
+def check_tensor_parallel(config: dict[str, Any], tp: int) -> None:
+    """Raise UsageError, naming the flag and the model type, if ``tp`` > 1 and the sharder cannot split the family."""
+    model_type = family_type(config)
+    what = NO_TENSOR_PARALLEL.get(model_type)
+    if tp > 1 and what is not None:
+        raise UsageError(f"--tp {tp}: {model_type}: the tensor-parallel sharder cannot split mlx-vlm's model: {what}",
+                         hint="run it as a pipeline: drop --tp")
+
+
+def deepstack_layers(config: dict[str, Any]) -> int:
+    """How many first layers of a deepstack family's language model read the deepstack features (0: none)."""
+    if family_type(config) not in DEEPSTACK:
+        return 0
+    return len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
+
+
+def check_deepstack(config: dict[str, Any], split: Sequence[int]) -> None:
+    """Raise UsageError, naming the model type and the split to change, if the first stage (the highest rank, the
+    split's last entry) does not hold every layer that reads the deepstack features and the layer after them: the
+    last layer a stage holds hands its output on before the model adds the features to it."""
+    k = deepstack_layers(config)
+    if len(split) == 1 or split[-1] > k:
+        return
+    layers = "layer 0" if k == 1 else f"layers 0-{k - 1}"
+    raise UsageError(
+        f"{family_type(config)}: its language model adds the vision tower's deepstack features after {layers}, "
+        f"which must run on the first stage (the highest rank) with the layer after them: it needs {k + 1} layers, "
+        f"the split gives it {split[-1]}",
+        hint=f"give the last --split entry at least {k + 1} layers",
+    )
 
 
 @cache
@@ -145,10 +200,15 @@ def table() -> str:
         "| mlx-vlm model type | status |",
         "|---|---|",
     ]
-    lines += [f"| {t} | runs: {what} |" for t, what in sorted(RUNS.items())]
+    lines += [f"| {t} | runs: {what}{_tp_note(t)} |" for t, what in sorted(RUNS.items())]
     lines += [f"| {t} | refused: {why} |" for t, why in refusals.items()]
     lines += ["", TABLE_END]
     return "\n".join(lines)
+
+
+def _tp_note(model_type: str) -> str:
+    what = NO_TENSOR_PARALLEL.get(model_type)
+    return "" if what is None else f"; not with --tp (the sharder cannot split {what})"
 
 
 def table_section(text: str) -> str | None:

@@ -534,7 +534,8 @@ class Engine:
 
     def _vision_inputs(self, batch: MicroBatch, inputs: mx.array) -> dict[str, Any]:
         """What a micro-batch hands the language model besides its tokens: on the first stage, the prompt's
-        embeddings (its images merged in) where its rows read the prompt, and the position ids; on the later
+        embeddings (its images merged in) where its rows read the prompt (and their deepstack features), and the
+        position ids; on the later
         stages, the position ids that came with the hidden state."""
         extra: dict[str, Any] = {}
         if self.stage > 0:
@@ -554,6 +555,7 @@ class Engine:
                 else:  # a reply's token: embedded as the language model would embed it
                     embeddings.append(vision.text_embeddings(self.model, inputs[row : row + 1]))
             extra["input_embeddings"] = mx.concatenate(embeddings, axis=0)
+            extra.update(vision.deepstack_inputs([(self.prompts.get(i), start) for i, start in rows], batch.width))
         return extra
 
     def _cache_key(self, request: Request, tokens: Sequence[int]) -> list[int]:

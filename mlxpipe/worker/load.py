@@ -139,14 +139,17 @@ def load_rank(job: JobSpec, group: mx.distributed.Group) -> LoadedModel:
 def load_vision_rank(job: JobSpec, group: Any, topology: Topology, path: Path, tic: float) -> LoadedModel:
     """``load_rank`` for a vision-language model: mlx-vlm's model, its language model's blocks cut as any
     model's; the vision tower and projector kept (and the image processor loaded) on the first stage only."""
+    from mlxpipe.vision.families import check_deepstack, family_type
     from mlxpipe.vision.prompt import load_vision_processor
     from mlxpipe.worker import vision
 
     model, config = vision.load_vision_model(path)
-    unsupported = vision.unsupported_features(model)
+    model_type = family_type(config)
+    unsupported = vision.unsupported_features(model, model_type)
     if unsupported:
-        raise ModelError(f"{config.get('model_type')}: its language model reads {', '.join(unsupported)} from the "
+        raise ModelError(f"{model_type}: its language model reads {', '.join(unsupported)} from the "
                          "vision tower, which the pipeline does not carry")
+    check_deepstack(config, job.split)  # the controller's check, for a split it did not plan
     first = topology.stage == topology.stages - 1
     if not first:  # only the first stage runs the vision tower and projector
         for key in vision.vision_modules(model):

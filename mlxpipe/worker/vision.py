@@ -8,7 +8,10 @@ the input embeddings and (Qwen-VL's multi-axis rotary) position ids a micro-batc
 
 The first stage (the highest rank, which holds the embeddings) alone runs the vision tower: ``features``
 gives a prompt's input embeddings and position ids, as ``mlx_vlm.generate`` computes them; its position ids
-travel with the hidden state to the later stages (``pack_positions``), which never see the pixels.
+travel with the hidden state to the later stages (``pack_positions``), which never see the pixels. Qwen3-VL's
+deepstack features, added to the hidden state after its first few layers, never leave the first stage: those
+layers are there (``mlxpipe.vision.families.check_deepstack``), and ``deepstack_inputs`` hands them each
+micro-batch's share.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from mlxpipe.protocol.request import Image, Request
 # mlxpipe carries: position ids (rope deltas say how they go on after the prompt). Anything else a language
 # model reads (deepstack features, per-layer inputs, cross-attention states) the pipeline does not carry.
 CARRIED_FEATURES = ("inputs_embeds", "position_ids", "rope_deltas")
+# What the language model reads only in layers the first stage holds (Qwen3-VL's deepstack: after its first k
+# layers), so nothing of it crosses a cut; the controller refuses a split that would put one of those layers (or
+# the one after them) on a later stage, and so does ``load_vision_rank``.
+FIRST_STAGE_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 # ``attention_mask`` is an encoder-decoder model's (mlx-vlm's own comment); decoder-only language models name the
 # word only for the processor's padding mask, which a prompt of one request does not have.
 _IGNORED_FEATURES = ("attention_mask",)
@@ -50,9 +57,10 @@ class _LanguageCall:
     language_model: nn.Module
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None,
-                 position_ids: mx.array | None = None) -> mx.array:
+                 position_ids: mx.array | None = None, **first_stage: Any) -> mx.array:
+        """``first_stage``: what only the first stage's layers read (``deepstack_inputs``)."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs, **first_stage)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
 
@@ -84,12 +92,15 @@ def vision_modules(model: nn.Module) -> list[str]:
     return [key for key, value in model.items() if isinstance(value, nn.Module) and key != "language_model"]
 
 
-def unsupported_features(model: nn.Module) -> list[str]:
+def unsupported_features(model: nn.Module, model_type: str) -> list[str]:
     """What this model's embeddings hand its language model that the pipeline does not carry (empty: none)."""
     from mlx_vlm.models.base import InputEmbeddingsFeatures
 
+    from mlxpipe.vision.families import DEEPSTACK
+
+    carried = CARRIED_FEATURES + (FIRST_STAGE_FEATURES if model_type in DEEPSTACK else ())
     names = [f for f in InputEmbeddingsFeatures.__dataclass_fields__
-             if f not in CARRIED_FEATURES and f not in _IGNORED_FEATURES]
+             if f not in carried and f not in _IGNORED_FEATURES]
     # A feature the language model's code never names is one it never reads (Gemma 3's 4-d mask).
     module = inspect.getmodule(type(model.language_model))
     source = inspect.getsource(module) if module is not None else ""
@@ -109,6 +120,10 @@ class PromptFeatures:
     embeddings: mx.array  # (1, prompt tokens, hidden)
     positions: mx.array | None  # (3, 1, prompt tokens) int32, for models that take position ids
     delta: int  # positions past the prompt: index + delta (Qwen-VL's rope deltas)
+    # Qwen3-VL's deepstack: where the prompt's image tokens are, and per deepstack layer their features
+    # (image tokens, hidden), in the prompt's order. None for other models and prompts without images.
+    visual: list[int] | None = None
+    deepstack: list[mx.array] | None = None
 
 
 def features(model: nn.Module, processor: Any, config: dict[str, Any], request: Request,
@@ -144,7 +159,32 @@ def features(model: nn.Module, processor: Any, config: dict[str, Any], request: 
         mx.eval(out.inputs_embeds, positions)
     else:
         mx.eval(out.inputs_embeds)
-    return PromptFeatures(out.inputs_embeds, positions, delta)
+    deepstack = getattr(out, "deepstack_visual_embeds", None)
+    if deepstack is None:
+        return PromptFeatures(out.inputs_embeds, positions, delta)
+    mask = out.visual_pos_masks.reshape(-1).tolist()
+    visual = [i for i, is_image in enumerate(mask) if is_image]
+    return PromptFeatures(out.inputs_embeds, positions, delta, visual, [deepstack[k] for k in range(len(deepstack))])
+
+
+def deepstack_inputs(rows: Sequence[tuple[PromptFeatures | None, int]], width: int) -> dict[str, Any]:
+    """The deepstack keywords of a micro-batch on the first stage, as mlx-vlm's language model reads them: each
+    row's image-token mask over its tokens ``start`` .. ``start + width``, and those tokens' features row after
+    row. Empty where no row has an image token there (the language model then adds nothing)."""
+    masks, picked = [], []
+    for prompt, start in rows:
+        mask = [False] * width
+        if prompt is not None and prompt.visual is not None and prompt.deepstack is not None:
+            inside = [i for i, p in enumerate(prompt.visual) if start <= p < start + width]
+            for i in inside:
+                mask[prompt.visual[i] - start] = True
+            if inside:
+                picked.append([layer[inside[0] : inside[-1] + 1] for layer in prompt.deepstack])
+        masks.append(mask)
+    if not picked:
+        return {}
+    layers = [mx.concatenate([features[k] for features in picked]) for k in range(len(picked[0]))]
+    return {"visual_pos_masks": mx.array(masks), "deepstack_visual_embeds": layers}
 
 
 def text_embeddings(model: nn.Module, tokens: mx.array) -> mx.array:

@@ -37,8 +37,13 @@ MAX_TOKENS = 12
 TOOL_TOKENS = 160  # one call of the byte tokenizer is ~40-90 tokens; the bounded schemas end it
 # A four-rank hostfile of this machine: 2 stages x --tp 2.
 LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
-# The families the table says run (mlxpipe/vision/families.py): each is checked in every layout it claims.
+# The families the table says run (mlxpipe/vision/families.py): each at 2 ranks.
 RUNNING = sorted(RUNS)
+# Both --tp layouts on the four families issue 33 names (one with multi-axis positions, one MoE), and --tp 2 on
+# Qwen3-VL (its deepstack features on every member of the first stage's group): each case is a launch of its own,
+# 15-25 s here, so not every family at both.
+TP_CASES = [*((f, layout) for f in ("gemma3", "kimi_vl", "mistral3", "qwen2_5_vl") for layout in ("tp2", "2x-tp2")),
+            ("qwen3_vl", "tp2")]
 
 
 def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
@@ -102,13 +107,13 @@ def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("layout", ["tp2", "2x-tp2"])
-@pytest.mark.parametrize("family", RUNNING)
+@pytest.mark.parametrize(("family", "layout"), TP_CASES)
 def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
                                        reference: dict[tuple[str, int], list[int]], family: str, layout: str,
                                        tmp_path: Path) -> None:
-    """--tp 2 (one stage) and 2 stages x --tp 2: embeddings (and Qwen-VL's positions) reach every member of a
-    group, every family's blocks split by heads (Kimi-VL's latent attention and experts too)."""
+    """--tp 2 (one stage) and 2 stages x --tp 2: embeddings (Qwen-VL's positions, Qwen3-VL's deepstack features)
+    reach every member of a group, every family's blocks split by heads (Kimi-VL's latent attention and experts
+    too)."""
     hostfile = tmp_path / "local-4.json"
     hostfile.write_text(json.dumps(LOCAL_4))
     flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
@@ -123,7 +128,7 @@ def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) 
     assert "starting" not in result.stderr
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "llava"])
+@pytest.mark.parametrize("model_type", ["gemma3n", "llava"])
 def test_family_that_cannot_be_split_refused_before_launch(vision_models: VisionModels, images: list[Path],
                                                            tmp_path: Path, model_type: str) -> None:
     """A family the table refuses (mlxpipe/vision/families.py): one line naming its model type and the reason,
@@ -139,6 +144,29 @@ def test_family_that_cannot_be_split_refused_before_launch(vision_models: Vision
         assert result.returncode != 0
         assert f"{model_type}: mlxpipe cannot split this vision-language model: " in result.stderr
         assert "starting" not in result.stderr
+
+
+def test_deepstack_layers_off_the_first_stage_refused_before_launch(vision_models: VisionModels,
+                                                                     images: list[Path]) -> None:
+    """Qwen3-VL adds deepstack features after layer 0 (the fixture's one deepstack layer): a split that leaves the
+    first stage (the highest rank) one layer, which would hand on its output before the features are added, is
+    refused in one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(vision_models["qwen3_vl"]), "--image", str(images[0]),
+                     "--prompt", PROMPT, "--hostfile", "hostfiles/local-2.json", "--split", "3,1")
+    assert result.returncode != 0
+    assert "qwen3_vl: its language model adds the vision tower's deepstack features after layer 0" in result.stderr
+    assert "give the last --split entry at least 2 layers" in result.stderr
+    assert "starting" not in result.stderr
+
+
+def test_tensor_parallel_the_sharder_cannot_split_refused_before_launch(vision_models: VisionModels,
+                                                                        images: list[Path]) -> None:
+    """--tp 2 on Llama 4 (whose experts' router the sharder does not split): one line, and no rank started."""
+    result = mlxpipe("generate", "--model", str(vision_models["llama4"]), "--image", str(images[0]),
+                     "--prompt", PROMPT, "--hostfile", "hostfiles/local-2.json", "--tp", "2")
+    assert result.returncode != 0
+    assert "--tp 2: llama4: the tensor-parallel sharder cannot split mlx-vlm's model" in result.stderr
+    assert "starting" not in result.stderr
 
 
 def test_bad_image_file_refused(vision_models: VisionModels, tmp_path: Path) -> None:

@@ -48,3 +48,19 @@ def test_positions_travel_packed_with_the_hidden_state() -> None:
     assert message.dtype == mx.uint8
     back, ids = vision.unpack_positions(message, hidden.shape, hidden.dtype)
     assert mx.array_equal(back, hidden).item() and ids.tolist() == positions.tolist()
+
+
+def test_deepstack_features_follow_each_rows_window() -> None:
+    """A micro-batch's deepstack share: each row's image tokens inside its window, their features row after row,
+    as mlx-vlm's language model takes them; nothing where no row reads an image token."""
+    layers = [mx.arange(5 * 2, dtype=mx.float32).reshape(5, 2) + 100 * k for k in range(2)]  # 5 image tokens
+    prompt = vision.PromptFeatures(mx.zeros((1, 12, 2)), None, 0, visual=[2, 3, 4, 7, 8], deepstack=layers)
+    first = vision.deepstack_inputs([(prompt, 0)], 4)  # a prefill chunk: tokens 0-3 hold images 0 and 1
+    assert first["visual_pos_masks"].tolist() == [[False, False, True, True]]
+    assert [layer.tolist() for layer in first["deepstack_visual_embeds"]] == [
+        layers[k][:2].tolist() for k in range(2)]
+    rows = [(prompt, 4), (None, 0), (prompt, 7)]  # tokens 4-7 of it, a text-only row, tokens 7-10 of it
+    both = vision.deepstack_inputs(rows, 4)
+    assert both["visual_pos_masks"].tolist() == [[True, False, False, True], [False] * 4, [True, True, False, False]]
+    assert both["deepstack_visual_embeds"][1].tolist() == layers[1][[2, 3, 3, 4]].tolist()
+    assert vision.deepstack_inputs([(prompt, 9)], 1) == {}  # past the images: the reply's tokens
