@@ -94,7 +94,9 @@ def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster)
         before = latency()
     with added_latency(cluster.bridge, [cluster.host(1).veth], ADDED_MS):
         after = latency()
-    assert after - before == pytest.approx(ADDED_MS * 1e-3, rel=0.3), (before, after)
+    # At least the delay, as netem's: a frame never leaves the wire early. The wire's own wake-ups on a loaded
+    # 2-core machine only add to it: two CI runs measured +5.8 and +5.9 ms for 4 ms added (0.2 ms at 0 ms).
+    assert 0.8 * ADDED_MS * 1e-3 <= after - before <= 2 * ADDED_MS * 1e-3, (before, after)
 
 
 # --- the predicted order of layouts is the measured one --------------------------------------------------
