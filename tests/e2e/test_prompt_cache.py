@@ -71,18 +71,6 @@ def _written(folders: list[Path], before: list[dict[str, list[int]]]) -> str:
 
 
 def _settled_health(server: ServeProcess) -> dict[str, Any]:
-    """``/health`` once every rank's report counts the truncated slice's removal (or after ``WRITE_SECONDS``):
-    each rank reports its disk tier's figures as it ends a request, and the HTTP reply can come back before a
-    rank other than rank 0 has told the server (CI saw rank 1's ``removed`` still 0 straight after the reply)."""
-    deadline = time.monotonic() + WRITE_SECONDS
-    while True:
-        health = server.health()
-        if all(r["prompt_cache"]["removed"] >= 1 for r in health["ranks"][1:]) or time.monotonic() > deadline:
-            return health
-        time.sleep(0.2)
-
-
-def _settled_health(server: ServeProcess) -> dict[str, Any]:
     """``/health`` once every rank but rank 0 counts the truncated slice's removal (or after ``WRITE_SECONDS``).
     Each rank reports its disk tier's figures as it ends a request, and the HTTP reply can come back before a
     rank other than rank 0 has told the server: CI saw rank 1's ``removed`` still 0 straight after the reply."""
