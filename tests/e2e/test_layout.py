@@ -3,7 +3,8 @@
 * ``doctor --links`` on two local ranks writes the facts beside the hostfile, and ``plan`` weighs every
   layout from them.
 * On the namespace hosts (``fixtures/cluster.py``), a delay on one host's link (``tc netem delay``'s, done in
-  user space: this kernel has no netem; ``fixtures/delay_wire.py``) shows in the measured latency, between 0.8x and 2x the delay.
+  user space: this kernel has no netem; ``fixtures/delay_wire.py``) shows in the measured latency, as 0.8x
+  to 2x the delay.
 * The order the cost model predicts is the order measured (``fixtures/layouts.py``; the machine calibrated
   once per session): the pipeline against ``--tp 2`` in single-stream decode on two local ranks (the fast
   link: ``--tp`` wins) and on the namespace hosts with 5 ms added each way on one host's link (the pipeline
