@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster)
 # --- the predicted order of layouts is the measured one --------------------------------------------------
 
 
-def decode_order(wide: Path, hostfile: Path, calibration: Any, after_each: Any = None) -> list[int]:
+def decode_order(wide: Path, hostfile: Path, calibration: Any,
+                 after_each: Callable[[], None] | None = None) -> list[int]:
     """The --tp values (1: the 2-stage pipeline, 2) from slowest to fastest decode as measured on ``hostfile``,
     asserted to be the order the cost model predicts from the links measured there."""
     from mlxpipe.cluster.links import measure, write_facts
