@@ -1,8 +1,8 @@
 """Shared pytest set-up: every test runs with its own HOME and Hugging Face cache, seeded; mlxpipe's own files
 (run logs, the prompt cache on disk) go to a temp dir even from session fixtures.
 
-Fixtures that build expensive things (models, the fake hub, the test cluster)
-live in ``tests/fixtures/`` and are session-scoped; they are imported here. Sampling is seeded by
+Fixtures live in ``tests/fixtures/``, those that build expensive things (models, the fake hub, the test
+cluster) session-scoped; the ones tests share are imported here. Sampling is seeded by
 default (``fixtures/seeding.py``): MLX's random state before each test, and a seed in every sampled
 request to a local server that names none.
 """
@@ -17,13 +17,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# Session fixtures from tests/fixtures/ are imported below this line.
+# Fixtures from tests/fixtures/ are imported below this line: a test names one as a parameter and never imports it.
+from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F401
+from fixtures.browser import browser  # noqa: F401
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
 from fixtures.demo_model import demo_model, demo_reference  # noqa: F401
+from fixtures.doctor import other_mlx_python  # noqa: F401
+from fixtures.draft_models import models  # noqa: F401
 from fixtures.fake_hub import fake_hub, hub_env  # noqa: F401
+from fixtures.generation_options import option_model  # noqa: F401
+from fixtures.hostfiles import four_macs  # noqa: F401
+from fixtures.lora_workdir import workdir  # noqa: F401
 from fixtures.seeding import mlx_seed, mlx_seed_module, mlx_seed_session, seeded_requests  # noqa: F401
 from fixtures.serve_process import server  # noqa: F401
-from fixtures.tiny_models import tiny_models  # noqa: F401
+from fixtures.tiny_models import tiny_models, tp_llama  # noqa: F401
 from fixtures.tool_model import tool_model  # noqa: F401
 from fixtures.vision_models import vision_models  # noqa: F401
 

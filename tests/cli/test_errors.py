@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from fixtures.fake_hub import closed_port_endpoint
+from fixtures.hub_errors import NET_HINT, assert_one_error, invoke_command
 from mlxpipe.cluster import target as target_mod
-from tests.hub.test_offline import NET_HINT, assert_one_error, invoke
 
 
 def test_the_boundary_maps_a_network_error_nobody_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +22,7 @@ def test_the_boundary_maps_a_network_error_nobody_mapped(monkeypatch: pytest.Mon
         return HfApi(endpoint=ep).model_info("org/model", timeout=2)  # raises httpx's ConnectError
 
     monkeypatch.setattr(target_mod, "load_model_metadata", unmapped)
-    result = invoke("plan", "--model", "org/model")
+    result = invoke_command("plan", "--model", "org/model")
     assert_one_error(result, f"error: cannot reach the hub at {ep}: connection refused",
                      NET_HINT.format(ep=os.environ.get("HF_ENDPOINT") or "https://huggingface.co"))
 
@@ -32,5 +32,5 @@ def test_the_boundary_lets_a_bug_keep_its_traceback(monkeypatch: pytest.MonkeyPa
         raise ValueError("a bug")
 
     monkeypatch.setattr(target_mod, "load_model_metadata", bug)
-    result = invoke("plan", "--model", "org/model")
+    result = invoke_command("plan", "--model", "org/model")
     assert isinstance(result.exception, ValueError)

@@ -10,11 +10,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.cli import cli, mlxpipe
 from fixtures.tiny_models import TinyModels
 from mlxpipe.cli import app
-from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
-from tests.e2e.test_generate import mlxpipe
-from tests.e2e.test_ssh_cluster import cli
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.e2e.test_lora import MLXPIPE, REPO, workdir  # noqa: F401 (workdir: a fixture)
+from fixtures.cli import MLXPIPE, REPO
 
 
 def test_bad_flags_are_refused_before_any_rank_starts(workdir: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.cluster_facts import facts_beside
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
 from mlxpipe.cluster.hostfile import load_hostfile
@@ -412,19 +413,6 @@ def test_a_split_that_cuts_kv_sharing_layers_is_refused(kv_shared_model: Path) -
 # --- --layout auto: the layouts weighed from the cluster's facts --------------------------------------------
 
 
-def _facts_beside(hostfile: Path, latency: float) -> None:
-    """Facts of a calibrated CPU on every host, links of ``latency``, written beside ``hostfile``."""
-    from mlxpipe.cluster.links import ring_pairs, write_facts
-    from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
-
-    hosts = load_hostfile(hostfile).hosts
-    cal = Calibration(decode_bandwidth=4e9, prefill_flops=6e9, layer_overhead=1e-4, step_overhead=1e-4)
-    write_facts(ClusterFacts(
-        tuple(HostFacts(h.rank, h.ssh, "AMD EPYC", "cpu", 5e9, "measured", 3e9, cal) for h in hosts),
-        tuple(LinkFacts(p, latency, 2e9) for p in ring_pairs(len(hosts))), "ring", 2 * latency,
-        addresses=tuple((h.ssh, tuple(h.ips)) for h in hosts)), hostfile)
-
-
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A qwen2 whose layers outweigh the fixed costs of a decode step on a CPU (8 layers, hidden 512)."""
@@ -438,7 +426,7 @@ def test_layout_auto_shows_every_layout_and_plans_the_fastest(wide: Path, tmp_pa
                                                               chosen: str) -> None:
     hostfile = tmp_path / "two.json"
     hostfile.write_text(LOCAL_2.read_text())
-    _facts_beside(hostfile, latency)
+    facts_beside(hostfile, latency)
     result = invoke("plan", "--model", str(wide), "--hostfile", str(hostfile), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -8,7 +8,6 @@ from typer.testing import CliRunner
 from mlxpipe.cli import app
 from mlxpipe.cli.serve import image_limits
 from mlxpipe.vision.images import ImageLimits
-from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
 
 
 def test_serve_refuses_concurrency_with_a_draft_model(models) -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from fixtures.cli import REPO, invoke
 from fixtures.cluster import skip_or_fail_in_ci
+from fixtures.cluster_facts import facts_beside
+from fixtures.doctor import OTHER_MLX, doctor, failures, statuses
+from fixtures.hostfiles import LOCAL
 from mlxpipe.cli import app
 from mlxpipe.cluster.doctor import (
     CheckResult,
@@ -26,30 +29,8 @@ from mlxpipe.cluster.doctor import (
 from mlxpipe.cluster.hostfile import load_hostfile, parse_hostfile
 from mlxpipe.errors import LaunchError
 from mlxpipe.launch.ranks import free_port_base
-from tests.plan.test_tensor import invoke
 
-REPO = Path(__file__).resolve().parents[2]
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
-LOCAL = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
-OTHER_MLX = "0.29.0"
-
-
-def doctor(*args: str) -> tuple[int, list[dict[str, Any]], str]:
-    """Run ``mlxpipe doctor --json``: exit code, the checks, and stderr."""
-    result = CliRunner().invoke(app, ["doctor", "--json", *args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    data = json.loads(result.stdout)
-    assert data["ok"] == (result.exit_code == 0)
-    return result.exit_code, data["checks"], result.stderr
-
-
-def statuses(checks: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
-    return {(c["host"], c["check"]): c["status"] for c in checks}
-
-
-def failures(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [c for c in checks if c["status"] == "fail"]
 
 
 def write(path: Path, hosts: list[dict[str, Any]]) -> Path:
@@ -64,18 +45,6 @@ def busy_port() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s.getsockname()[1]
-
-
-@pytest.fixture
-def other_mlx_python(tmp_path: Path) -> str:
-    """An interpreter that reports another mlx version (two real mlx installs cost too much here)."""
-    path = tmp_path / "python-other-mlx"
-    path.write_text(
-        "#!/bin/sh\n"
-        f'{sys.executable} "$@" | sed \'s/"mlx": "[^"]*"/"mlx": "{OTHER_MLX}"/\'\n'
-    )
-    path.chmod(0o755)
-    return str(path)
 
 
 # --- This machine -----------------------------------------------------------------------
@@ -254,11 +223,10 @@ def test_a_layout_slower_than_fewer_hosts_is_warned_with_both_figures(wide_model
                                                                        latency: float, status: str) -> None:
     from mlxpipe.cluster.doctor import layout_checks
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-    from tests.cli.test_plan import _facts_beside
 
     hostfile = tmp_path / "two.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
-    _facts_beside(hostfile, latency)
+    facts_beside(hostfile, latency)
     target = resolve_target(str(wide_model), None, hostfile, None, None, None, None, "pipeline")
     meta = load_model_metadata(target)
     (check,) = layout_checks(target, meta, plan_target(target, meta))

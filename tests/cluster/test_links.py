@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.cluster_facts import FACTS
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.cluster.links import facts_path, host_facts_of, load_facts, measure, ring_pairs, write_facts
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.events import HostMeasured
-from tests.plan.test_facts import FACTS
 
 
 def hostfile(tmp_path: Path, *ips: str, name: str = "cluster.json") -> Path:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.hostfiles import load_hostfile_host
 from mlxpipe.cluster import remote
 from mlxpipe.errors import DownloadError
-from tests.download.test_controller import load_hostfile_host
 
 # --- Sending over ssh: the commands (the multi-host test runs them for real) -------------------
 

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fixtures.fake_hub import FAKE_TOKEN, FakeHub
+from fixtures.hostfiles import load_hostfile_host
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.cli import app
 from mlxpipe.cluster import remote
@@ -514,12 +515,6 @@ def test_rsync_recreates_the_cache_layout_exactly(hub_env: FakeHub, repos: dict,
         assert p.is_symlink() == twin.is_symlink()
         if p.is_symlink():
             assert os.readlink(p) == os.readlink(twin)
-
-
-def load_hostfile_host(ssh: str) -> Any:
-    from mlxpipe.cluster.hostfile import parse_hostfile
-
-    return parse_hostfile([{"ssh": ssh, "ips": ["10.0.0.2"]}], Path("h.json")).hosts[0]
 
 
 def test_a_model_every_rank_loads_whole_goes_whole_to_each_storage(hub_env: FakeHub, repos: dict,

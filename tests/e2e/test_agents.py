@@ -19,14 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.agents import (  # noqa: F401 - fixtures
-    AGENT_REPLY,
-    AgentClis,
-    RecordingProxy,
-    agent_clis,
-    agent_model,
-    recording_proxy,
-)
+from fixtures.agents import AGENT_REPLY, AgentClis, RecordingProxy
 from fixtures.serve_process import KEY, ServeProcess, ready_server
 
 pytestmark = pytest.mark.ranks

@@ -9,13 +9,7 @@ from typing import Any
 import pytest
 
 from fixtures.cluster import Cluster
-from tests.cluster.test_doctor import (  # noqa: F401 (other_mlx_python: a fixture)
-    OTHER_MLX,
-    doctor,
-    failures,
-    other_mlx_python,
-    statuses,
-)
+from fixtures.doctor import OTHER_MLX, doctor, failures, statuses
 
 # --- The ssh test cluster -----------------------------------------------------------------
 

@@ -9,7 +9,6 @@ trimmed). One ``mlx.launch`` run of 2 local ranks serves every case (``fixtures/
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -21,12 +20,10 @@ import pytest
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.serve_process import ServeProcess, ready_server
-from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
 SPLIT = [2, 4]
-DRAFT_LAYERS = 4  # the draft: the target's first 4 of 6 layers (about 40% of drafts accepted)
 QUESTION = "Tell me about pipelines across several machines, please."
 LONG = "Stage after stage, token by token, the hidden state moves down the ring of hosts."
 _TIMEOUT = 420.0
@@ -34,40 +31,6 @@ _TIMEOUT = 420.0
 
 def _raw(**options: Any) -> dict[str, Any]:
     return {"prompt": LONG, "ignore_chat_template": True, "max_tokens": 12, **options}
-
-
-def first_layers_draft(target: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:
-    """A draft model made of ``target``'s first ``layers`` blocks (its embedding, norm and head too): it drafts
-    some tokens right and some wrong."""
-    import mlx.core as mx
-
-    dest.mkdir(parents=True)
-    weights: dict[str, Any] = {}
-    for f in target.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
-    config = json.loads((target / "config.json").read_text())
-    dropped = tuple(f"layers.{i}." for i in range(layers, config["num_hidden_layers"]))
-    kept = {k: v for k, v in weights.items() if not any(d in k for d in dropped)}
-    mx.save_safetensors(str(dest / "model.safetensors"), kept)
-    (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
-    for f in target.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, dest / f.name)
-    return dest
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny qwen2 target, a draft made of its first layers, and a draft whose tokenizer has one more token."""
-    root = tmp_path_factory.mktemp("draft")
-    target = make_tiny_checkpoint("qwen2", root / "target", overrides={"hidden_size": 128})
-    draft = first_layers_draft(target, root / "draft")
-    other = root / "other-vocab"
-    shutil.copytree(draft, other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    tokenizer["model"]["vocab"]["<|extra|>"] = len(tokenizer["model"]["vocab"]) + len(tokenizer.get("added_tokens", []))
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return {"target": target, "draft": draft, "other_vocab": other}
 
 
 def _turns(target: Path) -> list[dict[str, Any]]:

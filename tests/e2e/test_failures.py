@@ -27,11 +27,12 @@ from typer.testing import CliRunner
 
 from fixtures import faulty_worker
 from fixtures.cluster import Cluster
+from fixtures.doctor import OTHER_MLX
+from fixtures.hostfiles import LOCAL
 from fixtures.processes import _alive, _is_worker, local_rank_processes
 from mlxpipe.cli import app
 from mlxpipe.errors import LaunchError
 from mlxpipe.launch.pipeline import Pipeline, Request, request_for
-from tests.launch.test_failures import LOCAL
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
@@ -40,7 +41,6 @@ MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 STORY = "Once upon a time"
 STORY_SAMPLING = Request(max_tokens=400, ignore_chat_template=True)
 START_SECONDS = 120.0  # starting ranks on a busy 2-core machine
-OTHER_MLX = "0.29.0"
 
 
 # --- Where the ranks run ---------------------------------------------------------------------
@@ -348,15 +348,6 @@ def test_signal_to_controller_stops_every_rank(site: Site, signum: int, demo_mod
 
 
 # --- The ssh cluster: preflight and a host that stops answering --------------------------------------
-
-
-@pytest.fixture
-def other_mlx_python(tmp_path: Path) -> str:
-    """An interpreter that reports another mlx version (as in test_doctor)."""
-    path = tmp_path / "python-other-mlx"
-    path.write_text(f'#!/bin/sh\n{sys.executable} "$@" | sed \'s/"mlx": "[^"]*"/"mlx": "{OTHER_MLX}"/\'\n')
-    path.chmod(0o755)
-    return str(path)
 
 
 @pytest.mark.cluster

@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.cluster import cluster, cluster_session  # noqa: F401
-from tests.launch.test_frames import check_flood, flood
+from fixtures.flood import check_flood, flood
 
 
 @pytest.mark.cluster

@@ -7,23 +7,12 @@ tokens must equal single-process mlx-lm's on the same checkpoint.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fixtures.cli import mlxpipe
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
-
-REPO = Path(__file__).resolve().parents[2]
-MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
-TIMEOUT = 180
-
-
-def mlxpipe(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [MLXPIPE, *args], input=stdin, capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO
-    )
 
 
 @pytest.mark.parametrize("hostfile", ["local-2.json", "local-3.json"])

@@ -10,54 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
-import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fixtures.tiny_models import make_tiny_checkpoint
+from fixtures.cli import MLXPIPE, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 240
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "home", "in", "the",
-         "rain", "and", "sun"]
 # Adam turns float noise in near-zero gradients into steps of up to the learning rate, so a
 # modest one keeps the comparison about the pipeline, not about rounding (mlx_lm's default is 1e-5).
 FLAGS = {"batch_size": 4, "iters": 4, "num_layers": 3, "learning_rate": 1e-4, "steps_per_eval": 2,
          "val_batches": 2, "save_every": 2, "steps_per_report": 1}
-
-
-def _say(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama (float32, and quantized to 4 bits), a tiny MoE (4 layers), text data and chat data."""
-    from mlx_lm.convert import convert
-
-    root = tmp_path_factory.mktemp("lora")
-    make_tiny_checkpoint("llama", root / "llama", num_layers=4)
-    convert(str(root / "llama"), str(root / "llama-4bit"), quantize=True, q_group_size=32, q_bits=4, dtype="float32")
-    make_tiny_checkpoint("qwen3_moe", root / "moe", num_layers=4)
-    rng = random.Random(0)
-    for name, n in (("train", 20), ("valid", 8), ("test", 8)):
-        (root / "text").mkdir(exist_ok=True)
-        (root / "text" / f"{name}.jsonl").write_text(
-            "".join(json.dumps({"text": _say(rng, 3, 24)}) + "\n" for _ in range(n))
-        )
-        (root / "chat").mkdir(exist_ok=True)
-        (root / "chat" / f"{name}.jsonl").write_text("".join(
-            json.dumps({"messages": [{"role": "user", "content": _say(rng, 2, 12)},
-                                     {"role": "assistant", "content": _say(rng, 2, 12)}]}) + "\n"
-            for _ in range(n)
-        ))
-    return root
 
 
 def reference(out: Path, **flags: Any) -> dict[str, Any]:

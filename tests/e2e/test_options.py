@@ -17,73 +17,23 @@ from typing import Any
 
 import pytest
 
+from fixtures.generation_options import OPTIONS, SPLIT
+from fixtures.generation_options import chat_request as _chat
+from fixtures.generation_options import raw_request as _raw
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
-from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.protocol.job import JobSpec
 
 PREFILL_STEP = 8
-SPLIT = [2, 4]  # rank 0 runs layers 4-5, rank 1 layers 0-3
-ADAPTER_LAYERS = 4  # adapters on layers 2-5: both ranks hold some, rank 1 also two without
-QUESTION = "Tell me about pipelines across several machines, please."
-LONG = "Stage after stage, token by token, the hidden state moves down the ring of hosts."
 _TIMEOUT = 420.0
 
 
-def _chat(**options: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, **options}
-
-
-def _raw(text: str = LONG, **options: Any) -> dict[str, Any]:
-    return {"prompt": text, "ignore_chat_template": True, "max_tokens": 8, **options}
-
-
-# One request per option (id -> Request fields), and the request without it that it must differ from.
-OPTIONS: dict[str, dict[str, Any]] = {
-    "top_k": _chat(temp=1.0, top_k=2, seed=1),
-    "xtc": _chat(temp=1.0, xtc_probability=1.0, xtc_threshold=0.01, seed=2),
-    "min_p": _raw(temp=2.0, min_p=0.2, min_tokens_to_keep=3, top_p=0.9, seed=3),
-    "logit_bias": _chat(logit_bias={101: 3.0, 116: 2.0}),
-    "repetition": _chat(repetition_penalty=3.0, repetition_context_size=20),  # its greedy reply repeats a token
-    "presence_frequency": _chat(presence_penalty=5.0, frequency_penalty=2.0),
-    "extra_eos": _chat(extra_eos_token=["<|endoftext|>"]),  # and the third greedy token's id: see _requests
-    "max_kv_size": _raw(max_kv_size=12, max_tokens=10),
-    "kv_bits": _raw(kv_bits=4, kv_group_size=32, quantized_kv_start=10, max_tokens=10),
-    "prefill_response": _chat(prefill_response="Pipelines are"),
-    "chat_template_config": _chat(chat_template_config={"add_generation_prompt_extra": True},
-                                  system_prompt="Be brief."),
-}
 ADAPTER_REQUESTS: dict[str, dict[str, Any]] = {"adapter_chat": _chat(), "adapter_raw": _raw()}
 # Options that need not change the tokens of this tiny model (they are exercised all the same).
 UNCHANGED = {"chat_template_config"}
 
 
 # ---------------------------------------------------------------- every option on real ranks
-
-
-@pytest.fixture(scope="module")
-def option_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny qwen2 whose head_dim (32) KV quantization takes, and random LoRA adapters on its last 4 layers."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    root = tmp_path_factory.mktemp("options")
-    # qwen2: mlx-lm's make_prompt_cache honours max_kv_size only for models without their own make_cache.
-    checkpoint = make_tiny_checkpoint("qwen2", root / "qwen2", overrides={"hidden_size": 128})
-    model, _ = load(str(checkpoint))
-    lora = {"rank": 4, "scale": 2.0, "dropout": 0.0}
-    linear_to_lora_layers(model, ADAPTER_LAYERS, lora)
-    adapters = {k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.2
-                for i, (k, v) in enumerate(tree_flatten(model.parameters()))
-                if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
-    dest = root / "adapters"
-    dest.mkdir()
-    mx.save_safetensors(str(dest / "adapters.safetensors"), adapters)
-    (dest / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": ADAPTER_LAYERS, "lora_parameters": lora}))
-    return checkpoint, dest
 
 
 def reference(path: Path, fields: dict[str, Any], adapters: Path | None = None) -> list[int]:

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.pipeline_reference import PREFILL_STEP
+from fixtures.pipeline_reference import reference_model as _reference_model
+from fixtures.pipeline_reference import request_reference as _reference
 from fixtures.ranks import PYTHON, LaunchResult, launch_cases, rank_dirs
-from fixtures.tiny_models import TinyModels
+from fixtures.tiny_models import TINY_SPLITS, TinyModels
 from mlxpipe.protocol.job import JobSpec
 
-PREFILL_STEP = 8  # below most prompts, so prefill runs in chunks
 QUESTION = "Tell me about pipelines across several machines, please."
 CONCURRENCY = [1, 2, 3]
 BATCHED = [(4, 2), (6, 3)]  # (K in flight, B requests per decode micro-batch)
@@ -47,13 +48,6 @@ DEMO_REQUESTS: list[dict[str, Any]] = [
      "ignore_chat_template": True, "max_tokens": 5},
     {"id": "hello", "prompt": "Hello", "ignore_chat_template": True, "max_tokens": 3},
 ]
-# arch -> split on 2 ranks, on 3 ranks ([5, 1] leaves rank 0 without the layers masks are built from).
-TINY_SPLITS = {
-    "llama": ([2, 4], [1, 1, 4]),
-    "qwen2": ([3, 3], [2, 2, 2]),
-    "gemma3_text": ([5, 1], [1, 1, 4]),
-    "deepseek_v3": ([5, 1], [2, 2, 2]),
-}
 DEMO_SPLITS = ([12, 18], [8, 12, 10])
 CASES = {
     n: {**{arch: splits[n - 2] for arch, splits in TINY_SPLITS.items()}, "demo": DEMO_SPLITS[n - 2]}
@@ -121,36 +115,6 @@ def _results(event: dict[str, Any], k: int, b: int = 1) -> dict[Any, dict[str, A
 
 def _done(event: dict[str, Any], k: int, b: int = 1) -> dict[str, Any]:
     return next(e for e in _run(event, k, b)["events"] if e["event"] == "batch_done")
-
-
-@cache
-def _reference_model(path: str) -> tuple[Any, Any]:
-    from mlx_lm import load
-
-    return load(path)
-
-
-@cache
-def _reference(path: str, request_json: str) -> tuple[list[int], str]:
-    """Single-process mlx-lm's tokens and text for one request, alone."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    request = json.loads(request_json)
-    model, tokenizer = _reference_model(path)
-    if request.get("ignore_chat_template"):
-        prompt: Any = request["prompt"]  # stream_generate adds the BOS as the worker does
-    else:
-        messages = request.get("messages") or [{"role": "user", "content": request["prompt"]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-    if "seed" in request:
-        mx.random.seed(request["seed"])
-    sampler = make_sampler(request.get("temp", 0.0), top_p=request.get("top_p", 0.0))
-    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=request["max_tokens"],
-                                     sampler=sampler, prefill_step_size=PREFILL_STEP))
-    return [r.token for r in responses], "".join(r.text for r in responses)
 
 
 PARAMS = [(n, case, k, b) for n in (2, 3) for case in CASES[n] for k, b in RUNS]

@@ -10,85 +10,21 @@ Outside CI a missing browser skips these tests, saying what to install; under CI
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from fixtures.browser import open_page as _open
+from fixtures.browser import page_status as _status
+from fixtures.browser import page_text as _text
+from fixtures.browser import until as _until
 from fixtures.processes import local_rank_processes
 from fixtures.serve_process import KEY, ServeProcess, ready_server
 
-WAIT_SECONDS = 60.0  # for the page to show what the server does; the ranks' relaunch gets longer
-RELAUNCH_SECONDS = 180.0
-
-
-def _needs(what: str) -> None:
-    message = f"the page's tests need {what} (apt-get install chromium chromium-driver; pip install selenium)"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """Headless Chromium, one for the module (each test opens its page anew)."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        _needs("selenium")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        _needs("chromium and chromedriver on PATH")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,1000"):
-        options.add_argument(arg)
-    chrome = webdriver.Chrome(options=options, service=Service(driver))
-    try:
-        yield chrome
-    finally:
-        chrome.quit()
-
-
-def _until(browser: Any, check: Callable[[Any], Any], what: str, timeout: float = WAIT_SECONDS) -> Any:
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(browser, timeout, poll_frequency=0.1).until(check)
-    except TimeoutException:
-        raise AssertionError(f"the page never showed {what}; it shows:\n{_text(browser, 'body')}") from None
-
-
-def _text(browser: Any, selector: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    return "\n".join(e.text for e in browser.find_elements(By.CSS_SELECTOR, selector))
-
-
-def _status(browser: Any) -> str:
-    return _text(browser, "#status")
-
-
-def _open(browser: Any, base: str, key: str | None) -> None:
-    """Load the page as a new visitor; type the key in when the page asks for it."""
-    from selenium.webdriver.common.by import By
-
-    browser.get(f"{base}/")
-    browser.execute_script("sessionStorage.clear()")
-    browser.refresh()
-    if key is not None:
-        field = _until(browser, lambda d: d.find_element(By.ID, "key-input").is_displayed()
-                       and d.find_element(By.ID, "key-input"), "its question for the API key")
-        field.send_keys(key)
-        browser.find_element(By.ID, "key-submit").click()
-    _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#ranks .rank"), "the ranks")
+RELAUNCH_SECONDS = 180.0  # the ranks' relaunch, longer than the page's WAIT_SECONDS
 
 
 @pytest.mark.ranks

@@ -10,35 +10,18 @@ test checks one case against a reference computed in this process.
 from __future__ import annotations
 
 from dataclasses import asdict
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.pipeline_reference import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 from fixtures.ranks import PYTHON, LaunchResult, launch, launch_cases, local_hostfile, rank_dirs
 from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 from mlxpipe.protocol.job import JobSpec
 
 pytestmark = pytest.mark.ranks
 
-PREFILL_STEP = 8  # far below the prompts, so prefill runs in chunks
-MAX_TOKENS = 8
-QUESTION = "Tell me about pipelines across several machines, please."
-FOLLOW_UP = "And what about the second turn?"
-
-# A chat of two turns; the second reuses the first's prompt cache.
-CHAT = [
-    {"messages": [{"role": "user", "content": QUESTION}]},
-    {
-        "messages": [
-            {"role": "user", "content": QUESTION},
-            {"role": "assistant", "from_turn": 0},
-            {"role": "user", "content": FOLLOW_UP},
-        ]
-    },
-]
-SAMPLED = [{"prompt": QUESTION, "temp": 0.9, "top_p": 0.95, "seed": 11}]
 UNSEEDED = [{"prompt": QUESTION, "temp": 1.0}]
 
 # With mlx-lm's convention rank 0 never holds layer 0. [5, 1] also leaves it
@@ -145,54 +128,6 @@ def _case(case_results, num_ranks: int, case_id: str) -> list[dict[str, Any]]:
     if any(e is None for e in events):
         pytest.fail(f"no result for {case_id} from every rank\n{result.describe()}")
     return events  # type: ignore[return-value]
-
-
-@cache
-def _reference_model(path: str) -> tuple[Any, Any]:
-    from mlx_lm import load
-
-    return load(path)
-
-
-def reference_tokens(checkpoint: Path, turns: list[dict[str, Any]]) -> list[list[int]]:
-    """Single-process mlx-lm tokens for each turn, each from a fresh cache."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from fixtures.ranks import reply_text
-
-    model, tokenizer = _reference_model(str(checkpoint))
-    out: list[list[int]] = []
-    for turn in turns:
-        if "messages" in turn:
-            messages = [
-                {"role": "assistant", "content": reply_text(tokenizer, out[m["from_turn"]])}
-                if "from_turn" in m
-                else m
-                for m in turn["messages"]
-            ]
-        else:
-            messages = [{"role": "user", "content": turn["prompt"]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-        if "seed" in turn:
-            mx.random.seed(turn["seed"])
-        sampler = make_sampler(turn.get("temp", 0.0), top_p=turn.get("top_p", 0.0))
-        out.append(
-            [
-                r.token
-                for r in stream_generate(
-                    model,
-                    tokenizer,
-                    prompt,
-                    max_tokens=MAX_TOKENS,
-                    sampler=sampler,
-                    prefill_step_size=PREFILL_STEP,
-                )
-            ]
-        )
-    return out
 
 
 def _check_case(case_results, tiny_models: TinyModels, num_ranks: int, case_id: str) -> None:

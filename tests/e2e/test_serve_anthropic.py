@@ -16,25 +16,19 @@ import httpx
 import pytest
 
 from fixtures.chat_reference import greedy, is_eos, prompt
+from fixtures.schemas import ANTHROPIC_WEATHER_TOOL as WEATHER_TOOL
+from fixtures.schemas import WEATHER_FUNCTION
+from fixtures.schemas import user_turn as _user
 from fixtures.serve_process import KEY, ServeProcess
 
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
-WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city.",
-                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-# The same tool as chat templates read it.
-WEATHER_FUNCTION = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                     "parameters": WEATHER_TOOL["input_schema"]}}
 GREEDY = {"temperature": 0}  # recent SDKs take no temperature argument: it goes through extra_body
 
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
-
-
-def _user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
 
 
 @pytest.mark.ranks

@@ -18,9 +18,6 @@ from fixtures.serve_process import KEY, ServeProcess
 
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
-WEATHER_FUNCTION = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                     "parameters": {"type": "object",
-                                                                    "properties": {"city": {"type": "string"}}}}}
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,18 @@ import openai
 import pytest
 
 from fixtures.chat_reference import greedy, is_eos, prompt
+from fixtures.schemas import RESPONSES_WEATHER_TOOL as WEATHER_TOOL
+from fixtures.schemas import WEATHER_FUNCTION
+from fixtures.schemas import user_turn as _user
 from fixtures.serve_process import KEY, ServeProcess
 
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-WEATHER_FUNCTION = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                     "parameters": WEATHER_TOOL["parameters"]}}
 
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
-
-
-def _user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
 
 
 @pytest.mark.ranks

@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
+from fixtures.cli import cli
 from fixtures.cluster import Cluster
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
-from mlxpipe.cli import app
 
 REPO_ID = "e2e/demo"
 PROMPT, MAX_TOKENS = DEMO_PROMPT, DEMO_MAX_TOKENS
@@ -63,14 +62,6 @@ def python_with_hub(hub: FakeHub, tmp_path: Path) -> str:
     )
     path.chmod(0o755)
     return str(path)
-
-
-def cli(*args: str) -> Any:
-    """Run the mlxpipe CLI in this process; unexpected exceptions propagate."""
-    result = CliRunner().invoke(app, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
 
 
 class CommandLines:

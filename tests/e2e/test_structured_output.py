@@ -20,29 +20,15 @@ import numpy as np
 import openai
 import pytest
 
+from fixtures.schemas import PERSON
+from fixtures.schemas import schema_format as _schema_format
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.tiny_models import TinyModels
 
-# Bounded strings and numbers: a noise model would otherwise write until max_tokens inside a string.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "pets", "ok"],
-    "additionalProperties": False,
-}
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
                                           "tag": {"enum": ["a", "b"]}},
          "required": ["x", "tag"], "additionalProperties": False}
 MAX_TOKENS = 120
-
-
-def _schema_format(schema: dict[str, Any], name: str = "person") -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 def _ask(text: str) -> list[dict[str, str]]:

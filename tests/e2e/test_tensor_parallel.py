@@ -30,13 +30,13 @@ from typing import Any
 import pytest
 
 from fixtures import arch_suite
+from fixtures.draft_models import first_layers_draft
 from fixtures.option_reference import reference as mlx_lm_reference
+from fixtures.pipeline_reference import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
+from fixtures.pipeline_reference import request_reference as _reference
 from fixtures.ranks import LaunchResult, launch_cases, rank_dirs
 from fixtures.tiny_models import TinyModels
 from mlxpipe.protocol.job import JobSpec
-from tests.e2e.test_draft import first_layers_draft
-from tests.e2e.test_overlap import _reference
-from tests.e2e.test_pipeline import CHAT, MAX_TOKENS, PREFILL_STEP, QUESTION, SAMPLED, reference_tokens
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]

@@ -23,15 +23,9 @@ import jsonschema
 import openai
 import pytest
 
+from fixtures.schemas import SCHEMAS
 from fixtures.serve_process import ServeProcess, ready_server
 
-# Bounded (strings, enums), so that the grammar, not max_tokens, ends a noise model's call.
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet", "pst"]}}, "required": ["zone"],
-        "additionalProperties": False}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MAX_TOKENS = 160  # one call is ~40-90 tokens of the byte tokenizer
 PER_DOOR = 20  # sampled replies per door: streamed and whole, required and named
 ASK = "What is the weather in Paris?"

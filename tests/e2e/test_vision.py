@@ -22,12 +22,13 @@ import pytest
 from openai import BadRequestError, OpenAI
 from PIL import Image as Pil
 
+from fixtures.browser import open_page as _open
+from fixtures.browser import until as _until
+from fixtures.schemas import SCHEMAS
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
 from mlxpipe.vision.families import RUNS
-from tests.e2e.test_page import _open, _until, browser  # noqa: F401 (a fixture)
-from tests.e2e.test_tool_calls import SCHEMAS
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")

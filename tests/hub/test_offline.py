@@ -22,31 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint
+from fixtures.hub_errors import COMMANDS, NET_HINT, assert_one_error, invoke_command
 from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe.cli import app
 from mlxpipe.download import fetch as fetch_mod
 from mlxpipe.hub.client import load_metadata
 
-REPO = Path(__file__).resolve().parents[2]
-LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
-NET_HINT = ("hint: check the network and HF_ENDPOINT ({ep}); "
-            "a model already downloaded works offline with HF_HUB_OFFLINE=1")
 STORM_HINT = (
     "hint: the hub is failing on its side: try again in a few minutes; "
     "a model already downloaded works offline with HF_HUB_OFFLINE=1"
 )
 DNS_HOST = "http://nonexistent.invalid"
-# What each command needs besides --model (none of them gets as far as launching a rank).
-COMMANDS = {
-    "plan": ["plan", "--hostfile", str(LOCAL_2)],
-    "download": ["download", "--hostfile", str(LOCAL_2)],
-    "doctor": ["doctor", "--hostfile", str(LOCAL_2)],
-    "generate": ["generate", "--prompt", "hi", "--hostfile", str(LOCAL_2)],
-}
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +61,6 @@ def go_offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
-
-def invoke(command: str, *args: str) -> Any:
-    return CliRunner().invoke(app, [*COMMANDS[command], *args])
-
-
-def assert_one_error(result: Any, error: str, hint: str) -> None:
-    """Exit 1, nothing on stdout, exactly the error line and the hint line on stderr."""
-    assert "Traceback" not in result.output
-    assert (result.exit_code, result.stdout, result.stderr.splitlines()) == (1, "", [error, hint])
 
 
 def write_hostfile(tmp_path: Path, ranks: int = 2) -> Path:
@@ -114,7 +92,7 @@ def unresolvable(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def test_refused_connection(command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ep = closed_port_endpoint()
     point_hf_hub_at(ep, hf_home, monkeypatch)
-    result = invoke(command, "--model", repo)
+    result = invoke_command(command, "--model", repo)
     assert_one_error(result, f"error: {repo}: cannot reach the hub at {ep}: connection refused", NET_HINT.format(ep=ep))
 
 
@@ -123,7 +101,7 @@ def test_dns_failure(
     command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch, unresolvable: str
 ) -> None:
     point_hf_hub_at(unresolvable, hf_home, monkeypatch)
-    result = invoke(command, "--model", repo)
+    result = invoke_command(command, "--model", repo)
     assert_one_error(
         result,
         f"error: {repo}: cannot reach the hub at {unresolvable}: the name nonexistent.invalid does not resolve (DNS)",
@@ -138,7 +116,7 @@ def test_a_port_that_never_answers_times_out(
     with silent_endpoint() as ep:
         point_hf_hub_at(ep, hf_home, monkeypatch, etag_timeout=1)
         started = time.monotonic()
-        result = invoke(command, "--model", repo)
+        result = invoke_command(command, "--model", repo)
         elapsed = time.monotonic() - started
     assert_one_error(
         result, f"error: {repo}: the hub at {ep} did not answer within 1 s",
@@ -151,7 +129,7 @@ def test_a_port_that_never_answers_times_out(
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_a_5xx_storm(command: str, hub_env: FakeHub, repo: str) -> None:
     hub_env.outage(503)
-    result = invoke(command, "--model", repo)
+    result = invoke_command(command, "--model", repo)
     assert_one_error(result, f"error: {repo}: the hub at {hub_env.endpoint} answered 503 Service Unavailable",
                      STORM_HINT)
     assert [r.status for r in hub_env.requests] == [503]  # metadata is not retried into the storm
@@ -160,7 +138,7 @@ def test_a_5xx_storm(command: str, hub_env: FakeHub, repo: str) -> None:
 def test_tls_failure(hub_env: FakeHub, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ep = hub_env.endpoint.replace("http://", "https://")  # TLS to a port that speaks plain HTTP
     point_hf_hub_at(ep, hf_home, monkeypatch)
-    result = invoke("plan", "--model", repo)
+    result = invoke_command("plan", "--model", repo)
     assert (result.exit_code, result.stdout) == (1, "")
     error, hint = result.stderr.splitlines()
     assert re.fullmatch(
@@ -205,7 +183,7 @@ def test_host_fetch_against_a_refused_port_names_host_and_hub(
     load_metadata(repo)  # cached: the controller's part works without the hub
     ep = closed_port_endpoint()
     point_hf_hub_at(ep, hf_home, monkeypatch)
-    result = invoke("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)), "--rank", "0")
+    result = invoke_command("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)), "--rank", "0")
     assert_one_error(
         result,
         f"error: 127.0.0.1 (rank 0): could not fetch config.json from {repo} in {fetch_mod.ATTEMPTS} attempts: "
@@ -223,7 +201,7 @@ def test_host_fetch_retries_a_silent_hub_only_within_the_window(
     with silent_endpoint() as ep:
         point_hf_hub_at(ep, hf_home, monkeypatch, etag_timeout=1)
         started = time.monotonic()
-        result = invoke("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)), "--rank", "0")
+        result = invoke_command("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)), "--rank", "0")
         elapsed = time.monotonic() - started
     # Attempt 1 ends at ~1 s, inside the window; attempt 2 at ~2 s, past it: no third.
     assert result.stderr.splitlines()[0] == (
@@ -238,7 +216,7 @@ def test_a_5xx_storm_on_every_host_is_retried_then_named(hub_env: FakeHub, repo:
     hub_env.reset_log()
     hub_env.outage(503)
     started = time.monotonic()
-    result = invoke("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)))
+    result = invoke_command("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)))
     assert_one_error(
         result,
         f"error: 127.0.0.1 (rank 0): could not fetch config.json from {repo} in {fetch_mod.ATTEMPTS} attempts: "
@@ -259,7 +237,7 @@ def test_offline_without_a_cache_says_what_is_missing(
     command: str, hub_env: FakeHub, repo: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     go_offline(monkeypatch)
-    result = invoke(command, "--model", repo)
+    result = invoke_command(command, "--model", repo)
     assert_one_error(
         result, f"error: offline (HF_HUB_OFFLINE=1) and no cached metadata for {repo} at revision main",
         f"hint: run `mlxpipe plan --model {repo}` once online",
@@ -295,14 +273,14 @@ def test_offline_download_names_the_files_a_host_lacks(
     hub_env: FakeHub, repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hostfile = str(write_hostfile(tmp_path))
-    assert invoke("download", "--model", repo, "--hostfile", hostfile).exit_code == 0
+    assert invoke_command("download", "--model", repo, "--hostfile", hostfile).exit_code == 0
     meta = load_metadata(repo)
     snapshot = tmp_path / "host1" / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / str(meta.commit)
     lost = sorted(p.name for p in snapshot.glob("*.safetensors"))[0]
     (snapshot / lost).unlink()
     hub_env.reset_log()
     go_offline(monkeypatch)
-    result = invoke("download", "--model", repo, "--hostfile", hostfile)
+    result = invoke_command("download", "--model", repo, "--hostfile", hostfile)
     files = len(list(snapshot.iterdir())) + 1
     assert_one_error(
         result,
@@ -325,7 +303,7 @@ def test_offline_resolves_a_branch_through_huggingface_hubs_refs(
     hf_hub_download(repo, "config.json")  # the real client records refs/main
     hub_env.reset_log()
     go_offline(monkeypatch)
-    result = invoke("plan", "--model", repo, "--json")
+    result = invoke_command("plan", "--model", repo, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["commit"] == online.commit == commit
     assert hub_env.requests == []
@@ -358,7 +336,7 @@ def test_offline_with_a_ref_but_no_metadata_names_the_commit(
 
     hf_hub_download(repo, "config.json")  # refs/main and one file: not the whole checkpoint
     go_offline(monkeypatch)
-    result = invoke("plan", "--model", repo)
+    result = invoke_command("plan", "--model", repo)
     assert_one_error(
         result,
         f"error: offline (HF_HUB_OFFLINE=1) and no cached metadata for {repo} at revision main "
@@ -370,7 +348,7 @@ def test_offline_with_a_ref_but_no_metadata_names_the_commit(
 def test_offline_refresh_is_refused(hub_env: FakeHub, repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
     load_metadata(repo)
     go_offline(monkeypatch)
-    result = invoke("plan", "--model", repo, "--refresh")
+    result = invoke_command("plan", "--model", repo, "--refresh")
     assert_one_error(
         result, f"error: {repo}: --refresh reads the hub, but HF_HUB_OFFLINE=1 forbids it",
         "hint: drop --refresh to use the cached metadata, or unset HF_HUB_OFFLINE",

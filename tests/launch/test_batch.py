@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from fixtures.generation_options import OPTIONS
 from mlxpipe.errors import UsageError
 from mlxpipe.launch.batch import InOrder, RequestResult, ResultsFile, read_prompts
 from mlxpipe.protocol.request import Request
-from tests.e2e.test_options import OPTIONS
 
 
 def test_results_are_handed_on_in_input_order() -> None:

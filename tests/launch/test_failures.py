@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
+from fixtures.hostfiles import LOCAL
 from mlxpipe.launch.failures import EXIT_GRACE_SECONDS, FailureTracker
-
-LOCAL = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
-
 
 # --- Choosing the root cause (the order events arrive in cannot be forced with real ranks) --------------
 

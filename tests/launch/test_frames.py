@@ -16,10 +16,8 @@ from typing import Any
 
 import pytest
 
-from fixtures import flood_worker
-from mlxpipe.cluster.hostfile import load_hostfile
+from fixtures.flood import check_flood, flood
 from mlxpipe.launch import frames
-from mlxpipe.launch.ranks import LaunchSpec, Ranks
 
 READ = 8192  # what mlx.launch reads of a rank's pipe at once
 
@@ -128,34 +126,6 @@ def test_plain_output_passes_as_text_and_a_lost_heartbeat_is_not_critical() -> N
 
 
 # --- Real mlx.launch runs ------------------------------------------------------------------------
-
-
-def flood(hostfile: Path, events: int) -> dict[int, list[dict[str, Any]]]:
-    """Run the flood worker on every rank of ``hostfile``; its events by rank."""
-    spec = LaunchSpec(hostfile=load_hostfile(hostfile), lease=30.0,
-                      worker_args=(flood_worker.SCRIPT, "--events", str(events), "--big-every", "5"))
-    ranks = Ranks(spec)
-    ranks.start()
-    got: dict[int, list[dict[str, Any]]] = {r: [] for r in range(spec.hostfile.size)}
-    byes = set()
-    try:
-        for event in ranks.events(timeout=120):
-            if event["event"] == "flood":
-                got[event["rank"]].append(event)
-            byes |= {event["rank"]} if event["event"] == "bye" else set()
-            if len(byes) == spec.hostfile.size:
-                break
-    finally:
-        ranks.close()
-    return got
-
-
-def check_flood(got: dict[int, list[dict[str, Any]]], events: int) -> None:
-    floods = [i for i in range(events) if i % 7 != 3]  # the others are printed as log lines
-    for rank, received in got.items():
-        assert [e["index"] for e in received] == floods, rank
-        for e in received:
-            assert e["text"] == flood_worker.payload(rank, e["index"], flood_worker.size_of(e["index"], 5, 60000))
 
 
 def test_a_flood_of_long_events_from_every_rank_arrives_whole(tmp_path: Path) -> None:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.cli import REPO
 from mlxpipe.errors import ModelError
 from mlxpipe.plan.shard import make_plan
-from tests.e2e.test_draft import models  # noqa: F401 (a fixture)
-from tests.plan.test_tensor import REPO, four_hosts, tiny  # noqa: F401 (four_hosts, tiny: fixtures)
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_launch(models) -> None:
@@ -33,26 +32,26 @@ def test_a_model_whose_caches_cannot_be_trimmed_is_refused_before_launch(models,
         check_draft(str(models["draft"]), meta)
 
 
-def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tiny: Path, four_hosts: Path) -> None:
+def test_job_spec_carries_tp_a_split_per_stage_and_a_path_per_rank(tp_llama: Path, four_macs: Path) -> None:
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.hub.client import load_metadata
     from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.protocol.job import JobSpec
 
-    target = resolve_target(str(tiny), None, four_hosts, None, None, None, 2)
-    the_plan = make_plan(load_metadata(str(tiny)), target.hostfile.hosts, tp=2)
+    target = resolve_target(str(tp_llama), None, four_macs, None, None, None, 2)
+    the_plan = make_plan(load_metadata(str(tp_llama)), target.hostfile.hosts, tp=2)
     if "tp" not in {f.name for f in fields(JobSpec)}:
         pytest.skip("the worker's JobSpec has no tp field yet (tp-core adds it)")
-    job = PipelineConfig(target).job_spec(load_metadata(str(tiny)), the_plan)
+    job = PipelineConfig(target).job_spec(load_metadata(str(tp_llama)), the_plan)
     assert (job.tp, job.split, len(job.model_paths)) == (2, [3, 3], 4)  # type: ignore[attr-defined]
 
 
-def test_job_spec_without_tp_is_unchanged(tiny: Path) -> None:
+def test_job_spec_without_tp_is_unchanged(tp_llama: Path) -> None:
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.hub.client import load_metadata
     from mlxpipe.launch.config import PipelineConfig
 
-    target = resolve_target(str(tiny), None, REPO / "hostfiles" / "local-2.json", None, None, None)
-    meta_ = load_metadata(str(tiny))
+    target = resolve_target(str(tp_llama), None, REPO / "hostfiles" / "local-2.json", None, None, None)
+    meta_ = load_metadata(str(tp_llama))
     job = PipelineConfig(target).job_spec(meta_, make_plan(meta_, target.hostfile.hosts))
     assert (job.split, len(job.model_paths), getattr(job, "tp", 1)) == ([3, 3], 2, 1)

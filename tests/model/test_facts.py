@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from fixtures.plan_inputs import GEMMA3N
 from mlxpipe.model.facts import kv_sharing_groups
-from tests.plan.test_shard import GEMMA3N
 
 
 @pytest.mark.parametrize(

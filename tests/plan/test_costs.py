@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from fixtures.plan_inputs import SLIDING, T, hosts, meta, uniform
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
 from mlxpipe.plan.costs import kv_bytes
 from mlxpipe.plan.shard import make_plan
-from tests.plan.test_shard import SLIDING, T, hosts, meta, uniform
 
 # --- KV cache ------------------------------------------------------------------------------
 

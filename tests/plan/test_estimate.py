@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from fixtures.plan_inputs import meta
 from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.estimate import (
     NOMINAL,
@@ -28,7 +29,6 @@ from mlxpipe.plan.estimate import (
 )
 from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.layout import BATCH, CHAT, Layout
-from tests.plan.test_shard import meta
 
 MS = 1e-3
 # A machine whose numbers are easy: 1 GB/s, 1 GFLOP/s, 1 ms a layer, 2 ms a tick.

@@ -6,15 +6,9 @@ import json
 
 import pytest
 
+from fixtures.cluster_facts import FACTS
 from mlxpipe.errors import HostfileError
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
-
-FACTS = ClusterFacts(
-    hosts=(HostFacts(0, "a", "Apple M2 Ultra", "gpu", 800e9, "https://www.apple.com/newsroom/", 20e12),
-           HostFacts(1, "b", "AMD EPYC", "cpu", 5e9, "measured", 3e9, Calibration(4e9, 6e9, 1.3e-4, 7e-5))),
-    links=(LinkFacts((0, 1), 4.8e-5, 2.1e9, 200),), backend="ring", collective=1.3e-4,
-    addresses=(("a", ("10.0.0.1",)), ("b", ("10.0.0.2",))), measured="2026-01-01T00:00:00+0000",
-)
+from mlxpipe.plan.facts import Calibration, ClusterFacts
 
 
 def test_facts_survive_their_json() -> None:

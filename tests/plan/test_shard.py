@@ -1,70 +1,22 @@
 """plan/shard.py, the planner: file selection and the fit check (splits: ``test_splits.py``, costs: ``test_costs.py``).
 
-Metadata here is plain data (``ModelMetadata`` built from ``Tensor``s): the
+Metadata here is plain data (``ModelMetadata`` built from ``Tensor``s, ``fixtures/plan_inputs.py``): the
 planner never reads files, so neither do these tests.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
+from fixtures.plan_inputs import MB, SLIDING, T, compositions, hosts, meta, uniform, wired
 from mlxpipe.host import GB, Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor, kv_bytes_per_token
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD, kv_bytes
 from mlxpipe.plan.shard import make_plan
-
-MB = 1024**2
-SUPPORT = {"config.json": 7, "tokenizer.json": 11}
-
-
-def hosts(n: int, **keys: Any) -> list[Host]:
-    return [Host(rank=r, ssh=f"h{r}", **keys) for r in range(n)]
-
-
-def wired(*limits: float) -> list[Host]:
-    """Hosts whose GPU budget is exactly ``limits`` GiB."""
-    return [Host(rank=r, ssh=f"h{r}", memory_gb=1024, wired_limit_gb=w) for r, w in enumerate(limits)]
-
-
-def meta(
-    tensors: Sequence[Tensor],
-    num_layers: int,
-    file_sizes: dict[str, int] | None = None,
-    **config: Any,
-) -> ModelMetadata:
-    """A llama-like model described by ``tensors`` (bf16, 2 KV heads of 16 unless overridden)."""
-    cfg = {
-        "model_type": "llama", "num_hidden_layers": num_layers, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "torch_dtype": "bfloat16", **config,
-    }
-    if file_sizes is None:
-        file_sizes = {}
-        for t in tensors:
-            file_sizes[t.file] = file_sizes.get(t.file, 0) + t.nbytes
-    return ModelMetadata(
-        source="test/model", config=cfg, tensors=tuple(tensors), file_sizes={**file_sizes, **SUPPORT},
-        commit="c" * 40, support_files=tuple(sorted(SUPPORT)),
-    )
-
-
-def T(name: str, nbytes: int, file: str, dtype: str = "BF16") -> Tensor:
-    """A tensor of exactly ``nbytes`` (a multiple of the dtype's width)."""
-    width = {"BF16": 2, "F32": 4, "U32": 4, "U8": 1}[dtype]
-    return Tensor(name, dtype, (nbytes // width,), file)
-
-
-def uniform(num_layers: int, layer_bytes: int, shared_bytes: int = 0, **config: Any) -> ModelMetadata:
-    tensors = [T(f"model.layers.{i}.mlp.down_proj.weight", layer_bytes, "w.safetensors") for i in range(num_layers)]
-    if shared_bytes:
-        tensors.append(T("model.embed_tokens.weight", shared_bytes, "w.safetensors"))
-    return meta(tensors, num_layers, **config)
-
 
 # --- Which tensors and files each rank needs -----------------------------------------------
 
@@ -231,9 +183,6 @@ def test_files_of_a_single_file_checkpoint() -> None:
     assert [(r.files, r.download_bytes) for r in plan.ranks] == [(("model.safetensors",), 10017)] * 3
 
 
-SLIDING = 2 * 2 * 16 * 2  # bytes per token per layer of the default test config
-
-
 # --- Fit check -------------------------------------------------------------------------------
 
 
@@ -350,14 +299,6 @@ def test_context_changes_the_fit() -> None:
     assert make_plan(m, wired(2, 2), context=too_long).fits is False
 
 
-def _compositions(n: int, size: int) -> list[tuple[int, ...]]:
-    out = []
-    for cuts in itertools.combinations(range(1, n), size - 1):
-        bounds = (0, *cuts, n)
-        out.append(tuple(bounds[i + 1] - bounds[i] for i in range(size)))
-    return out
-
-
 def test_suggested_split_exists_exactly_when_some_split_fits() -> None:
     """Exhaustive over small clusters: uneven layers and hosts, a small host between big ones."""
     rng = random.Random(1)
@@ -371,7 +312,7 @@ def test_suggested_split_exists_exactly_when_some_split_fits() -> None:
         caps = [unit * rng.randint(1, 12) for _ in range(size)]
         cluster = wired(*((RUNTIME_OVERHEAD + c + 4096 * SLIDING * n) / GB for c in caps))
         plan = make_plan(m, cluster, strategy="even")
-        fitting = [s for s in _compositions(n, size) if make_plan(m, cluster, split=s).fits]
+        fitting = [s for s in compositions(n, size) if make_plan(m, cluster, split=s).fits]
         if plan.fits:
             assert plan.suggested_split is None
         elif fitting:
@@ -392,11 +333,3 @@ def test_plan_json_round_trips() -> None:
         (0, "h0", 2, 4, 2, True), (1, "h1", 0, 2, 2, False),
     ]
 
-
-# Layers that share KV caches stay on one rank (test_splits.py, model/test_facts.py).
-# Gemma 3n E2B's pattern: four sliding layers then a full one; the last 10 of 30 read the
-# caches of the last sliding (18) and full (19) layers before them.
-GEMMA3N = {
-    "num_kv_shared_layers": 10,
-    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 6,
-}

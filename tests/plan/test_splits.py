@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.plan_inputs import GEMMA3N, MB, T, compositions, hosts, meta, uniform
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
 from mlxpipe.plan.layout import BATCH
@@ -24,7 +25,6 @@ from mlxpipe.plan.splits import (
     phase_split,
     proportional_split,
 )
-from tests.plan.test_shard import GEMMA3N, MB, T, _compositions, hosts, meta, uniform
 
 # --- The even split is mlx-lm's own ----------------------------------------------------
 
@@ -121,7 +121,7 @@ def test_balanced_split_is_the_least_busiest_stage_of_all_splits() -> None:
         head = rng.choice([0, 1, 5, 40])
         split = balanced_split(layer_work, head, size)
         assert sum(split) == n and len(split) == size and min(split) >= 1
-        least = min(max(_stage_work(c, layer_work, head)) for c in _compositions(n, size))
+        least = min(max(_stage_work(c, layer_work, head)) for c in compositions(n, size))
         assert max(_stage_work(split, layer_work, head)) == least, (layer_work, head, size, split)
 
 
@@ -351,7 +351,7 @@ def test_phase_split_is_the_least_time_of_all_splits(concurrent: bool) -> None:
                            prompt=rng.choice([10, 1000]), generated=rng.choice([1, 250]), concurrent=concurrent)
         split = phase_split(costs, size)
         assert sum(split) == n and len(split) == size and min(split) >= 1
-        least = min(_phase_time(costs, c) for c in _compositions(n, size))
+        least = min(_phase_time(costs, c) for c in compositions(n, size))
         assert _phase_time(costs, split) == pytest.approx(least), (costs, split)
 
 

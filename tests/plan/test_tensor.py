@@ -10,18 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-from fixtures.tiny_models import make_tiny_checkpoint
-from mlxpipe.cli import app
+from fixtures.cli import REPO, invoke
+from fixtures.plan_inputs import T, hosts, meta, wired
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.costs import RUNTIME_OVERHEAD
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import even_split, proportional_split
-from tests.plan.test_shard import T, hosts, meta, wired
 
-REPO = Path(__file__).resolve().parents[2]
 KB = 1024
 N = 8  # layers
 # One llama block: what a group splits (2-D projections) and what each member keeps whole (norms, biases).
@@ -224,25 +221,8 @@ def test_more_stages_than_layers() -> None:
 # --- The command line ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny 6-layer llama (4 attention heads, 2 KV heads) in 3 shards."""
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tp") / "llama")
-
-
-@pytest.fixture(scope="module")
-def four_hosts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hosts") / "four.json"
-    path.write_text(json.dumps([{"ssh": f"mac-{i}", "ips": [f"10.0.0.{i}"], "memory_gb": 64} for i in range(4)]))
-    return path
-
-
-def invoke(*args: str) -> Any:
-    return CliRunner().invoke(app, list(args))
-
-
-def test_plan_json_shape(tiny: Path, four_hosts: Path) -> None:
-    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "2", "--json")
+def test_plan_json_shape(tp_llama: Path, four_macs: Path) -> None:
+    result = invoke("plan", "--model", str(tp_llama), "--hostfile", str(four_macs), "--tp", "2", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert (data["tp"], data["split"], data["fits"]) == (2, [3, 3], True)
@@ -251,8 +231,8 @@ def test_plan_json_shape(tiny: Path, four_hosts: Path) -> None:
     ]
 
 
-def test_plan_table_shows_the_groups(tiny: Path, four_hosts: Path) -> None:
-    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "2")
+def test_plan_table_shows_the_groups(tp_llama: Path, four_macs: Path) -> None:
+    result = invoke("plan", "--model", str(tp_llama), "--hostfile", str(four_macs), "--tp", "2")
     assert result.exit_code == 0, result.output
     assert "--tp 2: 2 stages of 2 ranks" in result.stdout
     rows = [[c.strip() for c in line.split("│")[1:4]] for line in result.stdout.splitlines()
@@ -286,10 +266,10 @@ def test_bad_tp_exits_2_before_anything_runs(
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", error)
 
 
-def test_heads_not_divisible_exits_2(tiny: Path, four_hosts: Path) -> None:
-    result = invoke("plan", "--model", str(tiny), "--hostfile", str(four_hosts), "--tp", "4")
+def test_heads_not_divisible_exits_2(tp_llama: Path, four_macs: Path) -> None:
+    result = invoke("plan", "--model", str(tp_llama), "--hostfile", str(four_macs), "--tp", "4")
     assert (result.exit_code, result.stdout) == (2, "")
-    assert result.stderr == (f"error: --tp 4: {tiny} has 2 KV heads (num_key_value_heads), not divisible by 4\n"
+    assert result.stderr == (f"error: --tp 4: {tp_llama} has 2 KV heads (num_key_value_heads), not divisible by 4\n"
                              "hint: use --tp 2 (divisors of its KV heads)\n")
 
 
@@ -300,14 +280,14 @@ def test_lora_with_tp_is_refused() -> None:
            "hint: drop --tp: each rank trains its own layers of the pipeline\n")
 
 
-def test_preset_gives_tp_and_the_flag_wins(tiny: Path, four_hosts: Path, tmp_path: Path) -> None:
+def test_preset_gives_tp_and_the_flag_wins(tp_llama: Path, four_macs: Path, tmp_path: Path) -> None:
     preset = tmp_path / "tp.yaml"
-    preset.write_text(f"model: {tiny}\ntp: 4\n")
-    base = ("plan", "--hostfile", str(four_hosts), "--config", str(preset), "--json")
+    preset.write_text(f"model: {tp_llama}\ntp: 4\n")
+    base = ("plan", "--hostfile", str(four_macs), "--config", str(preset), "--json")
     refused = invoke(*base)  # the preset's 4 does not divide the model's 2 KV heads
     assert refused.exit_code == 2 and "--tp 4:" in refused.stderr
     assert json.loads(invoke(*base, "--tp", "2").stdout)["tp"] == 2
-    preset.write_text(f"model: {tiny}\ntp: 3\n")
+    preset.write_text(f"model: {tp_llama}\ntp: 3\n")
     assert invoke(*base).stderr.startswith(f"error: {preset}: key 'tp' 3: the hostfile's 4 hosts do not split")
 
 

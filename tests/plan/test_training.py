@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_lora import workdir  # noqa: F401 (a fixture)
-
 
 @pytest.mark.parametrize(("model", "num_layers", "keys"), [("llama", 3, None), ("llama-4bit", 2, None),
                                                            ("moe", -1, None), ("llama", 4, ["self_attn.q_proj"])])

@@ -9,90 +9,14 @@ from typing import Any
 
 import pytest
 
+from fixtures.protocol_samples import REGISTRIES, SAMPLES, name_of, registry_of
 from mlxpipe.errors import UsageError, WireError
-from mlxpipe.launch.failures import TRACKED, NodeExit
-from mlxpipe.protocol import download, events, messages
-from mlxpipe.protocol.message import Registry, Wired
-from mlxpipe.protocol.request import Request
-from mlxpipe.protocol.tools import Tool, ToolCalls
-
-# One of each message and event, its optional fields set where they have any.
-SAMPLES: list[Wired] = [
-    messages.Generate(Request(prompt="x", temp=0.5, seed=3, logit_bias={7: -1.5}, extra_eos_token=("<eos>",))),
-    messages.Batch((Request(prompt="a", id=1), Request(messages=[{"role": "user", "content": "b"}])), 4, 2),
-    messages.Serve(concurrency=8, decode_batch=4, prompt_cache_size=10, prompt_cache_dirs=["/a", "~/b"],
-                   prompt_cache_gb=1.5),
-    messages.Submit(Request(tokens=[1, 2, 3], id="req-1", max_tokens=5, logprobs=True, top_logprobs=2)),
-    messages.Submit(Request(tokens=[1], id="req-2", tool_calls=ToolCalls(
-        "json_tools", (Tool("get_time", {"type": "object", "properties": {"zone": {"enum": ["utc"]}}}),),
-        required=True, parallel=False))),
-    messages.Cancel("req-1"),
-    messages.Exit(),
-    messages.Resume(id=1, data="AAAA"),
-    messages.Step(id=2, it=1, batch=[[1, 2, 3]], lengths=[[0, 3]], micro_batches=1, schedule="1f1b"),
-    messages.Eval(id=3, it=None, what="test", batches=[([[1, 2]], [[0, 2]])]),
-    messages.Save(id=4, it=1, checkpoint=True),
-    messages.MeasureHost(rank=1, calibrate=True, share=2),
-    messages.MeasureLink(a=0, b=1, rounds=200, large=1 << 24),
-    messages.MeasureCollective(rounds=100),
-    events.Started(rank=1, pid=100, supervisor=99),
-    events.Alive(rank=1),
-    events.Exited(rank=1, returncode=-9, signal="SIGKILL", stopped=None, finished=False),
-    events.Log(rank=0, text="hello", stream="stderr"),
-    events.Lost(rank=1, frames=2, critical=True),
-    events.Error(rank=1, type="ModelError", message="no config.json", hint="copy it", host="h", traceback="T",
-                 time=1.5),
-    events.Progress(rank=0, what="decode token 4", step=7),
-    events.Bye(rank=0, host="h"),
-    events.Loaded(rank=0, host="h", layers=[3, 6], num_layers=6, mode="generic", peak_memory=0.5, load_seconds=1.2,
-                  trainable=10, frozen=90),
-    events.Token(rank=0, token=5, id="req-1", text="hi", logprob=-0.5, top=[[5, -0.5], [6, -1.0]]),
-    events.Done(rank=0, finish_reason="stop", tokens=[5, 2], generation_tokens=2, peak_memory=0.5, prompt_tokens=7,
-                cached_tokens=3, prompt_tps=10.0, generation_tps=20.0, ttft=0.1, draft_tokens=1, error=None, id="a"),
-    events.Result(rank=0, index=0, id=1, tokens=[5], text="hi", prompt_tokens=3, generation_tokens=1,
-                  finish_reason="length", ttft=0.1, latency=0.2, generation_tps=10.0, slot=0, ticks=[1, 4],
-                  draft_tokens=None, error=None),
-    events.BatchDone(rank=1, requests=3, concurrency=4, generation_tokens=12, seconds=2.0, peak_memory=0.5,
-                     decode_batch=2, ticks=40, run_ahead={"used": 1, "taken_back": 0},
-                     time={"compute": 1.0, "busy": 0.5}),
-    events.Serving(rank=0, concurrency=8, decode_batch=4, prompt_cache_dir="/a/1f2e", prompt_cache_error=None),
-    events.Finished(rank=0, id="req-1", finish_reason="error", prompt_tokens=3, cached_tokens=0,
-                    generation_tokens=0, error="sampling failed", cache_tier="disk"),
-    events.Time(rank=0, memory=0.4, peak_memory=0.5, compute=1.0, send=0.1, recv=0.2, sync=0.3, idle=0.0,
-                wall=1.6, busy=0.6, disk_cache={"entries": 2, "gb": 0.1}),
-    events.TrainDone(id=2, kind="step", rank=0, seconds=0.5, peak_memory=0.5, host="h", it=1, compute_seconds=0.4,
-                     loss=2.5, ntoks=30, learning_rate=1e-5),
-    events.Adapter(id=4, rank=0, data="AAAA"),
-    events.Joined(rank=1, host="h"),
-    events.HostMeasured(rank=0, host="h", chip="Apple M2 Ultra", performance_cores=16, device="gpu",
-                        memory_bandwidth=6.5e11, compute=2e13, dtype="float16",
-                        calibration={"decode_bandwidth": 5e11, "prefill_flops": 1.5e13, "layer_overhead": 5e-5,
-                                     "step_overhead": 1e-4}),
-    events.LinkMeasured(rank=0, peer=1, latency=4.8e-5, bandwidth=2.1e9, rounds=200, large=1 << 24,
-                        round_trips=[9e-5, 9.6e-5, 1.2e-4]),
-    events.CollectiveMeasured(rank=0, seconds=1.3e-4, rounds=100),
-    download.FetchError(message="offline", hint="go online"),
-    download.Check(present=["config.json"], missing=["model.safetensors"]),
-    download.Fetching(bytes=1024),
-    download.FileDone(name="config.json", status="present", bytes=12),
-    download.FetchResult(host="h", path="/p", fetched_bytes=1, present_bytes=2, fetched_files=("a",),
-                         present_files=("b",)),
-    NodeExit(rank=1, line="Node with rank 1 exited with code 3", code=3),
-]
-REGISTRIES: list[Registry[Any]] = [messages.MESSAGES, events.EVENTS, events.TRAIN_EVENTS, events.LINKS_EVENTS,
-                                   download.FETCH_EVENTS, TRACKED]
-
-
-def registry_of(sample: Wired) -> Registry[Any]:
-    return next(r for r in REGISTRIES if r.classes.get(sample.TAG) is type(sample))
-
-
-def name_of(sample: Wired) -> str:
-    return type(sample).__name__
+from mlxpipe.protocol import events, messages
+from mlxpipe.protocol.message import Wired
 
 
 def test_every_message_and_event_has_a_sample() -> None:
-    """A new message or event must be added above, so that it is tested too."""
+    """A new message or event must get a sample in ``fixtures/protocol_samples.py``, so that it is tested too."""
     classes = {cls for registry in REGISTRIES for cls in registry.classes.values()}
     assert classes == {type(s) for s in SAMPLES}
 

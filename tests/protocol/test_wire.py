@@ -6,9 +6,9 @@ import io
 
 import pytest
 
+from fixtures.protocol_samples import SAMPLES, name_of, registry_of
 from mlxpipe.protocol import messages, wire
 from mlxpipe.protocol.message import Event, Message
-from tests.protocol.test_message import SAMPLES, name_of, registry_of
 
 
 @pytest.mark.parametrize("sample", [s for s in SAMPLES if isinstance(s, messages.Message)], ids=name_of)

@@ -11,11 +11,11 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from fixtures.chat_reference import ScriptedQueue
+from fixtures.schemas import ANTHROPIC_WEATHER_TOOL, user_turn
 from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import RequestLog
-from tests.e2e.test_serve_anthropic import WEATHER_TOOL, _user
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -31,8 +31,8 @@ def scripted(demo_model: Path) -> Iterator[anthropic.Anthropic]:
 
 
 def test_a_tool_call_comes_back_as_a_tool_use_block(scripted: anthropic.Anthropic) -> None:
-    reply = scripted.messages.create(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
-                                     tools=[WEATHER_TOOL])
+    reply = scripted.messages.create(model="scripted", max_tokens=50, messages=user_turn("Weather in Paris?"),
+                                     tools=[ANTHROPIC_WEATHER_TOOL])
     assert [b.type for b in reply.content] == ["text", "tool_use"]
     assert reply.content[0].text == "Checking."
     call = reply.content[1]
@@ -41,8 +41,8 @@ def test_a_tool_call_comes_back_as_a_tool_use_block(scripted: anthropic.Anthropi
 
 
 def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthropic) -> None:
-    with scripted.messages.stream(model="scripted", max_tokens=50, messages=_user("Weather in Paris?"),
-                                  tools=[WEATHER_TOOL]) as stream:
+    with scripted.messages.stream(model="scripted", max_tokens=50, messages=user_turn("Weather in Paris?"),
+                                  tools=[ANTHROPIC_WEATHER_TOOL]) as stream:
         events = list(stream)
         final = stream.get_final_message()
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
@@ -54,7 +54,7 @@ def test_a_streamed_tool_call_is_an_input_json_delta(scripted: anthropic.Anthrop
 def test_a_prompt_over_the_context_is_anthropics_prompt_is_too_long(scripted: anthropic.Anthropic) -> None:
     """Anthropic's own words, with both counts: what Claude Code acts on (it compacts the conversation)."""
     with pytest.raises(anthropic.BadRequestError) as info:
-        scripted.messages.create(model="scripted", max_tokens=50, messages=_user("word " * 5000))
+        scripted.messages.create(model="scripted", max_tokens=50, messages=user_turn("word " * 5000))
     message = info.value.body["error"]["message"]
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert message.startswith("prompt is too long: ") and message.endswith(" tokens > 4096 maximum")

@@ -11,10 +11,10 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from fixtures.chat_reference import ScriptedQueue
+from fixtures.schemas import OLLAMA_WEATHER_FUNCTION
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import RequestLog
-from tests.e2e.test_serve_ollama import WEATHER_FUNCTION
 
 TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -32,6 +32,6 @@ def scripted(demo_model: Path) -> Iterator[ollama.Client]:
 
 def test_a_tool_call_comes_back_in_the_message(scripted: ollama.Client) -> None:
     reply = scripted.chat(model="scripted", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                          tools=[WEATHER_FUNCTION])
+                          tools=[OLLAMA_WEATHER_FUNCTION])
     (call,) = reply.message.tool_calls
     assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})

@@ -16,11 +16,11 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from starlette.testclient import TestClient
 
 from fixtures.chat_reference import ScriptedQueue, prompt
+from fixtures.schemas import RESPONSES_WEATHER_TOOL, WEATHER_FUNCTION, user_turn
 from fixtures.serve_process import KEY
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
 from mlxpipe.serve.queue import RequestLog
-from tests.e2e.test_serve_responses import WEATHER_FUNCTION, WEATHER_TOOL, _user
 
 TOOL_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -40,20 +40,20 @@ def test_a_function_call_comes_back_as_an_item_and_goes_round(scripted: tuple[op
                                                               demo_model: Path, stream: bool) -> None:
     client, queue = scripted
     if stream:
-        with client.responses.stream(model="scripted", input="Weather in Paris?", tools=[WEATHER_TOOL]) as s:
+        with client.responses.stream(model="scripted", input="Weather in Paris?", tools=[RESPONSES_WEATHER_TOOL]) as s:
             kinds = [e.type for e in s]
             reply = s.get_final_response()
         assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     else:
-        reply = client.responses.create(model="scripted", input="Weather in Paris?", tools=[WEATHER_TOOL])
+        reply = client.responses.create(model="scripted", input="Weather in Paris?", tools=[RESPONSES_WEATHER_TOOL])
     assert [i.type for i in reply.output] == ["message", "function_call"] and reply.output_text == "Checking."
     call = reply.output[1]
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
     # The round trip: its output, after previous_response_id, reaches the template after the call.
-    client.responses.create(model="scripted", previous_response_id=reply.id, tools=[WEATHER_TOOL],
+    client.responses.create(model="scripted", previous_response_id=reply.id, tools=[RESPONSES_WEATHER_TOOL],
                             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}])
     expected = prompt(demo_model, [
-        *_user("Weather in Paris?"),
+        *user_turn("Weather in Paris?"),
         {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": call.call_id, "type": "function",
              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},

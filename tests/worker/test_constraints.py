@@ -9,9 +9,9 @@ import jsonschema
 import numpy as np
 import pytest
 
+from fixtures.schemas import PERSON, schema_format
 from fixtures.tiny_models import VOCAB_SIZE, TinyModels
 from mlxpipe.worker.constraints import Constraint, compile_error, grammar_of
-from tests.e2e.test_structured_output import PERSON, _schema_format
 
 
 @pytest.mark.parametrize(("schema", "fragment"), [
@@ -20,7 +20,7 @@ from tests.e2e.test_structured_output import PERSON, _schema_format
     ({"type": "string", "pattern": "(("}, "unclosed"),
 ])
 def test_a_schema_llguidance_cannot_compile_says_why(schema: dict[str, Any], fragment: str) -> None:
-    error = compile_error(_schema_format(schema))
+    error = compile_error(schema_format(schema))
     assert error is not None and fragment in error
 
 
@@ -31,7 +31,7 @@ def test_the_mask_allows_only_json_of_the_schema_and_then_only_the_end(tiny_mode
     eos = set(tokenizer.eos_token_ids)
     rng = np.random.default_rng(0)
     for _ in range(5):
-        constraint = Constraint(grammar_of(_schema_format(PERSON)), tokenizer, VOCAB_SIZE, eos)
+        constraint = Constraint(grammar_of(schema_format(PERSON)), tokenizer, VOCAB_SIZE, eos)
         tokens: list[int] = []
         while True:
             allowed = np.flatnonzero(constraint.allowed(VOCAB_SIZE))

@@ -10,11 +10,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, load_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, RotatingKVCache, load_prompt_cache
 
+from fixtures.kv_caches import IDENTITY, MIN, caches, held
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.disk_cache import (
-    FORMAT,
     DiskCache,
     as_tokens,
     common_prefix,
@@ -22,31 +22,6 @@ from mlxpipe.worker.disk_cache import (
     slice_folder,
     slice_identity,
 )
-
-IDENTITY = {"format": FORMAT, "model": "m", "layers": [0, 3], "tp": [0, 1]}
-MIN = 8  # the tests' min_tokens: short prompts
-
-
-def caches(tokens: int, seed: int = 0, stand_in: bool = True) -> list[Any]:
-    """Three layers' caches holding ``tokens`` tokens: a stand-in's (no keys, its offset only) and two real ones."""
-    mx.random.seed(seed)
-    out = []
-    for layer in range(3):
-        cache = KVCache()
-        if stand_in and layer == 0:
-            empty = mx.zeros((1, 1, tokens, 0))
-            cache.update_and_fetch(empty, empty)
-        else:
-            keys = mx.random.normal((1, 2, tokens, 4))
-            cache.update_and_fetch(keys, keys * 2)
-        out.append(cache)
-    mx.eval([c.state for c in out])
-    return out
-
-
-def held(cache: list[Any]) -> list[list[float]]:
-    """What a list of caches holds: every layer's keys and values up to its offset."""
-    return [c.state[i][..., : c.offset, :].tolist() for c in cache for i in (0, 1)]
 
 
 def store(tmp_path: Path, max_bytes: int = 10**8, identity: dict[str, Any] = IDENTITY) -> DiskCache:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fixtures.tiny_models import TinyModels
+from fixtures.pipeline_reference import PREFILL_STEP, request_reference
+from fixtures.tiny_models import TINY_SPLITS, TinyModels
 from mlxpipe.protocol.job import JobSpec
-from tests.e2e.test_overlap import PREFILL_STEP, TINY_SPLITS, _reference
 
 
 def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_models: TinyModels) -> None:
@@ -38,4 +38,4 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     assert done.decode_batch == 1
     results = {e["id"]: e for e in events if e["event"] == "result"}
     for request in requests:
-        assert results[request["id"]]["tokens"] == _reference(str(path), json.dumps(request, sort_keys=True))[0]
+        assert results[request["id"]]["tokens"] == request_reference(str(path), json.dumps(request, sort_keys=True))[0]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.generation_options import SPLIT
 from mlxpipe.errors import ModelError
-from tests.e2e.test_options import SPLIT, option_model  # noqa: F401 (option_model: a fixture)
 
 
 def test_a_rank_loads_only_its_own_layers_adapters(option_model: tuple[Path, Path], tmp_path: Path) -> None:

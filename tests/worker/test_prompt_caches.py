@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
+from fixtures.kv_caches import IDENTITY, MIN, caches, held
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.disk_cache import DiskCache
 from mlxpipe.worker.prompt_caches import PromptCaches
-from tests.worker.test_disk_cache import IDENTITY, MIN, caches, held
 
 MODEL = SimpleNamespace(layers=[None] * 3)  # make_prompt_cache: a KVCache per layer
 JOB = JobSpec(["/m"], [3])
