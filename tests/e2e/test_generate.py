@@ -14,6 +14,8 @@ import pytest
 from fixtures.cli import mlxpipe
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 
+pytestmark = pytest.mark.ranks
+
 
 @pytest.mark.parametrize("hostfile", ["local-2.json", "local-3.json"])
 def test_greedy_tokens_equal_single_process(demo_model: Path, demo_reference: list[int], hostfile: str) -> None:

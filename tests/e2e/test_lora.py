@@ -19,6 +19,8 @@ import pytest
 
 from fixtures.cli import MLXPIPE, REPO
 
+pytestmark = pytest.mark.ranks
+
 TIMEOUT = 240
 # Adam turns float noise in near-zero gradients into steps of up to the learning rate, so a
 # modest one keeps the comparison about the pipeline, not about rounding (mlx_lm's default is 1e-5).

@@ -215,6 +215,7 @@ def test_prompts_file_prints_texts_in_order_then_the_summary(tiny_models: TinyMo
     assert "where the time went" in result.stderr and "waiting for input" in result.stderr
 
 
+@pytest.mark.ranks
 def test_a_prompt_that_fails_on_the_ranks_ends_alone(tiny_models: TinyModels, tmp_path: Path) -> None:
     # Only the ranks know the model's vocabulary: a logit_bias beyond it fails that prompt there (it would
     # crash MLX). That prompt ends with an error; the others run and are kept; the command exits 1 naming it.

@@ -20,8 +20,6 @@ from fixtures.ranks import PYTHON, LaunchResult, launch, launch_cases, local_hos
 from fixtures.tiny_models import ARCHITECTURES, EOS_ID, TinyModels
 from mlxpipe.protocol.job import JobSpec
 
-pytestmark = pytest.mark.ranks
-
 UNSEEDED = [{"prompt": QUESTION, "temp": 1.0}]
 
 # With mlx-lm's convention rank 0 never holds layer 0. [5, 1] also leaves it
@@ -142,11 +140,13 @@ def _check_case(case_results, tiny_models: TinyModels, num_ranks: int, case_id: 
     assert end == sum(case["split"]) and end - start == case["split"][0]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case_id", list(CASES_2))
 def test_two_ranks_match_mlx_lm(case_results, tiny_models, case_id: str) -> None:
     _check_case(case_results, tiny_models, 2, case_id)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("case_id", list(CASES_3))
 def test_three_ranks_match_mlx_lm(case_results, tiny_models, case_id: str) -> None:
     _check_case(case_results, tiny_models, 3, case_id)
@@ -157,6 +157,7 @@ def test_every_architecture_is_covered_on_two_ranks() -> None:
     assert {c["arch"] for c in CASES_2.values()} == set(ARCHITECTURES)
 
 
+@pytest.mark.ranks
 def test_second_turn_reuses_the_prompt_cache(case_results) -> None:
     events = _case(case_results, 2, "qwen2-2-4-generic")
     first, second = events[0]["turns"]
@@ -166,12 +167,14 @@ def test_second_turn_reuses_the_prompt_cache(case_results) -> None:
     assert second["prompt_tokens"] < first["prompt_tokens"] + 20
 
 
+@pytest.mark.ranks
 def test_generic_and_native_give_the_same_tokens(case_results) -> None:
     generic = _case(case_results, 2, "qwen2-2-4-generic")[0]["turns"]
     native = _case(case_results, 2, "qwen2-2-4-native")[0]["turns"]
     assert [t["tokens"] for t in generic] == [t["tokens"] for t in native]
 
 
+@pytest.mark.ranks
 def test_unseeded_sampling_agrees_across_ranks(case_results) -> None:
     events = _case(case_results, 2, "llama-unseeded")
     assert events[0]["turns"][0]["tokens"] == events[1]["turns"][0]["tokens"]
@@ -202,6 +205,7 @@ def worker_run(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
     return result, requests
 
 
+@pytest.mark.ranks
 def test_worker_events(worker_run, tiny_models) -> None:
     result, requests = worker_run
     assert not result.of("error") and not result.timed_out, result.describe()
@@ -226,6 +230,7 @@ def test_worker_events(worker_run, tiny_models) -> None:
     assert "failed" not in result.stderr.lower(), result.stderr[-2000:]
 
 
+@pytest.mark.ranks
 def test_worker_on_a_single_rank(tiny_models, tmp_path: Path) -> None:
     """One host needs no pipeline (mlx.launch then passes an empty hostfile)."""
     job = JobSpec([str(tiny_models["qwen2"])], [6], prefill_step_size=PREFILL_STEP)
@@ -242,6 +247,7 @@ def test_worker_on_a_single_rank(tiny_models, tmp_path: Path) -> None:
     assert len(result.of("bye")) == 1
 
 
+@pytest.mark.ranks
 def test_worker_reports_missing_weights(tiny_models, tmp_path: Path) -> None:
     split = [3, 3]
     dirs = rank_dirs(tiny_models["qwen2"], split, tmp_path)

@@ -128,6 +128,7 @@ def test_plain_output_passes_as_text_and_a_lost_heartbeat_is_not_critical() -> N
 # --- Real mlx.launch runs ------------------------------------------------------------------------
 
 
+@pytest.mark.ranks
 def test_a_flood_of_long_events_from_every_rank_arrives_whole(tmp_path: Path) -> None:
     hostfile = tmp_path / "local-3.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 3))

@@ -17,7 +17,6 @@ TRAIN = TrainSpec(seed=0, num_layers=2, lora_parameters={"rank": 8, "scale": 20.
                   grad_checkpoint=False)
 
 
-@pytest.mark.ranks
 def test_job_round_trips_and_validates() -> None:
     job = JobSpec(["/a", "/b"], [2, 4], mode="native", prefill_step_size=64)
     assert JobSpec.decode(job.encode()) == job
@@ -30,7 +29,6 @@ def test_job_round_trips_and_validates() -> None:
         JobSpec.decode("not base64 json")
 
 
-@pytest.mark.ranks
 def test_job_with_tp_needs_a_path_per_rank_and_a_split_per_stage() -> None:
     job = JobSpec(["a", "a", "b", "b"], [2, 4], tp=2)
     assert job.world_size == 4

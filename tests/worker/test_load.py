@@ -47,7 +47,6 @@ def test_a_rank_loads_only_its_own_layers_adapters(option_model: tuple[Path, Pat
     assert not any(".layers.1." in k and "lora" in k for k in mine)  # a stand-in: nothing to adapt
 
 
-@pytest.mark.ranks
 def test_check_pipelinable_accepts_a_model(tiny_models) -> None:
     from mlxpipe.worker.load import check_pipelinable
 
@@ -55,7 +54,6 @@ def test_check_pipelinable_accepts_a_model(tiny_models) -> None:
     check_pipelinable(tiny_models["qwen2"], mode="native")
 
 
-@pytest.mark.ranks
 def test_check_pipelinable_refuses_native_without_pipeline(tiny_models) -> None:
     from mlxpipe.worker.load import check_pipelinable
 

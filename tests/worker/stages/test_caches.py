@@ -39,7 +39,6 @@ def _feed(c: Any, num_tokens: int) -> None:
         c.update_and_fetch(kv, kv)
 
 
-@pytest.mark.ranks
 @pytest.mark.parametrize("kind", CACHE_KINDS)
 def test_tie_puts_the_send_into_the_cache_state(kind: str, tmp_path: Path) -> None:
     """Prefill evaluates only cache state: the send must be part of its graph."""
@@ -57,7 +56,6 @@ def test_tie_puts_the_send_into_the_cache_state(kind: str, tmp_path: Path) -> No
     assert "Exp" in dot.read_text()
 
 
-@pytest.mark.ranks
 @pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache", "QuantizedKVCache", "CacheList"])
 def test_stand_in_caches_keep_the_real_bookkeeping(kind: str) -> None:
     """A stand-in's cache gives the same offsets and masks as the real layer's."""

@@ -7,7 +7,6 @@ import pytest
 from mlxpipe.errors import ModelError
 
 
-@pytest.mark.ranks
 def test_a_model_without_layers_is_refused() -> None:
     import mlx.nn as nn
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 
-
-@pytest.mark.ranks
 def test_extras_cross_a_cut_packed_with_the_hidden_state() -> None:
     """What a block returns besides the hidden state: arrays of its batch and tokens cross
     the cut (any dtype, alone or in tuples), the rest does not; one message holds them all."""
