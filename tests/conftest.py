@@ -17,7 +17,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# Fixtures from tests/fixtures/ are imported below this line: a test names one as a parameter and never imports it.
+# From tests/fixtures/, below this line: the tiers' plugin, and every fixture tests share (a test names one as a
+# parameter and never imports it).
+from fixtures import tiers
 from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F401
 from fixtures.browser import browser  # noqa: F401
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
@@ -33,6 +35,22 @@ from fixtures.serve_process import server  # noqa: F401
 from fixtures.tiny_models import tiny_models, tp_llama  # noqa: F401
 from fixtures.tool_model import tool_model  # noqa: F401
 from fixtures.vision_models import vision_models  # noqa: F401
+
+pytest_plugins = ["pytester"]  # tests/test_tiers.py runs sessions of its own
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    tiers.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The markers kept true: a test that starts ranks or builds the cluster without its marker fails
+    (``fixtures/tiers.py``)."""
+    tiers.register(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tiers.unregister(config)
 
 
 @pytest.fixture(scope="session", autouse=True)
