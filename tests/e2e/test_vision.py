@@ -3,6 +3,12 @@
 The vision tower and projector run on the first stage (the highest rank); Qwen2.5-VL's multi-axis rotary
 positions travel with the hidden state to the other stage. Tiny random checkpoints of the families
 (``fixtures/vision_models.py``); the reference is ``mlx_vlm.stream_generate`` in this process.
+
+Starting ranks is the slow part, so one launch per layout serves every family of it (``fixtures/vision_suite.py``):
+each case's job and ``generate`` message are built here as ``generate --image`` builds them (the planner's split,
+the picture tokenized by the controller's processor) and run by ``fixtures/vision_ranks.py`` with the worker's own
+code. One real ``generate --image`` run, one ``chat --image`` run and the served model keep the controller's path
+tested end to end.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +34,7 @@ from fixtures.schemas import SCHEMAS
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
 from fixtures.vision_models import test_image as picture_bytes
+from fixtures.vision_suite import Case, Run, cli_case, local_hostfile, run_in_one_launch
 from mlxpipe.vision.families import RUNS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,15 +43,15 @@ TIMEOUT = 180
 PROMPT = "Describe this."
 MAX_TOKENS = 12
 TOOL_TOKENS = 160  # one call of the byte tokenizer is ~40-90 tokens; the bounded schemas end it
-# A four-rank hostfile of this machine: 2 stages x --tp 2.
-LOCAL_4 = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4
 # The families the table says run (mlxpipe/vision/families.py): each at 2 ranks.
 RUNNING = sorted(RUNS)
 # Both --tp layouts on the four families issue 33 names (one with multi-axis positions, one MoE), and --tp 2 on
-# Qwen3-VL (its deepstack features on every member of the first stage's group): each case is a launch of its own,
-# 15-25 s here, so not every family at both.
+# Qwen3-VL (its deepstack features on every member of the first stage's group).
 TP_CASES = [*((f, layout) for f in ("gemma3", "kimi_vl", "mistral3", "qwen2_5_vl") for layout in ("tp2", "2x-tp2")),
             ("qwen3_vl", "tp2")]
+# One launch each: (ranks, --tp). "pipeline": 2 stages; "tp2": one stage of 2; "2x-tp2": 2 stages of 2.
+LAYOUTS: dict[str, tuple[int, int | None]] = {"pipeline": (2, None), "tp2": (2, 2), "2x-tp2": (4, 2)}
+OTHER_PICTURE = "qwen2_5_vl, picture 1"  # the pipeline launch's case of the other picture
 
 
 def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
@@ -83,42 +90,103 @@ def reference(vision_models: VisionModels, images: list[Path]) -> dict[tuple[str
     return Reference()
 
 
-def generate(model: Path, image: Path, *flags: str) -> list[int]:
+@pytest.fixture(scope="module")
+def vision_runs(vision_models: VisionModels, images: list[Path],
+                tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """layout -> its one launch, started on first use: on 2 pipeline ranks every family that runs and Qwen2.5-VL
+    with the other picture; at --tp 2 on 2 ranks and at 2 stages x --tp 2 on 4, TP_CASES' families of it."""
+    runs: dict[str, Run] = {}
+
+    def get(layout: str) -> Run:
+        if layout not in runs:
+            tmp = tmp_path_factory.mktemp(f"vision-{layout}")
+            num_ranks, tp = LAYOUTS[layout]
+            hostfile = local_hostfile(num_ranks, tmp)
+
+            def case(case_id: str, family: str, picture: int) -> Case:
+                return cli_case(case_id, vision_models[family], images[picture], hostfile, PROMPT, MAX_TOKENS, tp)
+
+            if layout == "pipeline":
+                cases = [case(f, f, 0) for f in RUNNING] + [case(OTHER_PICTURE, "qwen2_5_vl", 1)]
+            else:
+                cases = [case(f, f, 0) for f, at in TP_CASES if at == layout]
+            # Measured on 2 busy CPU cores: ~8 s a case on 2 ranks, ~20 s on 4, after ~15 s of start; 3-4x that.
+            runs[layout] = run_in_one_launch(cases, hostfile, tmp, timeout=120 + 15 * num_ranks * len(cases))
+        return runs[layout]
+
+    return get
+
+
+def answer(run: Run, case_id: str) -> list[int]:
+    """The case's tokens, once every rank gave the same ones, each rank running the layers the planner gave it, the
+    first stage (every member of its group) holding the whole vision tower and the image processor, no other."""
+    case = run.cases[case_id]
+    found = run.events.get(case_id, [])
+    if len(found) != case.job.world_size:
+        pytest.fail(f"no result for {case_id} from every rank\n{run.result.describe()}")
+    assert case.request.images and case.request.vision_prompt  # the picture went, with the controller's token ids
+    assert [e["layers"] for e in found] == case.layers()
+    first = case.first_stage()
+    assert [e["vision"] for e in found] == [True] * len(found)
+    assert [e["processor"] for e in found] == first
+    assert [e["tower"] > 0 for e in found] == first
+    assert len({e["tower"] for e, holds in zip(found, first, strict=True) if holds}) == 1
+    if case.job.tp > 1:
+        assert all(e["sharding"] != "none" for e in found), [e["sharding"] for e in found]
+    done = [e["done"] for e in found]
+    assert done[0]["finish_reason"] in ("stop", "length"), done[0].get("error")
+    tokens = [d["tokens"] for d in done]
+    assert all(t == tokens[0] for t in tokens), f"the ranks disagree: {tokens}"
+    return list(tokens[0])
+
+
+def generate(model: Path, image: Path, *flags: str) -> dict[str, Any]:
+    """``mlxpipe generate --image ... --json``'s answer."""
     result = mlxpipe("generate", "--model", str(model), "--image", str(image), "--prompt", PROMPT,
                      "--max-tokens", str(MAX_TOKENS), "--json", *flags)
     assert result.returncode == 0, result.stderr
-    return [int(t) for t in json.loads(result.stdout)["tokens"]]
+    answer: dict[str, Any] = json.loads(result.stdout)
+    return answer
+
+
+@pytest.mark.ranks
+def test_generate_image_through_the_cli(vision_models: VisionModels, images: list[Path],
+                                        reference: dict[tuple[str, int], list[int]], tmp_path: Path) -> None:
+    """One real ``generate --image`` (the controller's processor, launch and events): mlx-vlm's tokens, each rank on
+    the layers of the job the suite builds for the same command."""
+    hostfile = local_hostfile(2, tmp_path)
+    got = generate(vision_models["qwen2_5_vl"], images[0], "--hostfile", str(hostfile))
+    assert [int(t) for t in got["tokens"]] == reference["qwen2_5_vl", 0]
+    case = cli_case("qwen2_5_vl", vision_models["qwen2_5_vl"], images[0], hostfile, PROMPT, MAX_TOKENS)
+    assert [[r["start"], r["end"]] for r in sorted(got["ranks"], key=lambda r: r["rank"])] == case.layers()
+    assert got["prompt_tokens"] == len(case.request.tokens or [])  # the same tokens: the picture's placeholders
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("family", RUNNING)
-def test_two_ranks_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
-                                 reference: dict[tuple[str, int], list[int]], family: str) -> None:
+def test_two_ranks_equal_mlx_vlm(vision_runs: Callable[[str], Run], reference: dict[tuple[str, int], list[int]],
+                                 family: str) -> None:
     """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
-    assert generate(vision_models[family], images[0], "--hostfile", "hostfiles/local-2.json") == reference[family, 0]
+    assert answer(vision_runs("pipeline"), family) == reference[family, 0]
 
 
 @pytest.mark.ranks
-def test_other_image_other_tokens(vision_models: VisionModels, images: list[Path],
+def test_other_image_other_tokens(vision_runs: Callable[[str], Run],
                                   reference: dict[tuple[str, int], list[int]]) -> None:
     """The picture reaches the model: another one gives mlx-vlm's other tokens."""
-    tokens = generate(vision_models["qwen2_5_vl"], images[1], "--hostfile", "hostfiles/local-2.json")
+    tokens = answer(vision_runs("pipeline"), OTHER_PICTURE)
     assert tokens == reference["qwen2_5_vl", 1]
     assert tokens != reference["qwen2_5_vl", 0]
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize(("family", "layout"), TP_CASES)
-def test_tensor_parallel_equal_mlx_vlm(vision_models: VisionModels, images: list[Path],
-                                       reference: dict[tuple[str, int], list[int]], family: str, layout: str,
-                                       tmp_path: Path) -> None:
+def test_tensor_parallel_equal_mlx_vlm(vision_runs: Callable[[str], Run],
+                                       reference: dict[tuple[str, int], list[int]], family: str, layout: str) -> None:
     """--tp 2 (one stage) and 2 stages x --tp 2: embeddings (Qwen-VL's positions, Qwen3-VL's deepstack features)
     reach every member of a group, every family's blocks split by heads (Kimi-VL's latent attention and experts
     too)."""
-    hostfile = tmp_path / "local-4.json"
-    hostfile.write_text(json.dumps(LOCAL_4))
-    flags = ("--hostfile", "hostfiles/local-2.json") if layout == "tp2" else ("--hostfile", str(hostfile))
-    assert generate(vision_models[family], images[0], *flags, "--tp", "2") == reference[family, 0]
+    assert answer(vision_runs(layout), family) == reference[family, 0]
 
 
 def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:
