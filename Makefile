@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine:
 #   make demo   builds the demo model and runs a real 2-rank pipeline on it
-#   make test   runs the test suite (make test-fast: without MLX ranks and ssh clusters)
+#   make test   runs the test suite (make test-fast: the unit tier, without MLX ranks and ssh clusters)
 #   make lint   ruff and mypy, as CI runs them before the tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,12 +27,21 @@ demo: demo-model
 	$(MLXPIPE) plan
 	$(MLXPIPE) generate --prompt "What is the capital of France?"
 
-test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# The suite in two parts: the unit tier (no MLX rank, no ssh cluster) on two pytest workers, then the tests that
+# start ranks or build the ssh cluster one at a time (each rank busy-waits on a core of its own: two such tests at
+# once would only slow each other). Each part writes its JUnit file to .runs/ (.ci/slowest.py reads them).
+UNIT := -m "not ranks and not cluster"
+RANKS := -m "ranks or cluster"
+WORKERS ?= 2
 
-# The suite without MLX ranks and ssh clusters: a few minutes.
+test: install
+	@mkdir -p .runs && rm -f .runs/unit.xml .runs/ranks.xml
+	$(PY) -m pytest -q $(UNIT) -n $(WORKERS) --junitxml=.runs/unit.xml $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(RANKS) --junitxml=.runs/ranks.xml $(PYTEST_ARGS)
+
+# The unit tier alone: no MLX rank, no ssh cluster (the markers are enforced: tests/fixtures/tiers.py).
 test-fast: install
-	$(PY) -m pytest -q -m "not ranks and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(UNIT) -n $(WORKERS) $(PYTEST_ARGS)
 
 # ruff (lint and import order) on the code, the benchmarks and the tests; mypy on the package. Settings in pyproject.toml.
 lint: install
