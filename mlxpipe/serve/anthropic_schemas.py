@@ -223,7 +223,7 @@ def _message(message: Any, where: str, names: dict[str, str], dropped: list[str]
             own.append(_image(block, at, vision))
             parts.append({"type": "image"})
         elif kind in _MEDIA:
-            raise bodies.image_refused(at, _MEDIA[kind])
+            raise bodies.image_refused(at, _MEDIA[kind], settings if role == "user" else None)
         elif kind == "tool_use" and role == "assistant":
             call_id = field(block, "id", str, "", f"{at}.")
             name = field(block, "name", str, None, f"{at}.")

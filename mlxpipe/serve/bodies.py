@@ -204,10 +204,25 @@ def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def image_refused(where: str, what: str) -> ApiError:
-    """Images, documents and files (``what``: "an image"...): text-only for now, and said so."""
+def image_refused(where: str, what: str, settings: ServerSettings | None = None) -> ApiError:
+    """Images, documents and files (``what``: "an image"...): text-only for now, and said so; an image to a
+    vision-language model that this install cannot run (no mlx-vlm) names the extra to install."""
+    if what == "an image" and settings is not None and settings.vision_missing:
+        return no_images(where, settings)
     return ApiError(400, f"'{where}' is {what}: this server takes text only (no images, documents or "
                          "files yet); send the text instead", param=where)
+
+
+def no_images(where: str, settings: ServerSettings) -> ApiError:
+    """The 400 for an image to a server whose model takes none: a text-only model, or a vision-language model
+    served by an install without the vision extra (which the message names)."""
+    if settings.vision_missing:
+        from mlxpipe.vision.prompt import NEEDS_VISION, VISION_HINT
+
+        return ApiError(400, f"'{where}' is an image: {NEEDS_VISION} (on the server: {VISION_HINT})", param=where,
+                        code="invalid_image")
+    return ApiError(400, f"'{where}' is an image: this server's model takes no images (a text-only model)",
+                    param=where, code="invalid_image")
 
 
 def image_from_uri(uri: Any, where: str, settings: ServerSettings) -> Image:
@@ -218,8 +233,7 @@ def image_from_uri(uri: Any, where: str, settings: ServerSettings) -> Image:
     if not isinstance(uri, str) or not uri:
         raise ApiError(400, f"'{where}' must be an image URL (a data: URI)", param=where)
     if settings.vision is None:  # before the URL is looked at: no flag makes a text-only model see it
-        raise ApiError(400, f"'{where}' is an image: this server's model takes no images (a text-only model)",
-                       param=where, code="invalid_image")
+        raise no_images(where, settings)
     try:
         return from_data_uri(uri, settings.image_limits)
     except ImageError as e:
@@ -247,8 +261,7 @@ def with_images(request: Request, images: list[tuple[Image, str]], settings: Ser
         return request
     first = images[0][1]
     if settings.vision is None:
-        raise ApiError(400, f"'{first}' is an image: this server's model takes no images (a text-only model)",
-                       param=first, code="invalid_image")
+        raise no_images(first, settings)
     limit = settings.image_limits.max_images
     if len(images) > limit:
         where = images[limit][1]

@@ -56,6 +56,8 @@ class ServerSettings:
     draft_model: bool = False  # speculative decoding (--draft-model): some options are refused (bodies.for_ranks)
     # A vision-language model's processor (images in: ``bodies.with_images``); None: the model takes no images.
     vision: VisionPrompt | None = None
+    # A vision-language model served without mlx-vlm (the vision extra): its images are refused naming the extra.
+    vision_missing: bool = False
     image_limits: ImageLimits = ImageLimits()  # noqa: RUF009 - frozen, one shared default is safe
     # --allow-image-urls: seconds an image URL may take to fetch (serve.image_urls); None: URLs are refused.
     image_url_timeout: float | None = None

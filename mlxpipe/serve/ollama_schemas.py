@@ -67,7 +67,7 @@ def parse(body: dict[str, Any], chat: bool, settings: ServerSettings, tokenizer:
         # engine has landed; refused until then, never silently unconstrained.
         raise ApiError(400, "'format' (structured output) is not supported by this server yet", param="format")
     if body.get("images") and (chat or settings.vision is None):
-        raise bodies.image_refused("images", "an image")
+        raise bodies.image_refused("images", "an image", None if chat else settings)
     images: list[tuple[Image, str]] = []
     options = field(body, "options", dict, {})
     request = _options(options, settings)
@@ -142,7 +142,7 @@ def _messages(messages: list[Any] | None, settings: ServerSettings,
             raise ApiError(400, f"'{where}' must be an object with a 'role' of system, user, assistant or tool",
                            param=where)
         if m.get("images") and settings.vision is None:
-            raise bodies.image_refused(f"{where}.images", "an image")
+            raise bodies.image_refused(f"{where}.images", "an image", settings)
         content = field(m, "content", str, "", f"{where}.")
         pictures = _images(m.get("images"), f"{where}.images", settings)
         images.extend(pictures)

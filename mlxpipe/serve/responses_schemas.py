@@ -329,7 +329,7 @@ def _parts(parts: Any, where: str, settings: ServerSettings | None = None) -> st
             out.append({"type": "image", "image_data": image.data, "sha256": image.sha256, "where": at})
             continue
         if kind in _MEDIA:
-            raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind])
+            raise bodies.image_refused(f"{where}[{j}]", _MEDIA[kind], settings)
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise ApiError(400, f"'{where}[{j}]' must be an input_text part", param=f"{where}[{j}]")
         out.append({"type": "text", "text": part["text"]})

@@ -66,6 +66,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     meta, plan = prepare(config)
     tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
     vision = _vision_prompt(config, meta)
+    vision_missing = _vision_missing(meta)
     log = RequestLog()
 
     def on_state(state: str, detail: str | None) -> None:
@@ -86,7 +87,7 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
         draft_model=config.draft_model is not None, served_names=served_names, any_model_name=any_model_name,
-        vision=vision, image_limits=image_limits, image_url_timeout=image_url_timeout,
+        vision=vision, vision_missing=vision_missing, image_limits=image_limits, image_url_timeout=image_url_timeout,
     )
     app = build_app(queue, tokenizer, settings, log)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
@@ -94,6 +95,11 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     names = ", ".join(repr(n) for n in settings.model_names) + (", or any name" if any_model_name else "")
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
                       f"(model id {names}); loading {len(plan.ranks)} ranks...")
+    if vision_missing:
+        from mlxpipe.vision.prompt import VISION_HINT
+
+        console.warn(f"a vision-language model, served as text only: this install lacks mlx-vlm "
+                     f"(for images: {VISION_HINT})")
     queue.start()
     _quiet_lost_connections()
     try:
@@ -171,6 +177,13 @@ def _vision_prompt(config: PipelineConfig, meta: ModelMetadata) -> VisionPrompt 
     from mlxpipe.vision.prompt import VisionPrompt
 
     return VisionPrompt(controller_model_dir(meta), meta.config)
+
+
+def _vision_missing(meta: ModelMetadata) -> bool:
+    """A vision-language model that this install cannot give images to: mlx-vlm (the vision extra) is missing."""
+    from mlxpipe.vision.prompt import is_vision_config, vision_installed
+
+    return is_vision_config(meta.config) and not vision_installed()
 
 
 def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max_body_bytes: int) -> None:

@@ -223,6 +223,20 @@ _CONVERSATION = [
 _TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": _SCHEMA}}]
 
 
+@pytest.mark.parametrize(("door", "param"), [("openai", "messages[1].content[0]"),
+                                           ("anthropic", "messages[0].content[0]"),
+                                           ("responses", "input[0].content[0]"), ("ollama", "messages[1].images")])
+def test_an_image_to_a_vision_model_without_the_extra_names_the_extra(door: str, param: str) -> None:
+    """A vision-language model served by an install without mlx-vlm runs as text: every door refuses its images
+    with one line that says which extra to install, not that the model is text-only."""
+    settings = ServerSettings(model_id="m", api_key=None, context=4096, vision_missing=True)
+    with pytest.raises(ApiError) as info:
+        _parse(door, _door_body(door), settings, None)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message == (f"'{param}' is an image: images need mlx-vlm, which this install lacks "
+                                  "(on the server: pip install 'mlxpipe[vision]')")
+
+
 @pytest.mark.parametrize("door", ["openai", "anthropic", "responses", "ollama"])
 def test_images_with_tools_are_mlx_vlms_prompt(vision_door: tuple[ServerSettings, Any, Path], door: str) -> None:
     """A picture with tools, an earlier call and its result, and the door's thinking switch: the prompt is the
