@@ -269,7 +269,8 @@ def test_rank_exiting_0_early_stops_the_run(site: Site, demo_model: Path) -> Non
 def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -> None:
     site = Site(tmp_path / "local-2.json", ["127.0.0.1"] * 2)
     site.hostfile.write_text(json.dumps([LOCAL, LOCAL]))
-    pipe = start_pipeline(site, demo_model, faulty_worker.worker("hang", on_rank=1, after_tokens=3), timeout=5)
+    # 15 s, 10x the gap between a rank's progress reports (1 s and a step): only the hang fires the watchdog.
+    pipe = start_pipeline(site, demo_model, faulty_worker.worker("hang", on_rank=1, after_tokens=3), timeout=15)
     try:
         with pytest.raises(LaunchError) as e:
             pipe.generate(request_for(STORY, None, STORY_SAMPLING))
@@ -277,7 +278,7 @@ def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -
         pipe.stop()
     # Both hosts still answer: the watchdog says so, and where each rank stood.
     message = e.value.message
-    assert message.startswith("no progress from any rank for 5 s, though every host still answers; last reported: ")
+    assert message.startswith("no progress from any rank for 15 s, though every host still answers; last reported: ")
     # Rank 1 (the first stage) last ran the micro-batch that samples token 3, and hung once it was shared.
     assert "rank 1 decode token 3 of request 0 (tick " in message and "rank 0 " in message
     assert "--timeout" in str(e.value.hint)
