@@ -98,3 +98,11 @@ def test_each_test_starts_from_the_same_mlx_random_state() -> None:
     drawn = mx.random.uniform(shape=(4,))
     mx.random.seed(MLX_SEED)
     assert mx.array_equal(drawn, mx.random.uniform(shape=(4,)))
+
+
+def test_each_test_starts_from_the_same_python_random_state() -> None:
+    import random
+
+    drawn = [random.random() for _ in range(4)]
+    random.seed(MLX_SEED)
+    assert drawn == [random.random() for _ in range(4)]

@@ -484,12 +484,11 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_server_recovers(fra
     next(c for c in chunks if c.choices and c.choices[0].delta.content)
     worker = next(pid for pid, (rank, cmd) in local_rank_processes(fragile.proc.pid).items()
                   if rank == 1 and "mlxpipe.launch.supervisor" not in cmd)
-    tic = time.monotonic()
     signal_pid(worker, signal.SIGKILL)
     with pytest.raises(openai.APIError) as e:
         for _ in chunks:
             pass
-    assert time.monotonic() - tic < 10
+    # The rank's death named, not the client's 60 s timeout nor the watchdog's 120 s: it was found as it happened.
     assert "rank 1" in str(e.value) and "SIGKILL" in str(e.value)
     health = fragile.health()
     assert health["status"] in ("restarting", "loading") or health["restarts"] == 1
@@ -503,9 +502,8 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_server_recovers(fra
 def test_sigterm_stops_every_rank_and_exits_143(fragile: ServeProcess) -> None:
     pids = set(local_rank_processes(fragile.proc.pid))
     assert pids
-    tic = time.monotonic()
     assert fragile.stop(signal.SIGTERM) == 143
-    left = wait_gone(pids, 5 - (time.monotonic() - tic))
+    left = wait_gone(pids, 5)  # gone with the server (orphans would live until their lease ran out, 30 s)
     assert left == set(), left
     assert "stopped by SIGTERM" in fragile.stderr
 

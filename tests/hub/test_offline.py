@@ -16,14 +16,13 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint
+from fixtures.fake_hub import FakeHub, closed_port_endpoint, point_hf_hub_at, silent_endpoint, silent_listener
 from fixtures.hub_errors import COMMANDS, NET_HINT, assert_one_error, invoke_command
 from fixtures.tiny_models import make_tiny_checkpoint
 from mlxpipe.download import fetch as fetch_mod
@@ -113,17 +112,16 @@ def test_dns_failure(
 def test_a_port_that_never_answers_times_out(
     command: str, repo: str, hf_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with silent_endpoint() as ep:
+    with silent_listener() as (ep, connections):
         point_hf_hub_at(ep, hf_home, monkeypatch, etag_timeout=1)
-        started = time.monotonic()
         result = invoke_command(command, "--model", repo)
-        elapsed = time.monotonic() - started
+        asked = connections()
     assert_one_error(
         result, f"error: {repo}: the hub at {ep} did not answer within 1 s",
         f"hint: check the network and HF_ENDPOINT ({ep}); on a slow link raise HF_HUB_ETAG_TIMEOUT; "
         "a model already downloaded works offline with HF_HUB_OFFLINE=1",
     )
-    assert elapsed < 5  # one request, one timeout: no retry loop behind it
+    assert asked == 1  # one request, one timeout: no retry loop behind it
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -161,10 +159,8 @@ def test_console_script_prints_no_traceback(repo: str, tmp_path: Path) -> None:
             (silent, f"error: {repo}: the hub at {silent} did not answer within 2 s"),
         ]:
             env = {**os.environ, "HF_ENDPOINT": ep, "HF_HUB_ETAG_TIMEOUT": "2"}
-            started = time.monotonic()
             proc = subprocess.run([str(MLXPIPE), *COMMANDS["download"], "--model", repo], capture_output=True,
                                   text=True, env=env, timeout=60)
-            assert time.monotonic() - started < 10
             assert (proc.returncode, proc.stdout, proc.stderr.splitlines()[0]) == (1, "", error)
             assert len(proc.stderr.splitlines()) == 2 and "Traceback" not in proc.stderr
 
@@ -198,24 +194,22 @@ def test_host_fetch_retries_a_silent_hub_only_within_the_window(
 ) -> None:
     load_metadata(repo)
     monkeypatch.setattr(fetch_mod, "RETRY_WINDOW_SECONDS", 1.5)
-    with silent_endpoint() as ep:
+    with silent_listener() as (ep, connections):
         point_hf_hub_at(ep, hf_home, monkeypatch, etag_timeout=1)
-        started = time.monotonic()
         result = invoke_command("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)), "--rank", "0")
-        elapsed = time.monotonic() - started
+        asked = connections()
     # Attempt 1 ends at ~1 s, inside the window; attempt 2 at ~2 s, past it: no third.
     assert result.stderr.splitlines()[0] == (
         f"error: 127.0.0.1 (rank 0): could not fetch config.json from {repo} in 2 attempts: "
         f"the hub at {ep} did not answer within 1 s"
     )
-    assert result.exit_code == 1 and 2 <= elapsed < 5
+    assert result.exit_code == 1 and asked == 2
 
 
 def test_a_5xx_storm_on_every_host_is_retried_then_named(hub_env: FakeHub, repo: str, tmp_path: Path) -> None:
     load_metadata(repo)
     hub_env.reset_log()
     hub_env.outage(503)
-    started = time.monotonic()
     result = invoke_command("download", "--model", repo, "--hostfile", str(write_hostfile(tmp_path)))
     assert_one_error(
         result,
@@ -226,7 +220,6 @@ def test_a_5xx_storm_on_every_host_is_retried_then_named(hub_env: FakeHub, repo:
     # Each host process: one bounded HEAD per attempt, then it gives up (backoff 0.5 + 1 + 2 s).
     assert len(hub_env.requests) == 2 * fetch_mod.ATTEMPTS
     assert {r.method for r in hub_env.requests} == {"HEAD"}
-    assert time.monotonic() - started < 20
 
 
 # --- HF_HUB_OFFLINE=1 ---------------------------------------------------------------------

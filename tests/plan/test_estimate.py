@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from fixtures.plan_inputs import meta
+from fixtures.plan_inputs import hosts, meta
 from mlxpipe.model.metadata import Tensor
 from mlxpipe.plan.estimate import (
     NOMINAL,
@@ -29,6 +29,7 @@ from mlxpipe.plan.estimate import (
 )
 from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.layout import BATCH, CHAT, Layout
+from mlxpipe.plan.shard import make_plan
 
 MS = 1e-3
 # A machine whose numbers are easy: 1 GB/s, 1 GFLOP/s, 1 ms a layer, 2 ms a tick.
@@ -145,6 +146,23 @@ def test_the_head_runs_on_a_prompts_last_token_only() -> None:
     # A 1 GB head takes 1 s, where a 1-byte one is bound by its 2 MFLOP (2 ms): once, in the last token's decode
     # step, never in the chunks.
     assert prefill_seconds(big, layout, 600) - prefill_seconds(small, layout, 600) == pytest.approx(1.0 - 2 * MS)
+
+
+def test_a_long_prompt_is_predicted_slower_on_the_split_balanced_for_a_batch_than_on_the_even_one() -> None:
+    # bench/bench_layout.py's model: 12 float32 layers of hidden 512 and a 151,936-token head worth ~35 of them in
+    # bytes. For many requests at once --strategy balanced weighs the head on every generated token and gives its
+    # stage (rank 0) few layers; a long prompt, which runs the head once, then goes at the pace of the other stage.
+    layers = [Tensor(f"model.layers.{i}.mlp.down_proj.weight", "F32", (512, 4352), "w.safetensors")
+              for i in range(12)]
+    head = Tensor("lm_head.weight", "F32", (151936, 512), "w.safetensors")
+    m = meta([*layers, head], 12, hidden_size=512, vocab_size=151936, torch_dtype="float32")
+    even = make_plan(m, hosts(2), strategy="even").split
+    balanced = make_plan(m, hosts(2), strategy="balanced", workload=BATCH).split
+    assert even == (6, 6) and balanced[0] < 4, balanced
+    c = Costing(model_work(m), facts(2, latency=50e-6, collective=100e-6), "ring", decode_batch=4)
+    prefill = {split: estimate(c, Layout(1, split, "split", 2), BATCH, prompt=600).prefill
+               for split in (even, balanced)}
+    assert prefill[even] > prefill[balanced], prefill
 
 
 # --- many requests at once ---------------------------------------------------------------------------
