@@ -218,6 +218,7 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
 # --- init on a ring with RDMA, and what it refuses -----------------------------------------------------------
 
 
+@pytest.mark.ranks  # init measures the links by a real MLX job: these hosts run this machine's mlx already
 @pytest.mark.cluster
 def test_init_on_a_thunderbolt_ring_of_four_with_rdma(four_macs: Cluster, tmp_path: Path) -> None:
     macs = four_macs
@@ -270,6 +271,7 @@ def test_init_writes_nothing_until_every_host_is_ready(macs: Cluster, tmp_path: 
     assert hostfile.read_text() == "{}\n"
 
 
+@pytest.mark.ranks  # install measures the links by a real MLX job once the hosts run mlx
 @pytest.mark.cluster
 def test_install_without_a_registry_uses_the_controllers_wheels(macs: Cluster, tmp_path: Path) -> None:
     make_mac(macs, 2, FakeMac("studio"))
