@@ -5,7 +5,9 @@ A fake hub listens on the cluster's bridge, so hosts can fetch from it directly
 when told where it is (each host's ``python`` is a wrapper exporting
 ``HF_ENDPOINT``, as a real host would have it in its environment); hosts without
 that reach no hub and get their files ``--from-controller``. The answer must be
-token for token what single-process mlx-lm generates.
+token for token what single-process mlx-lm generates. The model is ``chat_model`` (the demo's tokenizer,
+template and 30 layers in 10 shards, on tiny random weights): these tests are about hosts, files and
+processes, not the demo's real weights, whose smoke runs are ``test_generate.py``'s.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import pytest
 
 from fixtures.cli import cli
 from fixtures.cluster import Cluster
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT, greedy_chat_tokens
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 
-REPO_ID = "e2e/demo"
+REPO_ID = "e2e/smollm2-tiny"
 PROMPT, MAX_TOKENS = DEMO_PROMPT, DEMO_MAX_TOKENS
 SECRET = "hf_e2e_secret_token_do_not_leak"
 
@@ -36,11 +38,17 @@ SECRET = "hf_e2e_secret_token_do_not_leak"
 
 
 @pytest.fixture(scope="module")
-def bridge_hub(cluster_session: Cluster, demo_model: Path) -> Iterator[FakeHub]:
+def bridge_hub(cluster_session: Cluster, chat_model: Path) -> Iterator[FakeHub]:
     """A fake hub on the cluster's bridge address: reachable from this machine and every host."""
     with FakeHub(host=cluster_session.gateway) as hub:
-        hub.add_repo(REPO_ID, demo_model)
+        hub.add_repo(REPO_ID, chat_model)
         yield hub
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model: Path) -> list[int]:
+    """Single-process mlx-lm's greedy tokens for ``PROMPT``, chat-templated: the ground truth."""
+    return greedy_chat_tokens(chat_model, PROMPT, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -115,33 +123,20 @@ def host_files(hf_home: str, commit: str) -> set[str]:
 # --- plan, download, generate -------------------------------------------------------------------------
 
 
-@pytest.mark.ranks
-@pytest.mark.cluster
-@pytest.mark.parametrize("hosts, from_controller", [(2, False), (3, True)],
-                         ids=["2-hosts-direct", "3-hosts-from-controller"])
-def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub: str, hosts: int,
-                                from_controller: bool, demo_reference: list[int], tmp_path: Path,
-                                command_lines: CommandLines, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_TOKEN", SECRET)  # the controller's own login: it must reach no command line
-    marker = tmp_path / "injected"
-    # Direct: hosts reach the hub (the wrapper), and rank 1 keeps its cache under a name full of shell syntax.
-    # From the controller: hosts have no hub at all (their plain interpreter knows none).
-    keys: dict[str, Any] = {} if from_controller else {
-        "python": python_with_hub,
-        "hf_home": {1: f"{cluster.host(1).hf_home}/c;`touch {marker}`;$(touch {marker})"},
-    }
-    hostfile = cluster.hostfile(hosts, **keys)
-    homes = [h["hf_home"] for h in json.loads(hostfile.read_text())]
-
+def check_plan(cluster: Cluster, hostfile: Path, hosts: int) -> dict[str, Any]:
     plan = cli("plan", "--model", REPO_ID, "--hostfile", str(hostfile), "--json")
     assert plan.exit_code == 0, plan.output
-    the_plan = json.loads(plan.stdout)
+    the_plan: dict[str, Any] = json.loads(plan.stdout)
     assert [(r["rank"], r["host"]) for r in the_plan["ranks"]] == list(enumerate(cluster.hosts[:hosts]))
     assert sum(the_plan["split"]) == 30
+    return the_plan
 
+
+def check_download(hub: FakeHub, hostfile: Path, the_plan: dict[str, Any], from_controller: bool) -> None:
     download = cli("download", "--model", REPO_ID, "--hostfile", str(hostfile), "--json",
                    *(["--from-controller"] if from_controller else []))
     assert download.exit_code == 0, download.output
+    homes = [h["hf_home"] for h in json.loads(hostfile.read_text())]
     commit = hub.commit_sha(REPO_ID)
     for r in the_plan["ranks"]:
         # Each host holds its own rank's files, and no other weights.
@@ -157,26 +152,49 @@ def test_plan_download_generate(cluster: Cluster, hub: FakeHub, python_with_hub:
         per_host = sum(hub.file(REPO_ID, f).size for r in the_plan["ranks"] for f in r["files"])
         assert hub.bytes_served(REPO_ID) >= per_host
 
-    result = cli("generate", "--model", REPO_ID, "--hostfile", str(hostfile), "--prompt", PROMPT,
-                 "--max-tokens", str(MAX_TOKENS), "--json", *(["--from-controller"] if from_controller else []))
-    assert result.exit_code == 0, result.output
-    answer = json.loads(result.stdout)
-    assert answer["tokens"] == demo_reference
-    assert [(r["rank"], r["host"]) for r in answer["ranks"]] == list(enumerate(cluster.hosts[:hosts]))
-    assert cluster.wait_clean(5) == {}
 
-    # Security: nothing ran the hostfile's shell syntax, no secret on any command line, no remote code.
-    assert not marker.exists()
-    command_lines.stop()
-    ours = [shlex.join(argv) for argv in command_lines.started]
-    assert any("ssh" in line for line in ours) and any("mlx.launch" in line for line in ours)
-    assert any("mlxpipe.worker" in line for line in command_lines.seen.values())
-    assert not [line for line in ours + list(command_lines.seen.values()) if SECRET in line]
+def check_no_secret_nor_remote_code(command_lines: CommandLines, run_dir: Path, launched_here: bool) -> None:
+    """No secret on any command line (this process's, or any on the machine while the run ran), no remote code."""
     from mlxpipe.protocol.job import JobSpec
 
-    argv = shlex.split((Path(answer["run_dir"]) / "command.txt").read_text())
+    command_lines.stop()
+    ours = [shlex.join(argv) for argv in command_lines.started]
+    assert any("ssh" in line for line in ours)
+    if launched_here:
+        assert any("mlx.launch" in line for line in ours)
+    assert any("mlx.launch" in line for line in command_lines.seen.values())
+    assert any("mlxpipe.worker" in line for line in command_lines.seen.values())
+    assert not [line for line in ours + list(command_lines.seen.values()) if SECRET in line]
+    argv = shlex.split((run_dir / "command.txt").read_text())
     assert SECRET not in shlex.join(argv)
     assert JobSpec.decode(argv[argv.index("--job") + 1]).trust_remote_code is False
+
+
+@pytest.mark.ranks
+@pytest.mark.cluster
+def test_plan_download_generate_on_two_hosts_fetching_from_the_hub(
+        cluster: Cluster, hub: FakeHub, python_with_hub: str, reference: list[int], tmp_path: Path,
+        command_lines: CommandLines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts reach the hub (the wrapper), and rank 1 keeps its cache under a name full of shell syntax. (Hosts that
+    reach no hub get their files --from-controller: ``test_plan_download_serve_on_three_hosts_from_the_controller``.)
+    """
+    monkeypatch.setenv("HF_TOKEN", SECRET)  # the controller's own login: it must reach no command line
+    marker = tmp_path / "injected"
+    hostfile = cluster.hostfile(2, python=python_with_hub,
+                                hf_home={1: f"{cluster.host(1).hf_home}/c;`touch {marker}`;$(touch {marker})"})
+    the_plan = check_plan(cluster, hostfile, 2)
+    check_download(hub, hostfile, the_plan, from_controller=False)
+
+    result = cli("generate", "--model", REPO_ID, "--hostfile", str(hostfile), "--prompt", PROMPT,
+                 "--max-tokens", str(MAX_TOKENS), "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["tokens"] == reference
+    assert [(r["rank"], r["host"]) for r in answer["ranks"]] == list(enumerate(cluster.hosts[:2]))
+    assert cluster.wait_clean(5) == {}
+    # Security: nothing ran the hostfile's shell syntax, no secret on any command line, no remote code.
+    assert not marker.exists()
+    check_no_secret_nor_remote_code(command_lines, Path(answer["run_dir"]), launched_here=True)
 
 
 # --- Security -----------------------------------------------------------------------------------------
@@ -194,12 +212,12 @@ COMMANDS = {
 @pytest.mark.parametrize("key", ["ssh", "python"])
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_shell_syntax_in_hostfile_is_rejected_or_harmless(cluster: Cluster, key: str, command: str,
-                                                          demo_model: Path, tmp_path: Path) -> None:
+                                                          chat_model: Path, tmp_path: Path) -> None:
     marker = tmp_path / "injected"
     value = {"ssh": f"{cluster.hosts[1]}; touch {marker}", "python": f"python3; touch {marker}"}[key]
     hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models", **{key: {1: value}})
     from_controller = ["--from-controller"] if command == "download" else []
-    result = cli(command, "--model", str(demo_model), "--hostfile", str(hostfile), *COMMANDS[command], *from_controller)
+    result = cli(command, "--model", str(chat_model), "--hostfile", str(hostfile), *COMMANDS[command], *from_controller)
     if key == "ssh":  # not a host name: refused before anything runs
         assert result.exit_code == 1
         assert f"'ssh' value {value!r} is not a host name" in result.stderr
@@ -211,12 +229,16 @@ def test_shell_syntax_in_hostfile_is_rejected_or_harmless(cluster: Cluster, key:
     assert cluster.leftovers() == {}
 
 
-# --- serve ----------------------------------------------------------------------------------------------
+# --- serve ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.ranks
 @pytest.mark.cluster
-def test_serve_on_three_ssh_hosts(cluster: Cluster, hub: FakeHub, demo_model: Path, tmp_path: Path) -> None:
+def test_plan_download_serve_on_three_hosts_from_the_controller(
+        cluster: Cluster, hub: FakeHub, chat_model: Path, tmp_path: Path, command_lines: CommandLines,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts that reach no hub (their plain interpreter knows none) get their files from this machine: ``download
+    --from-controller``, then ``serve --from-controller`` on the three hosts, its reply mlx-lm's."""
     import signal
 
     import openai
@@ -224,7 +246,11 @@ def test_serve_on_three_ssh_hosts(cluster: Cluster, hub: FakeHub, demo_model: Pa
 
     from fixtures.serve_process import ServeProcess
 
+    monkeypatch.setenv("HF_TOKEN", SECRET)  # the controller's own login: it must reach no command line
     hostfile = cluster.hostfile(3)
+    the_plan = check_plan(cluster, hostfile, 3)
+    check_download(hub, hostfile, the_plan, from_controller=True)
+
     server = ServeProcess(["--model", REPO_ID, "--hostfile", str(hostfile), "--from-controller"], tmp_path / "serve")
     try:
         health = server.wait_for("ready")
@@ -234,7 +260,7 @@ def test_serve_on_three_ssh_hosts(cluster: Cluster, hub: FakeHub, demo_model: Pa
         reply = client.chat.completions.create(model=REPO_ID, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     finally:
         code = server.stop(signal.SIGTERM)
-    model, tokenizer = load(str(demo_model))
+    model, tokenizer = load(str(chat_model))
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = list(stream_generate(model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False),
                                     max_tokens=MAX_TOKENS))
@@ -242,3 +268,5 @@ def test_serve_on_three_ssh_hosts(cluster: Cluster, hub: FakeHub, demo_model: Pa
     assert reply.usage.completion_tokens == len(expected)
     assert code == 143, server.stderr
     assert cluster.wait_clean(5) == {}
+    [run_dir] = [d for d in (tmp_path / "serve" / "mlxpipe" / "runs").iterdir() if (d / "command.txt").exists()]
+    check_no_secret_nor_remote_code(command_lines, run_dir, launched_here=False)
