@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fixtures.cluster import Cluster, built_cluster
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT, greedy_chat_tokens
 from fixtures.fake_hub import FakeHub
 from fixtures.macs import FakeMac, advertise, clear_macs, make_mac, wifi_address
 from mlxpipe.cli import app
@@ -59,7 +59,34 @@ def four_macs(cluster_session: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheels_made_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Each wheel this module's installs use is packed (``wheels.pack``) or built (``wheels.own``) for real once,
+    and copied when asked again: 25-30 s each on 2 busy cores. The wheelhouse's packs are ``install``'s
+    controller wheels later, and the first install's build of mlxpipe's own wheel is the next one's."""
+    import shutil
+
+    from mlxpipe.cluster import wheels
+
+    store = tmp_path_factory.mktemp("wheels-made")
+    made: dict[tuple[str, str, str], Path] = {}
+
+    def once(real: Any) -> Any:
+        def first_or_copy(dist: Any, out_dir: Path) -> Path:
+            key = (real.__name__, wheels.normalize(dist.metadata["Name"]), dist.version)
+            if key not in made:
+                made[key] = real(dist, store / str(len(made)))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            return Path(shutil.copy2(made[key], out_dir / made[key].name))
+        return first_or_copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wheels, "own", once(wheels.own))
+        patch.setattr(wheels, "pack", once(wheels.pack))
+        yield
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(wheels_made_once: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wheels of everything mlxpipe runs on, packed from this machine's installed packages (mlxpipe's own left
     out: `install` packs that itself), as a user would pip download them for hosts without a registry."""
     from importlib.metadata import version
@@ -157,8 +184,7 @@ def test_discover_with_no_answer_says_what_to_do(macs: Cluster) -> None:
 @pytest.mark.ranks
 @pytest.mark.cluster
 def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
-        macs: Cluster, hub_env: FakeHub, demo_model: Path, demo_reference: list[int], wheelhouse: Path,
-        tmp_path: Path) -> None:
+        macs: Cluster, hub_env: FakeHub, chat_model: Path, wheelhouse: Path, tmp_path: Path) -> None:
     # Two fresh Mac Studios cabled by Thunderbolt 5: RDMA still off, the Thunderbolt Bridge still there.
     make_mac(macs, 0, FakeMac("studio", "mesh2/studio-1.json"))
     make_mac(macs, 1, FakeMac("studio", "mesh2/studio-2.json"))
@@ -201,11 +227,11 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
     checks = json.loads(doctor.stdout)["checks"]
     assert {(c["host"], c["check"], c["status"]) for c in checks} >= {(h, "versions", "ok") for h in (h0, h1)}
 
-    hub_env.add_repo(REPO_ID, demo_model)
+    hub_env.add_repo(REPO_ID, chat_model)  # the set-up, not real weights: chat_model, at a tiny model's speed
     result = cli("generate", "--model", REPO_ID, "--hostfile", str(hostfile), "--prompt", DEMO_PROMPT,
                  "--max-tokens", str(DEMO_MAX_TOKENS), "--from-controller", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["tokens"] == demo_reference
+    assert json.loads(result.stdout)["tokens"] == greedy_chat_tokens(chat_model, DEMO_PROMPT, DEMO_MAX_TOKENS)
     assert macs.wait_clean(5) == {}
 
     again = cli("cluster", "install", "--hostfile", str(hostfile), "--json")  # no wheelhouse, no registry: none needed
@@ -273,7 +299,8 @@ def test_init_writes_nothing_until_every_host_is_ready(macs: Cluster, tmp_path: 
 
 @pytest.mark.ranks  # install measures the links by a real MLX job once the hosts run mlx
 @pytest.mark.cluster
-def test_install_without_a_registry_uses_the_controllers_wheels(macs: Cluster, tmp_path: Path) -> None:
+def test_install_without_a_registry_uses_the_controllers_wheels(macs: Cluster, wheels_made_once: None,
+                                                                 tmp_path: Path) -> None:
     make_mac(macs, 2, FakeMac("studio"))
     hostfile = macs.hostfile([2], name="one.json", python=None)  # no python key: install adds it
     install = cli("cluster", "install", "--hostfile", str(hostfile))
