@@ -4,7 +4,9 @@ torchrun is the model: one failure stops every rank, the root cause comes
 first (host, rank, exit status or exception), signals to the controller stop
 every rank on every host, and nothing is left running anywhere. Ranks are
 started only by the tests about ranks; the controller runs as a real
-``mlxpipe generate`` subprocess where signals and exit statuses matter.
+``mlxpipe generate`` subprocess where signals and exit statuses matter. The model is ``chat_model`` (the
+demo's tokenizer and 30 layers in 10 shards, on tiny random weights): the failures are of ranks, hosts and
+processes, not of the weights, and it loads and runs in a fraction of the demo's time.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from mlxpipe.launch.pipeline import Pipeline, Request, request_for
 
 REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
-# A raw prompt of a few tokens: the first token comes quickly (a templated prompt takes
-# seconds to prefill on 2 busy cores) and the story goes on for longer than any test waits.
+# A raw prompt of a few tokens: the first token comes quickly and the story (chat_model's greedy words, never its
+# end-of-sequence token within these 400) goes on for longer than any test waits.
 STORY = "Once upon a time"
 STORY_SAMPLING = Request(max_tokens=400, ignore_chat_template=True)
 START_SECONDS = 120.0  # starting ranks on a busy 2-core machine
@@ -82,13 +84,13 @@ class Site:
 
 
 @pytest.fixture
-def site(request: pytest.FixtureRequest, demo_model: Path, tmp_path: Path) -> Site:
+def site(request: pytest.FixtureRequest, chat_model: Path, tmp_path: Path) -> Site:
     if request.param == "local":
         path = tmp_path / "local-2.json"
         path.write_text(json.dumps([LOCAL, LOCAL]))
         return Site(path, ["127.0.0.1", "127.0.0.1"])
     cluster: Cluster = request.getfixturevalue("cluster")
-    # Outside the wiped per-test caches: each host keeps its demo model files across the session.
+    # Outside the wiped per-test caches: each host keeps its model files across the session.
     path = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
     return Site(path, cluster.hosts[:2], cluster)
 
@@ -196,8 +198,8 @@ def event_lines(path: Path) -> list[dict[str, Any]]:
 @pytest.mark.ranks
 @pytest.mark.parametrize("site, rank", [("local", 1), pytest.param("ssh", 0, marks=pytest.mark.cluster)],
                          indirect=["site"], ids=["local", "ssh"])
-def test_killed_rank_is_the_root_cause(site: Site, rank: int, demo_model: Path, controller: Any) -> None:
-    run = controller(*generate_args(site, demo_model))
+def test_killed_rank_is_the_root_cause(site: Site, rank: int, chat_model: Path, controller: Any) -> None:
+    run = controller(*generate_args(site, chat_model))
     run.wait_for_text()
     pids = site.rank_pids(run.proc.pid)
     os.kill(site.worker_pid(rank, run.proc.pid), signal.SIGKILL)
@@ -220,7 +222,7 @@ def test_killed_rank_is_the_root_cause(site: Site, rank: int, demo_model: Path, 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("site", ["local"], indirect=True)
-def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, demo_model: Path, tmp_path: Path,
+def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, chat_model: Path, tmp_path: Path,
                                                           controller: Any) -> None:
     prompts = tmp_path / "prompts.jsonl"
     quick = {"prompt": "What is the capital of France?", "max_tokens": 4}
@@ -229,7 +231,7 @@ def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, demo_model
     out = tmp_path / "results.jsonl"
     out.write_text("an earlier run's results\n")
     partial = tmp_path / "results.jsonl.partial"
-    run = controller("--model", str(demo_model), "--hostfile", str(site.hostfile), "--prompts-file", str(prompts),
+    run = controller("--model", str(chat_model), "--hostfile", str(site.hostfile), "--prompts-file", str(prompts),
                      "--concurrency", "2", "--output", str(out))
     deadline = time.monotonic() + START_SECONDS
     while not (partial.exists() and partial.read_text().count("\n") == 2):
@@ -248,8 +250,8 @@ def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, demo_model
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("site", LOCAL_AND_SSH, indirect=True)
-def test_rank_exiting_0_early_stops_the_run(site: Site, demo_model: Path) -> None:
-    pipe = start_pipeline(site, demo_model, faulty_worker.worker("exit0", on_rank=1, after_tokens=2))
+def test_rank_exiting_0_early_stops_the_run(site: Site, chat_model: Path) -> None:
+    pipe = start_pipeline(site, chat_model, faulty_worker.worker("exit0", on_rank=1, after_tokens=2))
     try:
         tic = time.monotonic()
         with pytest.raises(LaunchError) as e:
@@ -266,11 +268,11 @@ def test_rank_exiting_0_early_stops_the_run(site: Site, demo_model: Path) -> Non
 
 
 @pytest.mark.ranks
-def test_stuck_rank_is_ended_by_the_watchdog(demo_model: Path, tmp_path: Path) -> None:
+def test_stuck_rank_is_ended_by_the_watchdog(chat_model: Path, tmp_path: Path) -> None:
     site = Site(tmp_path / "local-2.json", ["127.0.0.1"] * 2)
     site.hostfile.write_text(json.dumps([LOCAL, LOCAL]))
     # 15 s, 10x the gap between a rank's progress reports (1 s and a step): only the hang fires the watchdog.
-    pipe = start_pipeline(site, demo_model, faulty_worker.worker("hang", on_rank=1, after_tokens=3), timeout=15)
+    pipe = start_pipeline(site, chat_model, faulty_worker.worker("hang", on_rank=1, after_tokens=3), timeout=15)
     try:
         with pytest.raises(LaunchError) as e:
             pipe.generate(request_for(STORY, None, STORY_SAMPLING))
@@ -296,31 +298,32 @@ def start_pipeline(site: Site, model: Path, worker: tuple[str, ...], timeout: fl
 
 
 @pytest.mark.ranks
-def test_worker_error_names_rank_host_and_exception(demo_model: Path, tmp_path: Path,
+def test_worker_error_names_rank_host_and_exception(chat_model: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Each rank has its own copy of the model; one weight file of rank 1 went missing after the download step.
     hosts = []
     for r in range(2):
         model_dir = tmp_path / f"host{r}"
-        copy = model_dir / demo_model.name
+        copy = model_dir / chat_model.name
         copy.mkdir(parents=True)
-        for f in demo_model.iterdir():
+        for f in chat_model.iterdir():
             (copy / f.name).symlink_to(f)
         hosts.append({**LOCAL, "model_dir": str(model_dir)})
-    index = json.loads((demo_model / "model.safetensors.index.json").read_text())
-    missing = index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]  # rank 1 runs the first layers
-    (tmp_path / "host1" / demo_model.name / missing).unlink()
+    index = json.loads((chat_model / "model.safetensors.index.json").read_text())
+    # Rank 1 runs the first layers; layer 3's shard holds layers 3-5 only (layer 0's holds the embedding too).
+    missing = index["weight_map"]["model.layers.3.self_attn.q_proj.weight"]
+    (tmp_path / "host1" / chat_model.name / missing).unlink()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps(hosts))
     monkeypatch.setattr("mlxpipe.launch.run.ensure_files", lambda *args, **kwargs: None)
 
-    result = CliRunner().invoke(app, ["generate", "--model", str(demo_model), "--hostfile", str(hostfile),
+    result = CliRunner().invoke(app, ["generate", "--model", str(chat_model), "--hostfile", str(hostfile),
                                       "--prompt", "Hi", "--max-tokens", "2", "--json"])
     assert result.exit_code == 1, result.output
     [line] = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
-    where = re.escape(str(tmp_path / "host1" / demo_model.name))
+    where = re.escape(str(tmp_path / "host1" / chat_model.name))
     assert re.match(rf"error: rank 1 on 127\.0\.0\.1: ModelError: \d+ weights of this rank's layers "
-                    rf"are not in {where}: model\.layers\.0\.", line), line
+                    rf"are not in {where}: model\.layers\.3\.", line), line
     assert "copy the weight files holding these layers to that directory" in result.stderr
     assert "logs: " in result.stderr and "(rank-1.log)" in result.stderr
 
@@ -334,8 +337,8 @@ def test_worker_error_names_rank_host_and_exception(demo_model: Path, tmp_path: 
     [("local", signal.SIGINT), pytest.param("ssh", signal.SIGTERM, marks=pytest.mark.cluster)],
     indirect=["site"], ids=["local-SIGINT", "ssh-SIGTERM"],
 )
-def test_signal_to_controller_stops_every_rank(site: Site, signum: int, demo_model: Path, controller: Any) -> None:
-    run = controller(*generate_args(site, demo_model))
+def test_signal_to_controller_stops_every_rank(site: Site, signum: int, chat_model: Path, controller: Any) -> None:
+    run = controller(*generate_args(site, chat_model))
     run.wait_for_text()
     pids = site.rank_pids(run.proc.pid)
     assert len(pids) == 4  # a supervisor and a worker per rank
@@ -351,13 +354,13 @@ def test_signal_to_controller_stops_every_rank(site: Site, signum: int, demo_mod
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("fault", ["unreachable", "other-versions"])
-def test_preflight_refuses_before_any_rank_starts(cluster: Cluster, fault: str, demo_model: Path,
+def test_preflight_refuses_before_any_rank_starts(cluster: Cluster, fault: str, chat_model: Path,
                                                   other_mlx_python: str) -> None:
     extra = {"python": {1: other_mlx_python}} if fault == "other-versions" else {}
     hostfile = cluster.hostfile(3, model_dir=lambda h: h.dir / "models", **extra)
     if fault == "unreachable":
         cluster.kill_sshd(1)
-    result = CliRunner().invoke(app, ["generate", "--model", str(demo_model), "--hostfile", str(hostfile),
+    result = CliRunner().invoke(app, ["generate", "--model", str(chat_model), "--hostfile", str(hostfile),
                                       "--prompt", "Hi", "--json"])
     assert result.exit_code == 1, result.output
     [line] = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
@@ -371,11 +374,11 @@ def test_preflight_refuses_before_any_rank_starts(cluster: Cluster, fault: str, 
 @pytest.mark.ranks
 @pytest.mark.cluster
 @pytest.mark.parametrize("site", [pytest.param("ssh")], indirect=True)
-def test_host_that_stops_answering_ends_the_run(site: Site, demo_model: Path, controller: Any) -> None:
+def test_host_that_stops_answering_ends_the_run(site: Site, chat_model: Path, controller: Any) -> None:
     assert site.cluster is not None
     # 15 s: 10x the gap between a rank's progress reports (1 s and a step), so only the blocked host ends the
     # run; at 5 s a loaded machine's first step through the hosts' ssh ended it before any text.
-    run = controller(*generate_args(site, demo_model, "--timeout", "15"))
+    run = controller(*generate_args(site, chat_model, "--timeout", "15"))
     run.wait_for_text()
     site.cluster.block(1)
     code, _ = run.wait(timeout=60)
