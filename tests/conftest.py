@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # parameter and never imports it).
 from fixtures import tiers
 from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F401
+from fixtures.arch_launches import arch_root, arch_runs  # noqa: F401
 from fixtures.browser import browser  # noqa: F401
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
 from fixtures.demo_model import chat_model, demo_model, demo_reference  # noqa: F401

@@ -2,7 +2,8 @@
 
 ``tests/architectures.json`` says, per model type, what mlxpipe does with it:
 ``identical`` (the suite checks it at 2 and 3 ranks against single-process
-mlx-lm), ``refused`` (``check_pipelinable`` must refuse it before launch, with
+mlx-lm; the 2-rank cases share one launch with ``test_tensor_architectures.py``'s,
+``fixtures/arch_launches.py``), ``refused`` (``check_pipelinable`` must refuse it before launch, with
 the reason written there) or ``untested`` (the suite cannot run it here, with
 why). A newer mlx-lm's new architecture fails ``test_status_covers_installed_mlx_lm``
 until someone runs it and records what happens. docs/architectures.md's table is
@@ -12,46 +13,24 @@ generated from the same file (``PYTHONPATH=tests python tests/fixtures/arch_suit
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from fixtures import arch_launches
 from fixtures import arch_suite as suite
-from fixtures.arch_configs import model_types
 from mlxpipe.errors import ModelError
 
 STATUS = suite.load_status()
-INSTALLED = set(model_types())
-IDENTICAL = [t for t, s in STATUS.items() if s["status"] == "identical" and t in INSTALLED]
-REFUSED = [t for t, s in STATUS.items() if s["status"] == "refused" and t in INSTALLED]
-_TIMEOUT = 120 + 3 * len(IDENTICAL)  # about 0.5 s per architecture on 2 CPU cores
-
-
-@pytest.fixture(scope="session")
-def arch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the tiny checkpoints of every architecture are built (once per session)."""
-    return tmp_path_factory.mktemp("architectures")
-
-
-@pytest.fixture(scope="session")
-def arch_runs(arch_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """rank count -> (the one launch over every identical architecture, model type -> events)."""
-    runs: dict[int, Any] = {}
-
-    def get(num_ranks: int):
-        if num_ranks not in runs:
-            tmp = tmp_path_factory.mktemp(f"arch-{num_ranks}")
-            runs[num_ranks] = suite.run(IDENTICAL, num_ranks, arch_root, tmp, _TIMEOUT)
-        return runs[num_ranks]
-
-    return get
+INSTALLED = arch_launches.INSTALLED
+IDENTICAL = arch_launches.IDENTICAL
+REFUSED = arch_launches.REFUSED
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("num_ranks", [2, 3])
 @pytest.mark.parametrize("model_type", IDENTICAL)
 def test_token_identical(arch_runs, arch_root: Path, model_type: str, num_ranks: int) -> None:
-    result, events = arch_runs(num_ranks)
+    result, events = arch_runs.pipeline(num_ranks)
     case = events.get(model_type, [])
     if len(case) != num_ranks:
         pytest.fail(f"no result for {model_type} from every rank\n{result.describe()}")

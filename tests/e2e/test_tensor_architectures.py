@@ -10,7 +10,8 @@ model: its tokens are not compared, its logits must be within
 ``check_pipelinable(..., tp=2)`` with the recorded one-line reason) or
 ``untested`` (with why). An identical architecture whose tiny model repeats
 one token (``"logits": true``) has its logits compared too. One launch of 2 ranks runs every shardable
-architecture (``fixtures/tp_suite.py``); docs/tensor-parallel.md's table is
+architecture (``fixtures/tp_suite.py``), with the pipeline suite's 2-stage cases
+(``fixtures/arch_launches.py``); docs/tensor-parallel.md's table is
 generated from the same file (``PYTHONPATH=tests python tests/fixtures/tp_suite.py``).
 """
 
@@ -21,30 +22,23 @@ from typing import Any
 
 import pytest
 
-from fixtures import arch_suite, tp_suite
+from fixtures import arch_launches, arch_suite, tp_suite
 from mlxpipe.errors import ModelError
 
 STATUS = tp_suite.load_status()
-PIPELINED = {t for t, s in arch_suite.load_status().items() if s["status"] == "identical"}
-RUN = sorted(t for t, s in STATUS.items() if s["status"] in ("identical", "near-tie") and t in PIPELINED)
-IDENTICAL = [t for t in RUN if STATUS[t]["status"] == "identical"]
-NEAR_TIE = [t for t in RUN if STATUS[t]["status"] == "near-tie"]
-# Logits compared: the near-ties, and identical ones whose greedy tokens repeat one token (a weak check alone).
-LOGITS = NEAR_TIE + [t for t in IDENTICAL if STATUS[t].get("logits")]
-REFUSED = sorted(t for t, s in STATUS.items() if s["status"] == "refused" and t in PIPELINED)
-_TIMEOUT = 120 + 3 * len(RUN)  # about 0.3 s per architecture on 2 CPU cores
+PIPELINED = arch_launches.PIPELINED
+RUN = arch_launches.TP_RUN
+IDENTICAL = arch_launches.TP_IDENTICAL
+NEAR_TIE = arch_launches.TP_NEAR_TIE
+LOGITS = arch_launches.TP_LOGITS
+REFUSED = arch_launches.TP_REFUSED
 
 
 @pytest.fixture(scope="session")
-def tp_arch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the tiny checkpoints are built (once per session)."""
-    return tmp_path_factory.mktemp("tp-architectures")
-
-
-@pytest.fixture(scope="session")
-def tp_arch_run(tp_arch_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The one launch over every architecture that shards: (launch, (model type, event) -> both ranks' events)."""
-    return tp_suite.run(RUN, LOGITS, tp_arch_root, tmp_path_factory.mktemp("tp-arch-run"), _TIMEOUT)
+def tp_arch_run(arch_runs: arch_launches.ArchRuns):
+    """The 2-rank launch over every architecture that shards (shared with the pipeline suite's 2-stage cases):
+    (launch, (model type, event) -> both ranks' events)."""
+    return arch_runs.tp()
 
 
 def _events(run: Any, model_type: str, event: str) -> list[dict[str, Any]]:
@@ -57,22 +51,22 @@ def _events(run: Any, model_type: str, event: str) -> list[dict[str, Any]]:
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("model_type", IDENTICAL)
-def test_tp2_token_identical(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
+def test_tp2_token_identical(tp_arch_run, arch_root: Path, model_type: str) -> None:
     case = _events(tp_arch_run, model_type, "case")
     tokens = [e["turns"][0]["tokens"] for e in case]
     assert tokens[0] == tokens[1], f"the members disagree: {tokens}"
-    assert tokens[0] == arch_suite.reference(arch_suite.build(model_type, tp_arch_root))
+    assert tokens[0] == arch_suite.reference(arch_suite.build(model_type, arch_root))
     assert [e["sharding"] for e in case] == [STATUS[model_type]["sharding"]] * tp_suite.TP
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("model_type", LOGITS)
-def test_tp2_logits_within_tolerance(tp_arch_run, tp_arch_root: Path, model_type: str) -> None:
+def test_tp2_logits_within_tolerance(tp_arch_run, arch_root: Path, model_type: str) -> None:
     import mlx.core as mx
 
     events = _events(tp_arch_run, model_type, "logits")
     assert events[0]["logits"] == events[1]["logits"], "the members hold different logits"
-    expected = tp_suite.reference_logits(arch_suite.build(model_type, tp_arch_root))
+    expected = tp_suite.reference_logits(arch_suite.build(model_type, arch_root))
     got = mx.array(events[0]["logits"])
     assert got.shape == expected.shape
     assert mx.abs(got - expected).max().item() <= tp_suite.LOGITS_TOLERANCE
@@ -82,10 +76,10 @@ def test_tp2_logits_within_tolerance(tp_arch_run, tp_arch_root: Path, model_type
 
 
 @pytest.mark.parametrize("model_type", REFUSED)
-def test_tp2_refused_before_launch(tp_arch_root: Path, model_type: str) -> None:
+def test_tp2_refused_before_launch(arch_root: Path, model_type: str) -> None:
     from mlxpipe.worker.load import check_pipelinable
 
-    path = arch_suite.build(model_type, tp_arch_root)
+    path = arch_suite.build(model_type, arch_root)
     check_pipelinable(path)  # the pipeline alone runs it
     with pytest.raises(ModelError) as error:
         check_pipelinable(path, tp=tp_suite.TP)
@@ -94,12 +88,12 @@ def test_tp2_refused_before_launch(tp_arch_root: Path, model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", RUN)
-def test_tp2_shardable_before_launch(tp_arch_root: Path, model_type: str) -> None:
+def test_tp2_shardable_before_launch(arch_root: Path, model_type: str) -> None:
     """The check before launch lets through what the ranks run, and says how it will shard."""
     from mlxpipe.worker.load import build_without_weights
     from mlxpipe.worker.tensor import check_shardable
 
-    model = build_without_weights(arch_suite.build(model_type, tp_arch_root))
+    model = build_without_weights(arch_suite.build(model_type, arch_root))
     assert check_shardable(model, tp_suite.TP) == STATUS[model_type]["sharding"]
 
 
@@ -136,26 +130,26 @@ def test_readme_counts_are_the_status_files() -> None:
 
 
 @pytest.mark.parametrize("model_type", [t for t in ("mamba", "exaone") if t in REFUSED])
-def test_generate_refuses_before_any_rank_starts(tp_arch_root: Path, model_type: str) -> None:
+def test_generate_refuses_before_any_rank_starts(arch_root: Path, model_type: str) -> None:
     """The controller says the ranks' refusal in one line, before launching anything (exit 1)."""
     from typer.testing import CliRunner
 
     from mlxpipe.cli import app
 
     hostfile = Path(__file__).resolve().parents[2] / "hostfiles" / "local-2.json"
-    result = CliRunner().invoke(app, ["generate", "--model", str(arch_suite.build(model_type, tp_arch_root)),
+    result = CliRunner().invoke(app, ["generate", "--model", str(arch_suite.build(model_type, arch_root)),
                                       "--hostfile", str(hostfile), "--tp", "2", "--prompt", "hi"])
     assert (result.exit_code, result.stdout) == (1, "")
     assert result.stderr == f"error: {STATUS[model_type]['reason']}\nhint: run it without --tp (a pipeline)\n"
 
 
-def test_own_shard_reducing_inside_its_blocks_is_refused_in_a_pipeline(tp_arch_root: Path) -> None:
+def test_own_shard_reducing_inside_its_blocks_is_refused_in_a_pipeline(arch_root: Path) -> None:
     """qwen3_moe's own shard() sums its MoE block over an MLX group: with one stage that is the world's
     (fine), in a pipeline of 2 stages the ring cannot split it off, refused before launch."""
     from mlxpipe.worker.load import build_without_weights
     from mlxpipe.worker.tensor import check_shardable
 
-    path = arch_suite.build("qwen3_moe", tp_arch_root)
+    path = arch_suite.build("qwen3_moe", arch_root)
     assert check_shardable(build_without_weights(path), 2, stages=1) == "own shard()"
     with pytest.raises(ModelError, match=r"^qwen3_moe's own shard\(\) reduces in model\.layers\.\d+\.mlp over an MLX"):
         check_shardable(build_without_weights(path), 2, stages=2)

@@ -39,20 +39,23 @@ from fixtures.tiny_models import TinyModels
 from mlxpipe.protocol.job import JobSpec
 
 LOGITS_TOLERANCE = 1e-4  # float32 sums of a few hundred terms, reordered
+# A few tokens through every layer of a case is the same check as more; the drafts' cases keep MAX_TOKENS, enough
+# for drafts both accepted and rejected.
+SHORT = 4
 OTHER_PROMPT = [{"prompt": "Why split attention by heads?"}]
 DRAFT_SAMPLED = [{"messages": [{"role": "user", "content": QUESTION}], "temp": 0.9, "top_p": 0.95, "seed": 11}]
 
 # Pure tensor parallelism on 2 ranks: one stage of all 6 layers.
 CASES_2: dict[str, dict[str, Any]] = {
-    "llama": {"arch": "llama", "split": [6], "turns": CHAT + OTHER_PROMPT},
-    "qwen2": {"arch": "qwen2", "split": [6], "turns": CHAT + OTHER_PROMPT},
-    "phi3": {"arch": "phi3", "split": [6], "turns": CHAT + OTHER_PROMPT},
-    "starcoder2": {"arch": "starcoder2", "split": [6], "turns": CHAT[:1] + OTHER_PROMPT},
-    "qwen2-sampled": {"arch": "qwen2", "split": [6], "turns": SAMPLED},
+    "llama": {"arch": "llama", "split": [6], "max_tokens": SHORT, "turns": CHAT + OTHER_PROMPT},
+    "qwen2": {"arch": "qwen2", "split": [6], "max_tokens": SHORT, "turns": CHAT + OTHER_PROMPT},
+    "phi3": {"arch": "phi3", "split": [6], "max_tokens": SHORT, "turns": CHAT + OTHER_PROMPT},
+    "starcoder2": {"arch": "starcoder2", "split": [6], "max_tokens": SHORT, "turns": CHAT[:1] + OTHER_PROMPT},
+    "qwen2-sampled": {"arch": "qwen2", "split": [6], "max_tokens": SHORT, "turns": SAMPLED},
     "phi3-logits": {"arch": "phi3", "split": [6], "logits": True},
     "llama-logits": {"arch": "llama", "split": [6], "logits": True},
     # Quantized (4-bit): qwen2's tied QuantizedEmbedding head, llama's QuantizedLinear head.
-    "qwen2-4bit": {"arch": "qwen2-4bit", "split": [6], "turns": CHAT},
+    "qwen2-4bit": {"arch": "qwen2-4bit", "split": [6], "max_tokens": SHORT, "turns": CHAT},
     "llama-4bit-logits": {"arch": "llama-4bit", "split": [6], "logits": True},
     # Speculative decoding: a draft of the target's first layers, whole on every member.
     "qwen2-draft": {"arch": "qwen2", "split": [6], "turns": CHAT, "draft": True},
@@ -63,9 +66,9 @@ BATCH_REQUESTS = [
     for i, p in enumerate([QUESTION, "Why split attention by heads?", "Short one."])
 ]
 CASES_4: dict[str, dict[str, Any]] = {
-    "llama-3-3": {"arch": "llama", "split": [3, 3], "turns": CHAT[:1]},
-    "phi3-2-4": {"arch": "phi3", "split": [2, 4], "turns": OTHER_PROMPT},
-    "llama-4bit-3-3": {"arch": "llama-4bit", "split": [3, 3], "turns": OTHER_PROMPT},
+    "llama-3-3": {"arch": "llama", "split": [3, 3], "max_tokens": SHORT, "turns": CHAT[:1]},
+    "phi3-2-4": {"arch": "phi3", "split": [2, 4], "max_tokens": SHORT, "turns": OTHER_PROMPT},
+    "llama-4bit-3-3": {"arch": "llama-4bit", "split": [3, 3], "max_tokens": SHORT, "turns": OTHER_PROMPT},
     "qwen2-draft-3-3": {"arch": "qwen2", "split": [3, 3], "turns": CHAT, "draft": True},
     # Seeded speculative sampling: every stage computes the logits it samples from (see worker/tensor/vocab.py).
     "qwen2-draft-sampled-3-3": {"arch": "qwen2", "split": [3, 3], "turns": DRAFT_SAMPLED, "draft": True},
@@ -74,9 +77,9 @@ CASES_4: dict[str, dict[str, Any]] = {
     "qwen2-batched": {"arch": "qwen2", "split": [3, 3], "requests": BATCH_REQUESTS, "concurrency": [[3, 2]]},
     # The generic sharder's MoE block (routed experts, a gated shared expert) summed by each stage's own
     # all-reduce: the architecture suite's tiny qwen2_moe (4 layers).
-    "qwen2_moe-2-2": {"arch": "qwen2_moe-suite", "split": [2, 2], "turns": OTHER_PROMPT},
+    "qwen2_moe-2-2": {"arch": "qwen2_moe-suite", "split": [2, 2], "max_tokens": SHORT, "turns": OTHER_PROMPT},
     # Norms over all heads (one more group sum per layer) and an MoE block, on 2 stages.
-    "olmoe-1-3": {"arch": "olmoe-suite", "split": [1, 3], "turns": OTHER_PROMPT},
+    "olmoe-1-3": {"arch": "olmoe-suite", "split": [1, 3], "max_tokens": SHORT, "turns": OTHER_PROMPT},
 }
 
 
@@ -172,8 +175,8 @@ def tp_results(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactor
                     spec.update(requests=requests(checkpoint) if callable(requests) else requests,
                                 concurrency=case["concurrency"])
                 else:
-                    spec["turns"] = [{"type": "generate", "max_tokens": MAX_TOKENS, "keep_cache": True, **t}
-                                     for t in case["turns"]]
+                    spec["turns"] = [{"type": "generate", "max_tokens": case.get("max_tokens", MAX_TOKENS),
+                                      "keep_cache": True, **t} for t in case["turns"]]
                 cases.append(spec)
             result = launch_cases("tp_ranks.py", cases, num_ranks, tmp, timeout=_TIMEOUT[num_ranks])
             by_case = {(e["id"], e["rank"]): e for e in result.events
@@ -198,7 +201,7 @@ def _check_turns(tp_results, checkpoints: Checkpoints, num_ranks: int, case_id: 
     tokens = [[t["tokens"] for t in e["turns"]] for e in events]
     assert all(t == tokens[0] for t in tokens), f"ranks disagree: {tokens}"
     # Greedy speculative decoding gives plain greedy decoding's tokens.
-    assert tokens[0] == reference_tokens(checkpoints[case["arch"]], case["turns"])
+    assert tokens[0] == reference_tokens(checkpoints[case["arch"]], case["turns"], case.get("max_tokens", MAX_TOKENS))
     # Every member of stage s runs the stage's layers.
     for rank, event in enumerate(events):
         stage = rank // TP

@@ -4,11 +4,11 @@ The vision tower and projector run on the first stage (the highest rank); Qwen2.
 positions travel with the hidden state to the other stage. Tiny random checkpoints of the families
 (``fixtures/vision_models.py``); the reference is ``mlx_vlm.stream_generate`` in this process.
 
-Starting ranks is the slow part, so one launch per layout serves every family of it (``fixtures/vision_suite.py``):
-each case's job and ``generate`` message are built here as ``generate --image`` builds them (the planner's split,
-the picture tokenized by the controller's processor) and run by ``fixtures/vision_ranks.py`` with the worker's own
-code. One real ``generate --image`` run, one ``chat --image`` run and the served model keep the controller's path
-tested end to end.
+Starting ranks is the slow part, so one launch per rank count serves every family and layout of it
+(``fixtures/vision_suite.py``): each case's job and ``generate`` message are built here as ``generate --image``
+builds them (the planner's split, the picture tokenized by the controller's processor) and run by
+``fixtures/vision_ranks.py`` with the worker's own code. One real ``generate --image`` run, one ``chat --image``
+run and the served model keep the controller's path tested end to end.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 MLXPIPE = str(Path(sys.executable).parent / "mlxpipe")
 TIMEOUT = 180
 PROMPT = "Describe this."
-MAX_TOKENS = 12
+MAX_TOKENS = 6  # a few tokens through every layer: the same check as more, in half the decode steps
 TOOL_TOKENS = 160  # one call of the byte tokenizer is ~40-90 tokens; the bounded schemas end it
 # The families the table says run (mlxpipe/vision/families.py): each at 2 ranks.
 RUNNING = sorted(RUNS)
@@ -49,9 +49,8 @@ RUNNING = sorted(RUNS)
 # Qwen3-VL (its deepstack features on every member of the first stage's group).
 TP_CASES = [*((f, layout) for f in ("gemma3", "kimi_vl", "mistral3", "qwen2_5_vl") for layout in ("tp2", "2x-tp2")),
             ("qwen3_vl", "tp2")]
-# One launch each: (ranks, --tp). "pipeline": 2 stages; "tp2": one stage of 2; "2x-tp2": 2 stages of 2.
+# (ranks, --tp), one launch per rank count. "pipeline": 2 stages; "tp2": one stage of 2; "2x-tp2": 2 stages of 2.
 LAYOUTS: dict[str, tuple[int, int | None]] = {"pipeline": (2, None), "tp2": (2, 2), "2x-tp2": (4, 2)}
-OTHER_PICTURE = "qwen2_5_vl, picture 1"  # the pipeline launch's case of the other picture
 
 
 def mlxpipe(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,28 +92,36 @@ def reference(vision_models: VisionModels, images: list[Path]) -> dict[tuple[str
 @pytest.fixture(scope="module")
 def vision_runs(vision_models: VisionModels, images: list[Path],
                 tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    """layout -> its one launch, started on first use: on 2 pipeline ranks every family that runs and Qwen2.5-VL
-    with the other picture; at --tp 2 on 2 ranks and at 2 stages x --tp 2 on 4, TP_CASES' families of it."""
-    runs: dict[str, Run] = {}
+    """layout -> the one launch of its rank count, started on first use: on 2 ranks both the pipeline layout (every
+    family that runs, and Qwen2.5-VL with the other picture) and --tp 2 (TP_CASES' families of it), each case's id
+    ``family@layout``; on 4 ranks, 2 stages x --tp 2 of TP_CASES' families of it."""
+    runs: dict[int, Run] = {}
 
     def get(layout: str) -> Run:
-        if layout not in runs:
-            tmp = tmp_path_factory.mktemp(f"vision-{layout}")
-            num_ranks, tp = LAYOUTS[layout]
+        num_ranks = LAYOUTS[layout][0]
+        if num_ranks not in runs:
+            tmp = tmp_path_factory.mktemp(f"vision-{num_ranks}-ranks")
             hostfile = local_hostfile(num_ranks, tmp)
-
-            def case(case_id: str, family: str, picture: int) -> Case:
-                return cli_case(case_id, vision_models[family], images[picture], hostfile, PROMPT, MAX_TOKENS, tp)
-
-            if layout == "pipeline":
-                cases = [case(f, f, 0) for f in RUNNING] + [case(OTHER_PICTURE, "qwen2_5_vl", 1)]
-            else:
-                cases = [case(f, f, 0) for f, at in TP_CASES if at == layout]
+            cases: list[Case] = []
+            for name, (ranks, tp) in LAYOUTS.items():
+                if ranks != num_ranks:
+                    continue
+                if name == "pipeline":
+                    families = [(f, 0) for f in RUNNING] + [("qwen2_5_vl", 1)]
+                else:
+                    families = [(f, 0) for f, at in TP_CASES if at == name]
+                cases += [cli_case(case_id(f, name, picture), vision_models[f], images[picture], hostfile, PROMPT,
+                                   MAX_TOKENS, tp) for f, picture in families]
             # Measured on 2 busy CPU cores: ~8 s a case on 2 ranks, ~20 s on 4, after ~15 s of start; 3-4x that.
-            runs[layout] = run_in_one_launch(cases, hostfile, tmp, timeout=120 + 15 * num_ranks * len(cases))
-        return runs[layout]
+            runs[num_ranks] = run_in_one_launch(cases, hostfile, tmp, timeout=120 + 15 * num_ranks * len(cases))
+        return runs[num_ranks]
 
     return get
+
+
+def case_id(family: str, layout: str, picture: int = 0) -> str:
+    """A case's id in its launch: the family, its layout, and the other picture's number when not the first."""
+    return f"{family}@{layout}" + (f", picture {picture}" if picture else "")
 
 
 def answer(run: Run, case_id: str) -> list[int]:
@@ -167,14 +174,14 @@ def test_generate_image_through_the_cli(vision_models: VisionModels, images: lis
 def test_two_ranks_equal_mlx_vlm(vision_runs: Callable[[str], Run], reference: dict[tuple[str, int], list[int]],
                                  family: str) -> None:
     """2 pipeline ranks: the vision tower on the first stage, the language model cut in two."""
-    assert answer(vision_runs("pipeline"), family) == reference[family, 0]
+    assert answer(vision_runs("pipeline"), case_id(family, "pipeline")) == reference[family, 0]
 
 
 @pytest.mark.ranks
 def test_other_image_other_tokens(vision_runs: Callable[[str], Run],
                                   reference: dict[tuple[str, int], list[int]]) -> None:
     """The picture reaches the model: another one gives mlx-vlm's other tokens."""
-    tokens = answer(vision_runs("pipeline"), OTHER_PICTURE)
+    tokens = answer(vision_runs("pipeline"), case_id("qwen2_5_vl", "pipeline", 1))
     assert tokens == reference["qwen2_5_vl", 1]
     assert tokens != reference["qwen2_5_vl", 0]
 
@@ -186,7 +193,7 @@ def test_tensor_parallel_equal_mlx_vlm(vision_runs: Callable[[str], Run],
     """--tp 2 (one stage) and 2 stages x --tp 2: embeddings (Qwen-VL's positions, Qwen3-VL's deepstack features)
     reach every member of a group, every family's blocks split by heads (Kimi-VL's latent attention and experts
     too)."""
-    assert answer(vision_runs(layout), family) == reference[family, 0]
+    assert answer(vision_runs(layout), case_id(family, layout)) == reference[family, 0]
 
 
 def test_text_model_refused_before_launch(demo_model: Path, images: list[Path]) -> None:
