@@ -122,20 +122,45 @@ def test_the_draft_drafts_some_tokens_right_and_some_wrong(models) -> None:
     assert 0 < accepted < len(responses) - 1
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_draft_flags_reach_the_jobspec_on_the_wire(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       command: str) -> None:
+    """``--draft-model DIR --num-draft-tokens N`` of ``generate`` and ``chat`` end in the JobSpec every rank
+    decodes from its command line: the draft's directory for each rank, and N (the ranks' own use of both runs in
+    ``draft_runs``; the command end to end below)."""
+    from typer.testing import CliRunner
+
+    from mlxpipe.cli import app
+    from mlxpipe.errors import LaunchError
+    from mlxpipe.launch.pipeline import Pipeline
+
+    jobs: list[JobSpec] = []
+
+    def start(self: Pipeline, on_loaded: Any = None) -> None:
+        jobs.append(JobSpec.decode(self.job.encode()))  # what the ranks read
+        raise LaunchError("not starting ranks in this test")
+
+    monkeypatch.setattr(Pipeline, "start", start)
+    hostfile = tmp_path / "local-2.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    prompt = ["--prompt", "Hi"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, "--model", str(models["target"]), "--hostfile", str(hostfile), *prompt,
+                                      "--draft-model", str(models["draft"]), "--num-draft-tokens", "2"], input="Hi\n\n")
+    assert result.exit_code == 1 and "not starting ranks" in result.stderr, result.output
+    assert [(job.draft_paths, job.num_draft_tokens) for job in jobs] == [([str(models["draft"])] * 2, 2)]
+
+
 @pytest.mark.ranks
-@pytest.mark.parametrize("source", ["directory", "hub"])
-def test_the_flags_reach_the_ranks(models, hub_env, source: str) -> None:
+def test_the_flags_reach_the_ranks(models, hub_env) -> None:
     """``mlxpipe generate --draft-model`` end to end: mlx-lm's tokens, and how many were drafted. Given as a hub
     repo id, every host gets the whole draft from the hub before the launch and each rank loads it from its own
-    host's cache."""
+    host's cache. (A draft given as a directory runs end to end with ``--prompts-file`` below.)"""
     import os
     import subprocess
     import sys
 
-    draft = str(models["draft"])
-    if source == "hub":
-        draft = "tiny/draft-for-speculation"
-        commit = hub_env.add_repo(draft, models["draft"])
+    draft = "tiny/draft-for-speculation"
+    commit = hub_env.add_repo(draft, models["draft"])
     args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(models["target"]),
             "--draft-model", draft, "--num-draft-tokens", "2", "--prompt", LONG,
             "--ignore-chat-template", "--max-tokens", "12", "--prefill-step-size", str(PREFILL_STEP), "--json"]
@@ -144,9 +169,8 @@ def test_the_flags_reach_the_ranks(models, hub_env, source: str) -> None:
     answer = json.loads(result.stdout)
     assert answer["tokens"] == _expected(models, _raw(), k=2)
     assert 0 < answer["draft_tokens"] < len(answer["tokens"])
-    if source == "hub":
-        snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
-        assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
+    snapshot = Path(os.environ["HF_HOME"]) / "hub" / "models--tiny--draft-for-speculation" / "snapshots" / commit
+    assert sorted(f.name for f in snapshot.iterdir()) == sorted(f.name for f in models["draft"].iterdir())
 
 
 @pytest.mark.ranks
@@ -170,23 +194,6 @@ def test_a_prompts_file_runs_one_prompt_after_another_with_the_draft(models, tmp
     assert [r["tokens"] for r in got[:3]] == [_expected(models, line) for line in (*lines[:2], chat)]
     assert _expected(models, lines[1]) != _plain(models, lines[1])
     assert got[3]["tokens"] == _expected(models, lines[3], k=2) != _expected(models, lines[3], k=3)
-
-
-@pytest.mark.ranks
-def test_chat_takes_a_draft_model(models) -> None:
-    """``mlxpipe chat --draft-model``: two turns, the second on the first's trimmed caches, mlx-lm's replies."""
-    import subprocess
-    import sys
-
-    turns = _turns(models["target"])
-    args = [str(Path(sys.executable).parent / "mlxpipe"), "chat", "--model", str(models["target"]),
-            "--draft-model", str(models["draft"]), "--max-tokens", "8", "--prefill-step-size", str(PREFILL_STEP)]
-    result = subprocess.run(args, input=f"{QUESTION}\nAnd then?\n\n", capture_output=True, text=True,
-                            timeout=_TIMEOUT, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr
-    replies = [mlx_lm_reference(models["target"], {"messages": t["messages"], "max_tokens": 8},
-                                prefill_step_size=PREFILL_STEP, draft=models["draft"])[1] for t in turns]
-    assert result.stdout == "".join(f"{reply}\n" for reply in replies)
 
 
 @pytest.fixture(scope="module")

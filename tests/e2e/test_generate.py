@@ -1,7 +1,9 @@
 """``mlxpipe generate`` and ``chat`` end to end on ranks of this machine (127.0.0.1).
 
 The installed console script runs as a user would run it; the pipeline's greedy
-tokens must equal single-process mlx-lm's on the same checkpoint.
+tokens must equal single-process mlx-lm's on the same checkpoint. The real demo
+weights run once (the default two ranks, ``--prompt -``); the other runs use
+``chat_model`` (the demo's tokenizer and template on tiny weights).
 """
 
 from __future__ import annotations
@@ -13,25 +15,27 @@ import pytest
 
 from fixtures.cli import mlxpipe
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
+from fixtures.option_reference import reference
 
 pytestmark = pytest.mark.ranks
 
 
-@pytest.mark.parametrize("hostfile", ["local-2.json", "local-3.json"])
-def test_greedy_tokens_equal_single_process(demo_model: Path, demo_reference: list[int], hostfile: str) -> None:
+def test_greedy_tokens_equal_single_process(chat_model: Path) -> None:
+    """Three ranks from a hostfile (the default two run below): SmolLM2's chat template, mlx-lm's greedy tokens."""
+    expected = reference(chat_model, {"messages": [{"role": "user", "content": DEMO_PROMPT}],
+                                      "max_tokens": DEMO_MAX_TOKENS})[0]
     result = mlxpipe(
-        "generate", "--model", str(demo_model), "--hostfile", f"hostfiles/{hostfile}",
+        "generate", "--model", str(chat_model), "--hostfile", "hostfiles/local-3.json",
         "--prompt", DEMO_PROMPT, "--max-tokens", str(DEMO_MAX_TOKENS), "--json",
     )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
-    assert answer["tokens"] == demo_reference
-    ranks = 3 if "3" in hostfile else 2
-    assert [r["rank"] for r in answer["ranks"]] == list(range(ranks))
+    assert answer["tokens"] == expected
+    assert [r["rank"] for r in answer["ranks"]] == [0, 1, 2]
     # Rank 0 runs the LAST layers; together the ranks cover all 30 exactly once.
     assert answer["ranks"][0]["end"] == 30 and answer["ranks"][-1]["start"] == 0
     assert sum(r["end"] - r["start"] for r in answer["ranks"]) == 30
-    assert answer["generation_tokens"] == DEMO_MAX_TOKENS
+    assert answer["generation_tokens"] == len(expected)
     assert answer["prompt_tokens"] > 0 and answer["generation_tps"] > 0
     assert all(r["peak_memory_gb"] > 0 for r in answer["ranks"])
     assert Path(answer["run_dir"], "command.txt").read_text().split()[0].endswith("mlx.launch")
@@ -48,14 +52,14 @@ def test_defaults_prompt_from_stdin_and_streamed_text(demo_model: Path, tmp_path
     assert "peak memory" in result.stderr
 
 
-def test_chat_two_turns(demo_model: Path) -> None:
-    """Two turns on one pipeline: the second reuses the first turn's prompt cache."""
+def test_chat_two_turns(chat_model: Path) -> None:
+    """Two turns on one pipeline: the second reuses the first turn's prompt cache; each reply is mlx-lm's."""
+    first = [{"role": "user", "content": DEMO_PROMPT}]
+    reply = reference(chat_model, {"messages": first, "max_tokens": 8})[1]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And of Germany?"}]
     result = mlxpipe(
-        "chat", "--model", str(demo_model), "--max-tokens", "12",
-        stdin="What is the capital of France?\nAnd of Germany?\n\n",
+        "chat", "--model", str(chat_model), "--max-tokens", "8", stdin=f"{DEMO_PROMPT}\nAnd of Germany?\n\n",
     )
     assert result.returncode == 0, result.stderr
-    answers = [line for line in result.stdout.splitlines() if line.strip()]
-    assert answers[0] == "The capital of France is Paris."
-    assert "Berlin" in answers[1]
+    assert result.stdout == f"{reply}\n{reference(chat_model, {'messages': second, 'max_tokens': 8})[1]}\n"
     assert result.stderr.count("tok/s") == 2

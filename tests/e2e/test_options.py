@@ -5,7 +5,7 @@ option (greedy, or seeded sampling for the sampler's options): overlapped throug
 (``--prompts-file``, ``serve``), alone through it (``generate``, ``chat``), and through mlx-lm's
 ``stream_generate`` (``--pipeline native``). One ``mlx.launch`` run serves every option
 (``fixtures/option_ranks.py``). The serve bodies' names are checked against a real server in
-``test_serve_openai.py``; the flags and prompts-file lines end to end below.
+``test_serve_openai.py``; the flags and prompts-file lines down to the wire below (no ranks).
 """
 
 from __future__ import annotations
@@ -111,24 +111,49 @@ def test_adapters_give_mlx_lms_tokens(option_runs, option_model, request_id: str
 # ---------------------------------------------------------------- the command line, end to end
 
 
-@pytest.mark.ranks
-def test_flags_and_prompts_file_lines_reach_the_ranks(option_model: tuple[Path, Path], tmp_path: Path) -> None:
-    """``generate --prompts-file`` with option flags (the lines' defaults) and a line overriding them, adapters on."""
-    import subprocess
-    import sys
+def test_flags_and_prompts_file_lines_reach_the_ranks(option_model: tuple[Path, Path], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``generate --prompts-file`` with option flags (the lines' defaults) and a line overriding them, adapters on:
+    the JobSpec the ranks decode names the adapters, and each request on the wire is its line over the flags (what
+    each option then does on the ranks is checked token for token above; the command runs end to end in
+    ``test_overlap.py``)."""
+    from typer.testing import CliRunner
+
+    from mlxpipe.cli import app
+    from mlxpipe.errors import LaunchError
+    from mlxpipe.launch.pipeline import Pipeline
+    from mlxpipe.protocol.messages import Batch
+    from mlxpipe.protocol.request import Request
 
     checkpoint, adapters = option_model
+    sent: dict[str, Any] = {}
+
+    def start(self: Pipeline, on_loaded: Any = None) -> None:
+        sent["job"] = JobSpec.decode(self.job.encode())  # what the ranks read from their command line
+
+    def generate_batch(self: Pipeline, requests: Any, *args: Any, **kwargs: Any) -> None:
+        wire = Batch.from_wire({"type": "batch", "requests": [r.to_wire() for r in requests], "concurrency": 1})
+        sent["requests"] = Batch.from_wire(json.loads(json.dumps(wire.to_wire()))).requests
+        raise LaunchError("not starting ranks in this test")
+
+    monkeypatch.setattr(Pipeline, "start", start)
+    monkeypatch.setattr(Pipeline, "generate_batch", generate_batch)
+    monkeypatch.setattr(Pipeline, "stop", lambda self: None)
     flags = {"temp": 1.0, "top_k": 2, "seed": 4, "kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 10}
     lines = [_raw(max_tokens=6), _chat(max_tokens=6, temp=0.0, top_k=0, prefill_response="Sure")]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    args = [str(Path(sys.executable).parent / "mlxpipe"), "generate", "--model", str(checkpoint), "--prompts-file",
-            str(path), "--adapter-path", str(adapters), "--json", "--prefill-step-size", str(PREFILL_STEP)]
+    hostfile = tmp_path / "local-2.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    args = ["generate", "--model", str(checkpoint), "--hostfile", str(hostfile), "--prompts-file", str(path),
+            "--adapter-path", str(adapters), "--json", "--prefill-step-size", str(PREFILL_STEP)]
     for key, value in flags.items():
         args += ["--" + key.replace("_", "-"), str(value)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT, cwd=Path(__file__).parents[1])
-    assert result.returncode == 0, result.stderr
-    got = [r["tokens"] for r in json.loads(result.stdout)["results"]]
-    expected = [reference(checkpoint, {**flags, **line}, adapters)
-                for line in lines]
-    assert got == expected
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "not starting ranks" in result.stderr, result.output
+    job = sent["job"]
+    assert (job.adapter_path, job.prefill_step_size) == (str(adapters), PREFILL_STEP)
+    got = [Request.from_wire(r) if isinstance(r, dict) else r for r in sent["requests"]]
+    expected = [Request.from_wire({**flags, **line, "id": i}) for i, line in enumerate(lines, 1)]
+    assert [r.to_wire() for r in got] == [r.to_wire() for r in expected]
+    assert got[0].temp == 1.0 and got[1].temp == 0.0  # a line's own value wins over the flag

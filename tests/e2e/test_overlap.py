@@ -5,7 +5,9 @@ single-process ``mlx_lm.stream_generate`` gives it alone. One ``mlx.launch``
 run per rank count serves every case (``fixtures/batch_ranks.py``): each case
 loads a model and runs the same batch with K = 1, 2 and 3 requests in flight,
 one request per decode micro-batch, then K = 4 and 6 with B = 2 and 3 requests
-per decode micro-batch (batched caches).
+per decode micro-batch (batched caches). Three ranks run the shortest set that
+still covers each path (K = 1, K = 3 above the stage count, and batched K = 6, B = 3)
+on two architectures; the real tokenizer's chat template (``chat_model``) runs on two.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ QUESTION = "Tell me about pipelines across several machines, please."
 CONCURRENCY = [1, 2, 3]
 BATCHED = [(4, 2), (6, 3)]  # (K in flight, B requests per decode micro-batch)
 RUNS: list[tuple[int, int]] = [(k, 1) for k in CONCURRENCY] + BATCHED
+# Three ranks (slower to start and to step, 3 busy-waiting ranks on 2 cores): one request at a time, more in
+# flight than stages, and batched decode groups; K = 2 and (4, 2) repeat paths the two-rank run checks.
+RUNS_3: list[tuple[int, int]] = [(1, 1), (3, 1), (6, 3)]
+RUNS_BY_RANKS = {2: RUNS, 3: RUNS_3}
+CONCURRENCY_BY_RANKS = {2: CONCURRENCY, 3: [k for k, b in RUNS_3 if b == 1]}
 LONG_PROMPT = " ".join(f"step {i}," for i in range(40))  # ~300 byte tokens: 37 prefill chunks
 
 # Different lengths: a long chat (9 prefill chunks), a 2-token prompt, templated
@@ -41,17 +48,21 @@ TINY_REQUESTS: list[dict[str, Any]] = [
     {"id": "long", "prompt": LONG_PROMPT, "ignore_chat_template": True, "max_tokens": 5},
     {"id": "one", "prompt": "Go", "ignore_chat_template": True, "max_tokens": 1},
 ]
-DEMO_REQUESTS: list[dict[str, Any]] = [
+# SmolLM2's tokenizer and chat template on tiny random weights (``chat_model``): templated chats and raw prompts.
+CHAT_REQUESTS: list[dict[str, Any]] = [
     {"id": "france", "prompt": "What is the capital of France?", "max_tokens": 8},
     {"id": "count", "prompt": "1, 2, 3, 4,", "ignore_chat_template": True, "max_tokens": 2},
     {"id": "story", "prompt": "Once upon a time, in a land far away, there lived a",
      "ignore_chat_template": True, "max_tokens": 5},
     {"id": "hello", "prompt": "Hello", "ignore_chat_template": True, "max_tokens": 3},
 ]
-DEMO_SPLITS = ([12, 18], [8, 12, 10])
+CHAT_SPLIT = [12, 18]
 CASES = {
-    n: {**{arch: splits[n - 2] for arch, splits in TINY_SPLITS.items()}, "demo": DEMO_SPLITS[n - 2]}
-    for n in (2, 3)
+    2: {**{arch: splits[0] for arch, splits in TINY_SPLITS.items()}, "chat": CHAT_SPLIT},
+    # Three stages schedule requests alike whatever the model: two splits ([2, 2, 2], and [1, 1, 4] with
+    # sliding-window caches); every architecture overlaps on two ranks above and runs alone on three in
+    # test_pipeline.py.
+    3: {arch: TINY_SPLITS[arch][1] for arch in ("qwen2", "gemma3_text")},
 }
 _TIMEOUT = 900.0  # one launch runs every case and run; a ceiling for a loaded machine
 
@@ -60,32 +71,33 @@ _TIMEOUT = 900.0  # one launch runs every case and run; a ceiling for a loaded m
 
 
 @pytest.fixture(scope="session")
-def batch_runs(tiny_models: TinyModels, demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def batch_runs(tiny_models: TinyModels, chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """rank count -> (the driver run over every case, {(case, rank): batch_case event})."""
     runs: dict[int, tuple[LaunchResult, dict[tuple[str, int], dict[str, Any]]]] = {}
 
     def get(num_ranks: int):
         if num_ranks not in runs:
-            runs[num_ranks] = _run_batches(num_ranks, tiny_models, demo_model, tmp_path_factory.mktemp("batches"))
+            runs[num_ranks] = _run_batches(num_ranks, tiny_models, chat_model, tmp_path_factory.mktemp("batches"))
         return runs[num_ranks]
 
     return get
 
 
-def _checkpoint(case: str, tiny_models: TinyModels, demo_model: Path) -> Path:
-    return demo_model if case == "demo" else tiny_models[case]
+def _checkpoint(case: str, tiny_models: TinyModels, chat_model: Path) -> Path:
+    return chat_model if case == "chat" else tiny_models[case]
 
 
 def _requests(case: str) -> list[dict[str, Any]]:
-    return DEMO_REQUESTS if case == "demo" else TINY_REQUESTS
+    return CHAT_REQUESTS if case == "chat" else TINY_REQUESTS
 
 
-def _run_batches(num_ranks: int, tiny_models: TinyModels, demo_model: Path, tmp: Path):
+def _run_batches(num_ranks: int, tiny_models: TinyModels, chat_model: Path, tmp: Path):
     cases = []
     for case, split in CASES[num_ranks].items():
-        dirs = rank_dirs(_checkpoint(case, tiny_models, demo_model), split, tmp / case)
+        dirs = rank_dirs(_checkpoint(case, tiny_models, chat_model), split, tmp / case)
         job = JobSpec([str(d) for d in dirs], split, prefill_step_size=PREFILL_STEP)
-        cases.append({"id": case, "job": asdict(job), "requests": _requests(case), "concurrency": RUNS})
+        cases.append({"id": case, "job": asdict(job), "requests": _requests(case),
+                      "concurrency": RUNS_BY_RANKS[num_ranks]})
     result = launch_cases("batch_ranks.py", cases, num_ranks, tmp, timeout=_TIMEOUT)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for e in result.of("batch_run"):
@@ -117,17 +129,17 @@ def _done(event: dict[str, Any], k: int, b: int = 1) -> dict[str, Any]:
     return next(e for e in _run(event, k, b)["events"] if e["event"] == "batch_done")
 
 
-PARAMS = [(n, case, k, b) for n in (2, 3) for case in CASES[n] for k, b in RUNS]
+PARAMS = [(n, case, k, b) for n in (2, 3) for case in CASES[n] for k, b in RUNS_BY_RANKS[n]]
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("num_ranks, case, k, b", PARAMS,
                          ids=[f"{n}ranks-{c}-K{k}" + (f"B{b}" if b > 1 else "") for n, c, k, b in PARAMS])
-def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, demo_model, num_ranks: int, case: str,
+def test_overlapped_requests_match_mlx_lm_alone(batch_runs, tiny_models, chat_model, num_ranks: int, case: str,
                                                 k: int, b: int) -> None:
     events = _runs(batch_runs, num_ranks, case)
     results = _results(events[0], k, b)
-    path = str(_checkpoint(case, tiny_models, demo_model))
+    path = str(_checkpoint(case, tiny_models, chat_model))
     for request in _requests(case):
         tokens, text = _reference(path, json.dumps(request, sort_keys=True))
         got = results[request["id"]]
@@ -156,7 +168,7 @@ def test_a_finished_request_gives_its_slot_to_the_next_on_ranks(batch_runs) -> N
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_more_requests_in_flight_take_fewer_ticks(batch_runs, num_ranks: int) -> None:
     event = _runs(batch_runs, num_ranks, "qwen2")[0]
-    ticks = [_done(event, k)["ticks"] for k in CONCURRENCY]
+    ticks = [_done(event, k)["ticks"] for k in CONCURRENCY_BY_RANKS[num_ranks]]
     assert ticks[0] > max(ticks[1:])  # K above the stage count adds no throughput, only waiting
 
 
@@ -173,7 +185,7 @@ def _mlxpipe(*args: str) -> Any:
 
 
 @pytest.mark.ranks
-def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, tmp_path: Path) -> None:
+def test_prompts_file_json_gives_every_result_in_input_order(chat_model: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     requests = [{"prompt": "What is the capital of France?", "max_tokens": 6},
                 {"id": "count", "prompt": "1, 2, 3,", "ignore_chat_template": True, "max_tokens": 3}]
@@ -181,7 +193,7 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
     out = tmp_path / "out" / "results.jsonl"
     out.parent.mkdir()
     out.write_text("an earlier run's results\n")
-    result = _mlxpipe("generate", "--model", str(demo_model), "--prompts-file", str(prompts),
+    result = _mlxpipe("generate", "--model", str(chat_model), "--prompts-file", str(prompts),
                       "--output", str(out), "--json")
     assert result.returncode == 0, result.stderr
     assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no partial left
@@ -189,7 +201,7 @@ def test_prompts_file_json_gives_every_result_in_input_order(demo_model: Path, t
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == [1, "count"]
     for request, got in zip(requests, lines, strict=True):
-        tokens, text = _reference(str(demo_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
+        tokens, text = _reference(str(chat_model), json.dumps({**request, "id": got["id"]}, sort_keys=True))
         assert (got["tokens"], got["text"]) == (tokens, text)
         assert got["generation_tokens"] == len(tokens) and got["latency"] >= got["ttft"] > 0
     # Defaults: 4 requests per decode micro-batch, 2 ranks x 4 in flight.
