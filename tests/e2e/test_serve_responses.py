@@ -1,7 +1,7 @@
 """The OpenAI Responses door of ``mlxpipe serve``, with the official ``openai`` package's ``client.responses``.
 
-Against the session's shared server (the demo model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
-alone on the same chat-template input. The demo model's template has no tool calls, so the function calls the
+Against the session's shared server (the chat model on 2 ranks, key ``KEY``): greedy replies must be mlx-lm's
+alone on the same chat-template input. Its template (SmolLM2's) has no tool calls, so the function calls the
 model writes are checked through the same door over a scripted queue (``fixtures.chat_reference``).
 """
 
@@ -31,39 +31,53 @@ def client(server: ServeProcess) -> openai.OpenAI:
 
 
 @pytest.mark.ranks
-def test_a_response_is_token_identical_to_mlx_lm(client: openai.OpenAI, demo_model: Path) -> None:
+def test_a_response_is_token_identical_to_mlx_lm(client: openai.OpenAI, chat_model: Path) -> None:
     instructions = "You answer in one short sentence."
     messages = [{"role": "system", "content": instructions}, *_user(QUESTION)]
-    text, tokens = greedy(demo_model, messages, MAX_TOKENS)
-    reply = client.responses.create(model=str(demo_model), instructions=instructions, input=QUESTION,
+    text, tokens = greedy(chat_model, messages, MAX_TOKENS)
+    reply = client.responses.create(model=str(chat_model), instructions=instructions, input=QUESTION,
                                     max_output_tokens=MAX_TOKENS, temperature=0)
     assert reply.output_text == text and [i.type for i in reply.output] == ["message"]
-    assert reply.status == ("completed" if is_eos(demo_model, tokens[-1]) else "incomplete")
+    assert reply.status == ("completed" if is_eos(chat_model, tokens[-1]) else "incomplete")
     assert reply.usage.output_tokens == len(tokens)
-    assert reply.usage.input_tokens == len(prompt(demo_model, messages))
-    assert reply.object == "response" and reply.model == str(demo_model)
+    assert reply.usage.input_tokens == len(prompt(chat_model, messages))
+    assert reply.object == "response" and reply.model == str(chat_model)
 
 
-@pytest.mark.ranks
-def test_a_streamed_response_has_the_responses_events(client: openai.OpenAI, demo_model: Path) -> None:
-    text, tokens = greedy(demo_model, _user("Hi"), 12)
-    assert is_eos(demo_model, tokens[-1])  # a reply that ends by itself: response.completed
-    with client.responses.stream(model=str(demo_model), input="Hi", max_output_tokens=12,
-                                 temperature=0) as stream:
+def _stream(client: openai.OpenAI, model: Path, max_tokens: int, **body: Any) -> tuple[list[Any], Any]:
+    with client.responses.stream(model=str(model), input="Hi", max_output_tokens=max_tokens, **body) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    return events, events[-1].response  # the last event's response (the SDK's final one only if completed)
+
+
+def _check_events(events: list[Any], final: Any, ended: str) -> None:
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+                          ended]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert final.output_text == text and final.usage.output_tokens == len(tokens)
 
 
 @pytest.mark.ranks
-def test_a_function_call_round_trip_reaches_the_template(client: openai.OpenAI, demo_model: Path) -> None:
+def test_a_streamed_response_has_the_responses_events(client: openai.OpenAI, chat_model: Path) -> None:
+    """Greedy, as mlx-lm streams it (the chat model's random words run to ``max_output_tokens``: incomplete); then a
+    reply that ends by itself (a grammar ends it: response.completed)."""
+    text, tokens = greedy(chat_model, _user("Hi"), 12)
+    events, final = _stream(client, chat_model, 12, temperature=0)
+    _check_events(events, final, "response.completed" if is_eos(chat_model, tokens[-1]) else "response.incomplete")
+    assert final.output_text == text and final.usage.output_tokens == len(tokens)
+    word = {"type": "object", "properties": {"w": {"enum": ["yes", "no"]}}, "required": ["w"],
+            "additionalProperties": False}
+    events, final = _stream(client, chat_model, 40, temperature=0,
+                            text={"format": {"type": "json_schema", "name": "w", "schema": word, "strict": True}})
+    _check_events(events, final, "response.completed")
+    assert json.loads(final.output_text)["w"] in ("yes", "no")
+
+
+@pytest.mark.ranks
+def test_a_function_call_round_trip_reaches_the_template(client: openai.OpenAI, chat_model: Path) -> None:
     """A function_call item and its function_call_output: the template reads the call and a tool message."""
     items = [*_user("What is the weather in Paris?"),
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
@@ -74,28 +88,28 @@ def test_a_function_call_round_trip_reaches_the_template(client: openai.OpenAI, 
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "22 C and sunny"},
     ]
-    text, _ = greedy(demo_model, template_messages, MAX_TOKENS, tools=[WEATHER_FUNCTION])
-    reply = client.responses.create(model=str(demo_model), input=items, tools=[WEATHER_TOOL],
+    text, _ = greedy(chat_model, template_messages, MAX_TOKENS, tools=[WEATHER_FUNCTION])
+    reply = client.responses.create(model=str(chat_model), input=items, tools=[WEATHER_TOOL],
                                     max_output_tokens=MAX_TOKENS, temperature=0)
     assert reply.output_text == text
 
 
 @pytest.mark.ranks
 def test_previous_response_id_continues_the_conversation_from_the_cache(client: openai.OpenAI, server: ServeProcess,
-                                                                        demo_model: Path) -> None:
-    first = client.responses.create(model=str(demo_model), input="Tell me about Paris.",
+                                                                        chat_model: Path) -> None:
+    first = client.responses.create(model=str(chat_model), input="Tell me about Paris.",
                                     max_output_tokens=MAX_TOKENS, temperature=0)
-    second = client.responses.create(model=str(demo_model), input="And about Rome?", previous_response_id=first.id,
+    second = client.responses.create(model=str(chat_model), input="And about Rome?", previous_response_id=first.id,
                                      max_output_tokens=MAX_TOKENS, temperature=0)
     history = [*_user("Tell me about Paris."), {"role": "assistant", "content": first.output_text},
                *_user("And about Rome?")]
-    assert second.output_text == greedy(demo_model, history, MAX_TOKENS)[0]
-    assert second.usage.input_tokens == len(prompt(demo_model, history))
+    assert second.output_text == greedy(chat_model, history, MAX_TOKENS)[0]
+    assert second.usage.input_tokens == len(prompt(chat_model, history))
     # Everything up to the first reply is reused from the ranks' prompt cache; only the new turn is prefilled.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert client.responses.retrieve(second.id).output_text == second.output_text
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=str(demo_model), input="hi", previous_response_id="resp_unknown",
+        client.responses.create(model=str(chat_model), input="hi", previous_response_id="resp_unknown",
                                 max_output_tokens=2)
     assert e.value.body["param"] == "previous_response_id" and "keeps the last 256" in e.value.body["message"]
 
@@ -126,11 +140,11 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "pattern": "
 
 
 @pytest.mark.ranks
-def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, demo_model: Path) -> None:
+def test_text_format_json_schema_constrains_the_reply(client: openai.OpenAI, chat_model: Path) -> None:
     import jsonschema
 
     reply = client.responses.create(
-        model=str(demo_model), input="Name a city and its population.", max_output_tokens=64, temperature=0.8,
+        model=str(chat_model), input="Name a city and its population.", max_output_tokens=64, temperature=0.8,
         text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
         extra_body={"seed": 5},
     )
