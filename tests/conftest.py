@@ -24,7 +24,7 @@ from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F4
 from fixtures.arch_launches import arch_root, arch_runs  # noqa: F401
 from fixtures.browser import browser  # noqa: F401
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
-from fixtures.demo_model import chat_model, demo_model, demo_reference  # noqa: F401
+from fixtures.demo_model import chat_model, demo_model  # noqa: F401
 from fixtures.doctor import other_mlx_python  # noqa: F401
 from fixtures.draft_models import models  # noqa: F401
 from fixtures.fake_hub import fake_hub, hub_env  # noqa: F401

@@ -24,9 +24,10 @@ import pytest
 from typer.testing import CliRunner
 
 from fixtures.cluster import Cluster, built_cluster
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT, greedy_chat_tokens
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub
 from fixtures.macs import FakeMac, advertise, clear_macs, make_mac, wifi_address
+from fixtures.option_reference import reference
 from mlxpipe.cli import app
 
 REPO_ID = "e2e/cluster-setup"
@@ -231,7 +232,8 @@ def test_init_install_then_doctor_and_generate_on_a_thunderbolt_pair(
     result = cli("generate", "--model", REPO_ID, "--hostfile", str(hostfile), "--prompt", DEMO_PROMPT,
                  "--max-tokens", str(DEMO_MAX_TOKENS), "--from-controller", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["tokens"] == greedy_chat_tokens(chat_model, DEMO_PROMPT, DEMO_MAX_TOKENS)
+    request = {"messages": [{"role": "user", "content": DEMO_PROMPT}], "max_tokens": DEMO_MAX_TOKENS}
+    assert json.loads(result.stdout)["tokens"] == reference(chat_model, request)[0]
     assert macs.wait_clean(5) == {}
 
     again = cli("cluster", "install", "--hostfile", str(hostfile), "--json")  # no wheelhouse, no registry: none needed

@@ -26,8 +26,9 @@ import pytest
 
 from fixtures.cli import cli
 from fixtures.cluster import Cluster
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT, greedy_chat_tokens
+from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
+from fixtures.option_reference import reference as mlx_lm_reference
 
 REPO_ID = "e2e/smollm2-tiny"
 PROMPT, MAX_TOKENS = DEMO_PROMPT, DEMO_MAX_TOKENS
@@ -48,7 +49,8 @@ def bridge_hub(cluster_session: Cluster, chat_model: Path) -> Iterator[FakeHub]:
 @pytest.fixture(scope="module")
 def reference(chat_model: Path) -> list[int]:
     """Single-process mlx-lm's greedy tokens for ``PROMPT``, chat-templated: the ground truth."""
-    return greedy_chat_tokens(chat_model, PROMPT, MAX_TOKENS)
+    request = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}
+    return mlx_lm_reference(chat_model, request)[0]
 
 
 @pytest.fixture
