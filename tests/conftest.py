@@ -23,6 +23,7 @@ from fixtures import tiers
 from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F401
 from fixtures.arch_launches import arch_root, arch_runs  # noqa: F401
 from fixtures.browser import browser  # noqa: F401
+from fixtures.cli import jobs_not_started  # noqa: F401
 from fixtures.cluster import cluster, cluster_session  # noqa: F401
 from fixtures.demo_model import chat_model, demo_model  # noqa: F401
 from fixtures.doctor import other_mlx_python  # noqa: F401

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from fixtures.cli import cli, mlxpipe
+from fixtures.cli import NOT_STARTED, cli, mlxpipe
 from fixtures.tiny_models import TinyModels
 from mlxpipe.cli import app
 
@@ -80,24 +79,13 @@ def test_context_reaches_the_fit_check_before_anything_starts(tiny_models, tmp_p
     assert "at --context 100000000" in result.output
 
 
-def test_trust_remote_code_is_off_unless_asked(demo_model: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxpipe.errors import LaunchError
-    from mlxpipe.launch.pipeline import Pipeline
-
-    jobs: list[Any] = []
-
-    def start(self: Pipeline, on_loaded: Callable[..., None] | None = None) -> None:
-        jobs.append(self.job)
-        raise LaunchError("not starting ranks in this test")
-
-    monkeypatch.setattr(Pipeline, "start", start)
+def test_trust_remote_code_is_off_unless_asked(demo_model: Path, tmp_path: Path, jobs_not_started: list[Any]) -> None:
     hostfile = tmp_path / "local-2.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
     for flags in ([], ["--trust-remote-code"]):
         result = cli("generate", "--model", str(demo_model), "--hostfile", str(hostfile), "--prompt", "Hi", *flags)
-        assert result.exit_code == 1 and "not starting ranks" in result.stderr
-    assert [job.trust_remote_code for job in jobs] == [False, True]
+        assert result.exit_code == 1 and NOT_STARTED in result.stderr
+    assert [job.trust_remote_code for job in jobs_not_started] == [False, True]
 
 
 @pytest.mark.parametrize(

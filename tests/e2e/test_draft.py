@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fixtures.cli import NOT_STARTED
 from fixtures.option_reference import reference as mlx_lm_reference
 from fixtures.ranks import launch_cases, rank_dirs
 from fixtures.serve_process import ServeProcess, ready_server
@@ -123,7 +124,7 @@ def test_the_draft_drafts_some_tokens_right_and_some_wrong(models) -> None:
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
-def test_the_draft_flags_reach_the_jobspec_on_the_wire(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_draft_flags_reach_the_jobspec_on_the_wire(models, tmp_path: Path, jobs_not_started: list[JobSpec],
                                                        command: str) -> None:
     """``--draft-model DIR --num-draft-tokens N`` of ``generate`` and ``chat`` end in the JobSpec every rank
     decodes from its command line: the draft's directory for each rank, and N (the ranks' own use of both runs in
@@ -131,23 +132,14 @@ def test_the_draft_flags_reach_the_jobspec_on_the_wire(models, tmp_path: Path, m
     from typer.testing import CliRunner
 
     from mlxpipe.cli import app
-    from mlxpipe.errors import LaunchError
-    from mlxpipe.launch.pipeline import Pipeline
 
-    jobs: list[JobSpec] = []
-
-    def start(self: Pipeline, on_loaded: Any = None) -> None:
-        jobs.append(JobSpec.decode(self.job.encode()))  # what the ranks read
-        raise LaunchError("not starting ranks in this test")
-
-    monkeypatch.setattr(Pipeline, "start", start)
     hostfile = tmp_path / "local-2.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
     prompt = ["--prompt", "Hi"] if command == "generate" else []
     result = CliRunner().invoke(app, [command, "--model", str(models["target"]), "--hostfile", str(hostfile), *prompt,
                                       "--draft-model", str(models["draft"]), "--num-draft-tokens", "2"], input="Hi\n\n")
-    assert result.exit_code == 1 and "not starting ranks" in result.stderr, result.output
-    assert [(job.draft_paths, job.num_draft_tokens) for job in jobs] == [([str(models["draft"])] * 2, 2)]
+    assert result.exit_code == 1 and NOT_STARTED in result.stderr, result.output
+    assert [(job.draft_paths, job.num_draft_tokens) for job in jobs_not_started] == [([str(models["draft"])] * 2, 2)]
 
 
 @pytest.mark.ranks
