@@ -1,11 +1,12 @@
 """Starting and supervising the ranks through ``mlx.launch``.
 
 ``mlx.launch`` is run as a subprocess from an argument list (its public
-interface). On its own it exits 0 when a rank fails, leaves the other ranks
+interface), by ``launch/mlx_launch.py``, which only makes its I/O threads sleep
+instead of spinning a core per rank. On its own it exits 0 when a rank fails, leaves the other ranks
 hanging when one exits 0 early, reports a remote rank killed by a signal only
 as ssh's status 255, and merges every rank's output. So each rank runs under a
 small supervisor (``python -m mlxpipe.launch.supervisor --lease S -- <worker args>``,
-``mlxpipe/supervisor.py``) that:
+``launch/supervisor.py``) that:
 
 * tags everything its worker prints as events carrying the rank, so the
   controller keeps one log per rank (``rank-<r>.log`` in the run directory),
@@ -34,12 +35,12 @@ mlx.launch itself printed) and ``rank-<r>.log`` (each rank's output and events).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -107,22 +108,18 @@ def new_run_dir() -> Path:
     return path
 
 
-def mlx_launch_executable() -> str:
-    """``mlx.launch`` beside this interpreter, else on PATH."""
-    beside = Path(sys.executable).parent / "mlx.launch"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mlx.launch")
-    if not found:
+def mlx_launch_command() -> list[str]:
+    """``mlx.launch``, run by this interpreter with its I/O threads made to sleep (``launch/mlx_launch.py``)."""
+    if importlib.util.find_spec("mlx._distributed_utils.launch") is None:
         raise LaunchError("mlx.launch not found", "install mlx (pip install mlx) in this environment")
-    return found
+    return [sys.executable, "-m", "mlxpipe.launch.mlx_launch"]
 
 
 def launch_argv(spec: LaunchSpec) -> list[str]:
     """The exact ``mlx.launch`` command line for ``spec`` (also written to the run dir)."""
     hostfile_path = spec.run_dir / "hostfile.json"
     # --verbose makes mlx.launch report ranks that exit 0, which it otherwise ignores.
-    argv = [mlx_launch_executable(), "--verbose", "--hostfile", str(hostfile_path), "--backend", spec.backend]
+    argv = [*mlx_launch_command(), "--verbose", "--hostfile", str(hostfile_path), "--backend", spec.backend]
     for key, value in spec.env:
         argv += ["--env", f"{key}={value}"]
     argv += ["--starting-port", str(spec.port or default_port(spec.hostfile))]
@@ -408,9 +405,11 @@ def lower_priority(pid: int) -> None:
     """Make mlx.launch (not its ranks) yield the CPU to the ranks.
 
     Its per-rank I/O threads select() on the rank's stdin, which is always
-    writable, so they never block and take ~1.6 cores from the ranks on the
-    controller's host. The ranks already run, so renicing mlx.launch now leaves
-    them be. Linux sets niceness per thread, hence every task.
+    writable, so unpatched they never block and take a core per rank from the
+    ranks on the controller's host. ``launch/mlx_launch.py`` makes them sleep;
+    this stays for an mlx whose launcher that patch does not recognise. The
+    ranks already run, so renicing mlx.launch now leaves them be. Linux sets
+    niceness per thread, hence every task.
     """
     tasks = Path(f"/proc/{pid}/task")
     ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [pid]

@@ -31,7 +31,7 @@ import pytest
 from fixtures.chat_reference import stop_in
 from fixtures.faulty_worker import FAILING_SEED
 from fixtures.option_reference import reference as option_reference
-from fixtures.processes import local_rank_processes
+from fixtures.processes import local_rank_processes, tree_cpu_seconds
 from fixtures.serve_process import CONTEXT, KEY, ServeProcess, stop_all, wait_gone
 
 pytestmark = pytest.mark.ranks
@@ -418,6 +418,16 @@ def test_health_names_every_rank(server: ServeProcess, chat_model: Path) -> None
         (r.rank, [r.start, r.end], "ready") for r in the_plan.ranks
     ]
     # The demo model's own default split (15, 15): tests/plan/test_demo_split.py, without ranks.
+
+
+def test_an_idle_server_leaves_the_cores_alone(server: ServeProcess) -> None:
+    # mlx.launch's I/O threads, unpatched, spin a core per rank for as long as the ranks run (launch/mlx_launch.py):
+    # over 3 s idle, that is 3 s of CPU or more (a core at least, however loaded the machine). Patched, the server,
+    # mlx.launch, the supervisors and the ranks together use a few hundredths of a second.
+    before = tree_cpu_seconds(server.proc.pid)
+    time.sleep(3)
+    used = tree_cpu_seconds(server.proc.pid) - before
+    assert used < 0.9, f"the idle server's processes used {used:.2f} s of CPU in 3 s"
 
 
 def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.OpenAI) -> None:
