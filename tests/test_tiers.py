@@ -40,6 +40,7 @@ LAUNCH = "/nonexistent/mlx.launch"  # were it ever started, the test would fail 
         ([".venv/bin/mlx.launch", "--hostfile", "h.json", "--", "python", "-m", "mlxpipe.worker"], True),
         (["python", "-m", "mlxpipe.worker", "--links", "2"], True),
         ("/usr/bin/mlx.launch --verbose", True),
+        (["python", "-m", "mlxpipe.launch.mlx_launch", "--hostfile", "h.json", "--", "python", "-c", "x"], True),
         (["python", "-m", "mlxpipe.launch.supervisor", "--", "-c", "print()"], False),  # no worker: no rank
         (["mlxpipe", "plan", "--model", "m"], False),
         (["python", "-c", "import mlxpipe.worker"], False),

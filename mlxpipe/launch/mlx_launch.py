@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# How the controller runs it: python -m LAUNCHER, then mlx.launch's own arguments.
+LAUNCHER = "mlxpipe.launch.mlx_launch"
 # The longest a controller's message waits in mlx.launch before it is written to a rank's standard input.
 WRITE_POLL_S = 0.002
 

@@ -57,7 +57,7 @@ from mlxpipe.cluster import remote
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.errors import LaunchError, WireError
-from mlxpipe.launch import frames
+from mlxpipe.launch import frames, mlx_launch
 from mlxpipe.launch.failures import FailureTracker, NodeExit
 from mlxpipe.launch.supervisor import (
     HEARTBEAT_LINE,
@@ -112,7 +112,7 @@ def mlx_launch_command() -> list[str]:
     """``mlx.launch``, run by this interpreter with its I/O threads made to sleep (``launch/mlx_launch.py``)."""
     if importlib.util.find_spec("mlx._distributed_utils.launch") is None:
         raise LaunchError("mlx.launch not found", "install mlx (pip install mlx) in this environment")
-    return [sys.executable, "-m", "mlxpipe.launch.mlx_launch"]
+    return [sys.executable, "-m", mlx_launch.LAUNCHER]
 
 
 def launch_argv(spec: LaunchSpec) -> list[str]:

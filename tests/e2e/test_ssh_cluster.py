@@ -29,6 +29,7 @@ from fixtures.cluster import Cluster
 from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.option_reference import reference as mlx_lm_reference
+from mlxpipe.launch.mlx_launch import LAUNCHER
 
 REPO_ID = "e2e/smollm2-tiny"
 PROMPT, MAX_TOKENS = DEMO_PROMPT, DEMO_MAX_TOKENS
@@ -163,8 +164,8 @@ def check_no_secret_nor_remote_code(command_lines: CommandLines, run_dir: Path, 
     ours = [shlex.join(argv) for argv in command_lines.started]
     assert any("ssh" in line for line in ours)
     if launched_here:
-        assert any("mlx.launch" in line for line in ours)
-    assert any("mlx.launch" in line for line in command_lines.seen.values())
+        assert any(LAUNCHER in line for line in ours)
+    assert any(LAUNCHER in line for line in command_lines.seen.values())
     assert any("mlxpipe.worker" in line for line in command_lines.seen.values())
     assert not [line for line in ours + list(command_lines.seen.values()) if SECRET in line]
     argv = shlex.split((run_dir / "command.txt").read_text())
