@@ -217,7 +217,10 @@ def _install_wheels(host: Host, machine: Machine, venv: Python, target: Target, 
                     wheelhouse: Path | None, say: Callable[[str], None]) -> str:
     """Install the pinned versions into the venv; returns where the wheels came from."""
     dest = f"{machine.home.rstrip('/')}/{WHEELS_DIR}"
-    pip = [machine.venv_python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input"]
+    # --no-compile, as uv installs by default: a module is compiled on its first import instead, and most of
+    # transformers' thousands never are (compiling them all took three quarters of the install).
+    pip = [machine.venv_python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
+           "--no-compile"]
     if wheelhouse is None:
         say("installing from the host's package registry")
         _ship(host, [made.mlxpipe()], dest)
