@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Error
@@ -50,5 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def leave(code: int) -> NoReturn:
+    """Exit now, output flushed, without Python's teardown of mlx, mlx-lm and transformers: 0.4 s of a core
+    per rank at the end of every run, for nothing. The rank has said bye or reported its error by then, and
+    nothing is left to write (the prompt caches' writer finishes before bye)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
