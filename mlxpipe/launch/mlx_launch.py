@@ -64,7 +64,7 @@ def main() -> None:
 
     patch(launch)
     sys.argv[0] = "mlx.launch"
-    launch.main()
+    sys.exit(launch.main())  # as mlx.launch's own console script ends
 
 
 if __name__ == "__main__":
