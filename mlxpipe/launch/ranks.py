@@ -1,10 +1,10 @@
 """Starting and supervising the ranks through ``mlx.launch``.
 
 ``mlx.launch`` is run as a subprocess from an argument list (its public
-interface), by ``launch/mlx_launch.py``, which only makes its I/O threads sleep
-instead of spinning a core per rank. On its own it exits 0 when a rank fails, leaves the other ranks
-hanging when one exits 0 early, reports a remote rank killed by a signal only
-as ssh's status 255, and merges every rank's output. So each rank runs under a
+interface), by ``launch/mlx_launch.py``, which only makes its I/O threads
+sleep instead of spinning a core per rank. On its own it exits 0 when a rank
+fails, leaves the other ranks hanging when one exits 0 early, reports a remote
+rank killed by a signal only as ssh's status 255, and merges every rank's output. So each rank runs under a
 small supervisor (``python -m mlxpipe.launch.supervisor --lease S -- <worker args>``,
 ``launch/supervisor.py``) that:
 
@@ -110,7 +110,11 @@ def new_run_dir() -> Path:
 
 def mlx_launch_command() -> list[str]:
     """``mlx.launch``, run by this interpreter with its I/O threads made to sleep (``launch/mlx_launch.py``)."""
-    if importlib.util.find_spec("mlx._distributed_utils.launch") is None:
+    try:
+        found = importlib.util.find_spec("mlx._distributed_utils.launch") is not None
+    except ModuleNotFoundError:  # no mlx at all
+        found = False
+    if not found:
         raise LaunchError("mlx.launch not found", "install mlx (pip install mlx) in this environment")
     return [sys.executable, "-m", mlx_launch.LAUNCHER]
 
