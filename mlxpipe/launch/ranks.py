@@ -4,9 +4,10 @@
 interface), by ``launch/mlx_launch.py``, which only makes its I/O threads
 sleep instead of spinning a core per rank. On its own it exits 0 when a rank
 fails, leaves the other ranks hanging when one exits 0 early, reports a remote
-rank killed by a signal only as ssh's status 255, and merges every rank's output. So each rank runs under a
-small supervisor (``python -m mlxpipe.launch.supervisor --lease S -- <worker args>``,
-``launch/supervisor.py``) that:
+rank killed by a signal only as ssh's status 255, and merges every rank's
+output. So each rank runs under a small supervisor (``python -m
+mlxpipe.launch.supervisor --lease S -- <worker args>``, ``launch/supervisor.py``)
+that:
 
 * tags everything its worker prints as events carrying the rank, so the
   controller keeps one log per rank (``rank-<r>.log`` in the run directory),
