@@ -425,11 +425,17 @@ def test_health_names_every_rank(server: ServeProcess, chat_model: Path) -> None
 def test_an_idle_server_leaves_the_cores_alone(server: ServeProcess) -> None:
     # mlx.launch's I/O threads, unpatched, spin a core per rank for as long as the ranks run (launch/mlx_launch.py):
     # over 3 s idle, that is 3 s of CPU or more (a core at least, however loaded the machine). Patched, the server,
-    # mlx.launch, the supervisors and the ranks together use a few hundredths of a second.
-    before = tree_cpu_seconds(server.proc.pid)
-    time.sleep(3)
-    used = tree_cpu_seconds(server.proc.pid) - before
-    assert used < 0.9, f"the idle server's processes used {used:.2f} s of CPU in 3 s"
+    # mlx.launch, the supervisors and the ranks together use a few hundredths of a second. Run first in its module,
+    # the server is still settling after start-up for a window or so (0.9-1 s measured): the quietest of three
+    # windows counts, which the spin never brings under 3 s.
+    used = []
+    for _ in range(3):
+        before = tree_cpu_seconds(server.proc.pid)
+        time.sleep(3)
+        used.append(tree_cpu_seconds(server.proc.pid) - before)
+        if used[-1] < 0.9:
+            break
+    assert min(used) < 0.9, f"the idle server's processes used {used} s of CPU in windows of 3 s"
 
 
 def test_health_says_where_the_time_goes(server: ServeProcess, client: openai.OpenAI) -> None:
