@@ -21,6 +21,7 @@ from mlxpipe.cli._options import (
     WorkloadOption,
     parse_split,
 )
+from mlxpipe.cli.fleet import FleetFile
 from mlxpipe.defaults import DEFAULT_CONTEXT
 
 
@@ -40,6 +41,7 @@ def plan(
     )] = DEFAULT_CONTEXT,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-read metadata from the hub even if cached.")] = False,
     json_out: Json = False,
+    fleet: FleetFile = None,
 ) -> None:
     """Show which layers each host runs, what it must hold and fetch, and whether it fits.
 
@@ -54,6 +56,14 @@ def plan(
     from mlxpipe.cli.render import layouts_table, plan_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
 
+    if fleet is not None:  # every entry of the file, each on its own hosts of --hostfile
+        from mlxpipe.cli.fleet import plan_fleet, refuse_model_flags
+
+        refuse_model_flags({"--model": model, "--revision": revision, "--strategy": strategy, "--split": split,
+                            "--tp": tp, "--layout": layout, "--config": config})
+        plan_fleet(fleet, hostfile, context=context, backend=backend, workload=workload, refresh=refresh,
+                   json_out=json_out)
+        return
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, refresh=refresh, progress=progress)
