@@ -35,6 +35,7 @@ from mlxpipe.cli._options import (
     parse_split,
     tcp_port,
 )
+from mlxpipe.cli.fleet import FleetFile
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
@@ -200,6 +201,7 @@ def serve(
     timeout: Timeout = DEFAULT_STEP_TIMEOUT,
     trust_remote_code: TrustRemoteCode = False,
     from_controller: FromController = False,
+    fleet: FleetFile = None,
 ) -> None:
     """Serve the model behind OpenAI's, Anthropic's and Ollama's APIs, with a browser page, until Ctrl-C.
 
@@ -212,6 +214,10 @@ def serve(
 
     Example: mlxpipe serve --port 8080
     """
+    if fleet is not None:  # several models, each on its own hosts of --hostfile: the per-model flags are its entries'
+        from mlxpipe.cli.fleet import serve_fleet
+
+        raise typer.Exit(serve_fleet(fleet, locals()))
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.launch.batch import check_decode_batch

@@ -36,7 +36,7 @@ class Placed:
     @property
     def label(self) -> str:
         """``small`` or, for an entry of several replicas, ``small#1``."""
-        return self.entry.label if self.entry.replicas == 1 else f"{self.entry.label}#{self.replica}"
+        return self.entry.replica_label(self.replica)
 
 
 @dataclass(frozen=True)

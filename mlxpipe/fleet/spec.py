@@ -70,6 +70,10 @@ class FleetEntry:
         """Its short name in the server's output: its first name, else the model id."""
         return self.names[0] if self.names else self.model
 
+    def replica_label(self, replica: int) -> str:
+        """One pipeline's name in the server's output: ``small``, or ``small#1`` among several replicas."""
+        return self.label if self.replicas == 1 else f"{self.label}#{replica}"
+
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """Each replica's hosts: ``hosts`` cut into ``replicas`` equal groups, in order."""
         size = len(self.hosts) // self.replicas

@@ -155,6 +155,7 @@ class RequestQueue:
         self.detail: str | None = None  # why the state is what it is (the root cause while restarting, failed)
         self.tokens_out = 0  # tokens streamed since the server started: the page's tok/s
         self.run_dir: Path | None = None
+        self.label = ""  # this pipeline's name among a fleet's ("small#1"), in its requests' lines; "" alone
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
         self._waiting: deque[Stream] = deque()  # not sent to the ranks yet: they are loading or relaunching

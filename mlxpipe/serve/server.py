@@ -117,11 +117,11 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that ends the queue's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
+    """uvicorn's server that ends the queues' requests first on SIGINT/SIGTERM and does not re-raise the signal."""
 
-    def __init__(self, config: uvicorn.Config, queue: RequestQueue) -> None:
+    def __init__(self, config: uvicorn.Config, *queues: RequestQueue) -> None:
         super().__init__(config)
-        self.queue = queue
+        self.queues = queues  # a fleet's: one per pipeline
         self.signal: int | None = None
 
     @property
@@ -132,7 +132,8 @@ class _Server(uvicorn.Server):
         if self.signal is None:
             self.signal = sig
         # End the streams now: uvicorn's graceful shutdown waits for them.
-        threading.Thread(target=self.queue.stop, daemon=True).start()
+        for queue in self.queues:
+            threading.Thread(target=queue.stop, daemon=True).start()
         self.should_exit = True
 
     @contextlib.contextmanager
