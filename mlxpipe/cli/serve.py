@@ -38,6 +38,7 @@ from mlxpipe.cli._options import (
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
+    DEFAULT_DRAIN_SECONDS,
     DEFAULT_IMAGE_URL_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_BYTES,
@@ -85,6 +86,11 @@ QueueTimeout = Annotated[float, typer.Option(
 )]
 MaxBodySize = Annotated[int, typer.Option(
     "--max-body-size", help="Largest request body, in bytes; a larger one gets a 413."
+)]
+DrainSeconds = Annotated[float, typer.Option(
+    "--drain-seconds",
+    help="On SIGTERM: seconds the requests in flight have to finish, while new ones get a 503 with Retry-After; "
+         "then the server stops. 0: SIGTERM stops at once, as Ctrl-C does.",
 )]
 MaxRestarts = Annotated[int, typer.Option(
     "--max-restarts", help="Relaunches after a rank fails before the server gives up."
@@ -175,6 +181,7 @@ def serve(
     queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT,
     max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES,
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
+    drain_seconds: DrainSeconds = DEFAULT_DRAIN_SECONDS,
     max_image_mb: MaxImageMb = DEFAULT_MAX_IMAGE_BYTES / MIB,
     max_image_pixels: MaxImagePixels = DEFAULT_MAX_IMAGE_PIXELS / MEGAPIXEL,
     max_images: MaxImages = DEFAULT_MAX_IMAGES,
@@ -243,7 +250,7 @@ def serve(
         max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
         max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
         decode_batch=decode_batch, queue_timeout=queue_timeout, prompt_cache_gb=prompt_cache_gb,
-        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_dir=prompt_cache_dir, drain_seconds=drain_seconds,
     )
     code = server.serve(
         run_config, options, host=host, port=port, api_key=api_key,
