@@ -236,7 +236,7 @@ def install(
     Example: mlxpipe cluster install --hostfile cluster.json
     """
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.cluster.install import FAILED, INSTALLED, Target, point_hostfile
+    from mlxpipe.cluster.install import FAILED, INSTALLED, ControllerEnv, point_hostfile
     from mlxpipe.cluster.install import install as install_hosts
     from mlxpipe.cluster.links import facts_path
     from mlxpipe.errors import UsageError
@@ -244,23 +244,23 @@ def install(
     if wheelhouse is not None and not wheelhouse.is_dir():
         raise UsageError(f"--wheelhouse {wheelhouse}: no such directory", "pass a directory of .whl files")
     hosts = load_hostfile(hostfile)
-    target = Target.here()
+    env = ControllerEnv.here()
     if not json_out:
-        console.err.print(f"making {len({h.ssh for h in hosts.hosts})} hosts match this machine: {target.describe()}",
+        console.err.print(f"making {len({h.ssh for h in hosts.hosts})} hosts match this machine: {env.describe()}",
                           markup=False, highlight=False)
 
     def say(host: str, text: str) -> None:
         if not json_out:
             console.err.print(f"{host}: {text}", markup=False, highlight=False)
 
-    results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, target=target)
+    results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, env=env)
     changed = point_hostfile(hostfile, results)
     failed = [r for r in results if r.status == FAILED]
     links, links_note = None, None
     if not failed and (any(r.status == INSTALLED for r in results) or not facts_path(hostfile).is_file()):
         links, links_note = _links_job(hostfile, quiet=json_out)  # the hosts can run MLX now: --layout auto's facts
     if json_out:
-        console.print_json({"target": target.versions, "hosts": [r.to_json() for r in results],
+        console.print_json({"target": env.versions, "hosts": [r.to_json() for r in results],
                             "hostfile_updated": changed, "links": links.to_json() if links is not None else None,
                             "links_note": links_note})
     else:
