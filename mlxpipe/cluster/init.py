@@ -26,7 +26,7 @@ from mlxpipe.cluster.macos import BRIDGE, WIFI
 from mlxpipe.cluster.survey import PACKAGES, Machine, survey
 from mlxpipe.errors import SetupError
 from mlxpipe.host import GB, Host
-from mlxpipe.plan.facts import ClusterFacts
+from mlxpipe.plan.cluster_facts import ClusterFacts
 
 RDMA_STEP = ("enable RDMA for JACCL: restart it into Recovery (hold the power button), open Utilities > Terminal, "
              "run `rdma_ctl enable`, restart")

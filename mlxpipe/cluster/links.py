@@ -30,7 +30,7 @@ from mlxpipe.defaults import DEFAULT_BACKEND
 from mlxpipe.errors import HostfileError, LaunchError, UsageError
 from mlxpipe.launch.ranks import LaunchSpec, Ranks, default_port
 from mlxpipe.paths import replacing
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.protocol.events import LINKS_EVENTS, CollectiveMeasured, HostMeasured, Joined, LinkMeasured
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import MeasureCollective, MeasureHost, MeasureLink

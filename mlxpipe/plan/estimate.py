@@ -1,7 +1,7 @@
 """The cost model: what a layout is predicted to do, from the model's bytes and FLOPs and the cluster's facts.
 
 Pure: the model's metadata (``ModelWork``), the hosts' and links' measured figures
-(``plan/facts.py``) and a ``Layout``; no MLX, no network. Every figure is checkable: ``plan``
+(``plan/cluster_facts.py``) and a ``Layout``; no MLX, no network. Every figure is checkable: ``plan``
 shows them, ``bench/bench_layout.py`` measures them, docs/layout.md gives the formulas.
 
 A rank's time on one micro-batch of ``b`` tokens (a decode step) or one prompt chunk of ``m``
@@ -46,7 +46,7 @@ from mlxpipe.defaults import DEFAULT_DECODE_BATCH, MLX_LM_PREFILL_STEP, PIPELINE
 from mlxpipe.model.facts import CONFIG_DTYPE_BYTES, DTYPE_BYTES, layer_windows
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
 from mlxpipe.plan.costs import _EXPERT_RE, active_experts, model_costs
-from mlxpipe.plan.facts import ClusterFacts, HostFacts
+from mlxpipe.plan.cluster_facts import ClusterFacts, HostFacts
 from mlxpipe.plan.layout import Layout, Workload
 from mlxpipe.plan.splits import PhaseCosts
 from mlxpipe.plan.tensor import HEAD_KEYS, kv_splits

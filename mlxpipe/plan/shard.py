@@ -35,7 +35,7 @@ from mlxpipe.plan.costs import (
     rank_weight_bytes,
 )
 from mlxpipe.plan.estimate import Costing, model_work, phase_costs
-from mlxpipe.plan.facts import ClusterFacts
+from mlxpipe.plan.cluster_facts import ClusterFacts
 from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,

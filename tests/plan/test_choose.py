@@ -11,7 +11,7 @@ from fixtures.plan_inputs import meta
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor
 from mlxpipe.plan.choose import TIE, _settle_ties, candidates, fewer_hosts
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.layout import AGENT, BATCH, CHAT
 
 MS, US = 1e-3, 1e-6

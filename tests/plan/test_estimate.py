@@ -27,7 +27,7 @@ from mlxpipe.plan.estimate import (
     network,
     prefill_seconds,
 )
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.layout import BATCH, CHAT, Layout
 from mlxpipe.plan.shard import make_plan
 
