@@ -361,7 +361,7 @@ def layout_checks(target: Target, meta: ModelMetadata, plan: Plan, backend: str 
     from mlxpipe.cluster.links import load_facts
     from mlxpipe.plan.choose import Candidate, fewer_hosts
     from mlxpipe.plan.estimate import Costing, estimate, model_work
-    from mlxpipe.plan.layout import Layout
+    from mlxpipe.plan.parallel_layout import Layout
 
     hostfile = target.hostfile
     facts, _ = load_facts(hostfile)

@@ -19,8 +19,8 @@ from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.choose import Choice, candidates
 from mlxpipe.plan.cluster_facts import ClusterFacts
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
-from mlxpipe.plan.layout import workload as workload_named
+from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
+from mlxpipe.plan.parallel_layout import workload as workload_named
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
 

@@ -19,7 +19,7 @@ from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.estimate import Costing, Estimate, estimate, model_work
 from mlxpipe.plan.cluster_facts import ClusterFacts
-from mlxpipe.plan.layout import Layout, Workload
+from mlxpipe.plan.parallel_layout import Layout, Workload
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import divisors
 

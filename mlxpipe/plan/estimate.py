@@ -47,7 +47,7 @@ from mlxpipe.model.facts import CONFIG_DTYPE_BYTES, DTYPE_BYTES, layer_windows
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
 from mlxpipe.plan.costs import _EXPERT_RE, active_experts, model_costs
 from mlxpipe.plan.cluster_facts import ClusterFacts, HostFacts
-from mlxpipe.plan.layout import Layout, Workload
+from mlxpipe.plan.parallel_layout import Layout, Workload
 from mlxpipe.plan.splits import PhaseCosts
 from mlxpipe.plan.tensor import HEAD_KEYS, kv_splits
 

@@ -36,7 +36,7 @@ from mlxpipe.plan.costs import (
 )
 from mlxpipe.plan.estimate import Costing, model_work, phase_costs
 from mlxpipe.plan.cluster_facts import ClusterFacts
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
+from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,
     choose_split,

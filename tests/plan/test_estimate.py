@@ -28,7 +28,7 @@ from mlxpipe.plan.estimate import (
     prefill_seconds,
 )
 from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
-from mlxpipe.plan.layout import BATCH, CHAT, Layout
+from mlxpipe.plan.parallel_layout import BATCH, CHAT, Layout
 from mlxpipe.plan.shard import make_plan
 
 MS = 1e-3
