@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from mlxpipe.launch.batch import BatchResult
     from mlxpipe.launch.pipeline import Answer
     from mlxpipe.model.metadata import ModelMetadata
-    from mlxpipe.protocol.download import FetchResult
+    from mlxpipe.protocol.fetch_events import FetchResult
 
 
 def plan_table(plan: Plan) -> RenderableType:

@@ -1,7 +1,7 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
-progress as events (``protocol.download``: mlxpipe is installed there, as on every rank);
+progress as events (``protocol.fetch_events``: mlxpipe is installed there, as on every rank);
 ``--check`` only reports which files are already there (``download --from-controller``
 asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
@@ -30,7 +30,7 @@ from mlxpipe.errors import DownloadError, MlxpipeError
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.paths import write_atomic
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.download import Check, FetchError, Fetching, FetchResult, FileDone
+from mlxpipe.protocol.fetch_events import Check, FetchError, Fetching, FetchResult, FileDone
 
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
