@@ -193,7 +193,7 @@ def _size(job: FetchJob, name: str) -> int:
 
 def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
     """Download one file with bounded retries and backoff; a corrupt file is never kept."""
-    from mlxpipe.hub.errors import network_fault
+    from mlxpipe.hub.faults import network_fault
 
     last: BaseException | None = None
     started = time.monotonic()
@@ -228,7 +228,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
                     "free space on that host, or point its hf_home/model_dir at a larger disk, then run download again",
                 ) from None
             if not isinstance(e, _Corrupt) and not _transient(e):
-                from mlxpipe.hub.errors import hub_errors
+                from mlxpipe.hub.faults import hub_errors
 
                 with hub_errors(job.repo, job.host):
                     raise
@@ -267,7 +267,7 @@ def _transient(e: BaseException) -> bool:
     """Worth another attempt: the network, a 5xx, or a short read; not offline mode or a TLS failure."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from mlxpipe.hub.errors import network_fault
+    from mlxpipe.hub.faults import network_fault
 
     fault = network_fault(e)
     if fault is not None:

@@ -60,7 +60,7 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
     if meta.local:
         return Path(meta.source)
     from mlxpipe.hub.client import download_file
-    from mlxpipe.hub.errors import hub_errors
+    from mlxpipe.hub.faults import hub_errors
 
     with hub_errors(meta.source):
         for name in meta.support_files:
