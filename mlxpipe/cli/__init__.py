@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli import cluster, demo, doctor, download, generate, lora, plan, serve
+from mlxpipe.cli import cluster, demo_model, doctor, download, generate, lora, plan, serve
 from mlxpipe.cli._errors import boundary, set_debug, stop_on_signals
 
 # What `mlxpipe --version` reports: mlxpipe and the two packages that decide what a rank computes.
@@ -83,7 +83,7 @@ app.command()(boundary(stop_on_signals(generate.generate)))
 app.command()(boundary(stop_on_signals(generate.chat)))
 app.command()(boundary(serve.serve))
 app.command()(boundary(stop_on_signals(lora.lora)))
-app.command("demo-model")(boundary(demo.demo_model))
+app.command("demo-model")(boundary(demo_model.demo_model))
 app.command()(boundary(doctor.doctor))
 app.add_typer(cluster.app)  # discover, init, install: the set-up of a cluster of Macs
 
