@@ -45,8 +45,8 @@ from typing import Any
 from mlxpipe.defaults import DEFAULT_DECODE_BATCH, MLX_LM_PREFILL_STEP, PIPELINE_PREFILL_STEP
 from mlxpipe.model.facts import CONFIG_DTYPE_BYTES, DTYPE_BYTES, layer_windows
 from mlxpipe.model.metadata import ModelMetadata, kv_bytes_per_token
-from mlxpipe.plan.costs import _EXPERT_RE, active_experts, model_costs
 from mlxpipe.plan.cluster_facts import ClusterFacts, HostFacts
+from mlxpipe.plan.costs import _EXPERT_RE, active_experts, model_costs
 from mlxpipe.plan.parallel_layout import Layout, Workload
 from mlxpipe.plan.splits import PhaseCosts
 from mlxpipe.plan.tensor import HEAD_KEYS, kv_splits

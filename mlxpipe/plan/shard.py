@@ -24,6 +24,7 @@ from mlxpipe.host import Host
 from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan import tensor
+from mlxpipe.plan.cluster_facts import ClusterFacts
 from mlxpipe.plan.costs import (
     RUNTIME_OVERHEAD,
     Costs,
@@ -35,7 +36,6 @@ from mlxpipe.plan.costs import (
     rank_weight_bytes,
 )
 from mlxpipe.plan.estimate import Costing, model_work, phase_costs
-from mlxpipe.plan.cluster_facts import ClusterFacts
 from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,

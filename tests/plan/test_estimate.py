@@ -12,6 +12,7 @@ import pytest
 
 from fixtures.plan_inputs import hosts, meta
 from mlxpipe.model.metadata import Tensor
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.estimate import (
     NOMINAL,
     NOMINAL_LATENCY,
@@ -27,7 +28,6 @@ from mlxpipe.plan.estimate import (
     network,
     prefill_seconds,
 )
-from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.parallel_layout import BATCH, CHAT, Layout
 from mlxpipe.plan.shard import make_plan
 
