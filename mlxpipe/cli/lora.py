@@ -120,8 +120,9 @@ def lora(
     Example: mlxpipe lora --model mlx-community/Llama-3.2-1B-Instruct-4bit --train --data data --iters 100
     """
     from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.lora import run as training
+    from mlxpipe.lora.options import TrainOptions
     from mlxpipe.lora.report import LoraReporter
+    from mlxpipe.lora.training import train as run_training
 
     flags = {
         "model": model, "train": train or None, "data": data, "fine_tune_type": fine_tune_type, "optimizer": optimizer,
@@ -135,13 +136,13 @@ def lora(
     if tp not in (None, 1):
         raise UsageError(f"--tp {tp}: LoRA training does not run on tensor-parallel groups yet",
                          "drop --tp: each rank trains its own layers of the pipeline")
-    options = training.TrainOptions.build(flags, train_config)
+    options = TrainOptions.build(flags, train_config)
     target = resolve_target(options.model, revision, hostfile, strategy, parse_split(split), None, layout="pipeline")
     run_config = pipeline_config(target, backend=backend, port=port, timeout=timeout,
                                  trust_remote_code=options.trust_remote_code, quiet=json_out,
                                  from_controller=from_controller)
     reporter = LoraReporter(json_out)
-    result = training.train(run_config, options, reporter)
+    result = run_training(run_config, options, reporter)
     reporter.summary(result)
 
 

@@ -74,7 +74,7 @@ class Pipeline:
 
     ``config.worker`` is what each rank runs before ``--job`` (tests substitute a worker
     that misbehaves on purpose); with ``train`` the ranks fine-tune instead of serving
-    requests (``mlxpipe.lora.run``).
+    requests (``mlxpipe.lora.training``).
     """
 
     def __init__(self, meta: ModelMetadata, plan: Plan, config: PipelineConfig, train: TrainSpec | None = None) -> None:

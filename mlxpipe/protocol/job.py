@@ -28,7 +28,7 @@ OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")  # mlx_lm.lora's --op
 @dataclass(frozen=True)
 class TrainSpec:
     """What a training rank (``mlxpipe lora``) needs to add its LoRA adapters and build its optimizer:
-    mlx_lm.lora's options by its names, as ``mlxpipe.lora.run.TrainOptions.for_ranks`` writes them."""
+    mlx_lm.lora's options by its names, as ``mlxpipe.lora.options.TrainOptions.for_ranks`` writes them."""
 
     seed: int
     num_layers: int  # layers fine-tuned, from the last (-1: all)
