@@ -107,7 +107,7 @@ def doctor(
         console.out.print(doctor_table(results))
         if facts is not None:
             from mlxpipe.cli.render import facts_table
-            from mlxpipe.cluster.links import facts_path
+            from mlxpipe.cluster.facts_file import facts_path
 
             console.out.print(facts_table(facts, facts_path(hosts.path)))
     if failed:
@@ -119,8 +119,8 @@ def doctor(
 
 
 def _measure(hosts: Any, backend: str | None, port: int | None, calibrate: bool, quiet: bool) -> Any:
-    """The links job (``cluster/links.py``), its progress on stderr."""
-    from mlxpipe.cluster.links import measure
+    """The links job (``launch/links_job.py``), its progress on stderr."""
+    from mlxpipe.launch.links_job import measure
 
     def say(text: str) -> None:
         if not quiet:

@@ -358,7 +358,7 @@ def tp_link_checks(hostfile: Hostfile, tp: int, backend: str) -> list[CheckResul
 def layout_checks(target: Target, meta: ModelMetadata, plan: Plan, backend: str | None = None) -> list[CheckResult]:
     """The plan's layout against the hostfile's first hosts alone, as the cluster's facts predict them; nothing
     without facts."""
-    from mlxpipe.cluster.links import load_facts
+    from mlxpipe.cluster.facts_file import load_facts
     from mlxpipe.plan.choose import Candidate, fewer_hosts
     from mlxpipe.plan.estimate import Costing, estimate, model_work
     from mlxpipe.plan.parallel_layout import Layout

@@ -129,7 +129,7 @@ def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_C
                 backend: str | None = None) -> Plan:
     """The plan of ``target``'s model, split and tensor-parallel groups over its hosts (the balanced split weighs
     the hosts as the cluster's facts measured them, when there are any)."""
-    from mlxpipe.cluster.links import load_facts
+    from mlxpipe.cluster.facts_file import load_facts
 
     facts, _ = load_facts(target.hostfile)
     return make_plan(
@@ -164,7 +164,7 @@ def settle_layout(target: Target, meta: ModelMetadata, *, context: int | None = 
     sizes; ``refuses``: what the ranks would refuse (the sharder's checks), on top of the plan's own."""
     if target.layout != "auto":
         return Settled(target)
-    from mlxpipe.cluster.links import facts_path, load_facts
+    from mlxpipe.cluster.facts_file import facts_path, load_facts
 
     pipeline = replace(target, layout="pipeline")
     facts, why = load_facts(target.hostfile)
