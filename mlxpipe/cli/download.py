@@ -60,8 +60,8 @@ def download(
     from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cli.render import controller_line, download_table, tasks_table
     from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-    from mlxpipe.console import download_progress
     from mlxpipe.download import controller as dl
+    from mlxpipe.download.progress import download_progress
     from mlxpipe.launch.run import require_fit
 
     target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
