@@ -70,8 +70,9 @@ def doctor(
     """  # noqa: E501 - the examples are one command line each, as the help prints them
     from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cli.render import doctor_table
-    from mlxpipe.cluster.doctor import layout_checks, preflight
+    from mlxpipe.cluster.doctor import preflight
     from mlxpipe.cluster.hostfile import check_backend, load_hostfile
+    from mlxpipe.cluster.layout_checks import layout_checks
     from mlxpipe.cluster.presets import pick
     from mlxpipe.cluster.target import default_hostfile, load_model_metadata, plan_target, resolve_target
     from mlxpipe.errors import UsageError

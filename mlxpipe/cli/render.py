@@ -13,7 +13,7 @@ from mlxpipe.console import short_bytes
 from mlxpipe.plan.shard import Plan
 
 if TYPE_CHECKING:
-    from mlxpipe.cluster.doctor import CheckResult
+    from mlxpipe.cluster.check_result import CheckResult
     from mlxpipe.download.controller import HostReport, HostTask
     from mlxpipe.launch.batch import BatchResult
     from mlxpipe.launch.pipeline import Answer
