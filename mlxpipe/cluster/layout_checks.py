@@ -58,7 +58,8 @@ def layout_checks(target: Target, meta: ModelMetadata, plan: Plan, backend: str 
     without facts."""
     from mlxpipe.cluster.facts_file import load_facts
     from mlxpipe.plan.choose import Candidate, fewer_hosts
-    from mlxpipe.plan.estimate import Costing, estimate, model_work
+    from mlxpipe.plan.estimate import Costing, estimate
+    from mlxpipe.plan.model_work import model_work
     from mlxpipe.plan.parallel_layout import Layout
 
     hostfile = target.hostfile

@@ -35,7 +35,8 @@ from mlxpipe.plan.costs import (
     model_costs,
     rank_weight_bytes,
 )
-from mlxpipe.plan.estimate import Costing, model_work, phase_costs
+from mlxpipe.plan.estimate import Costing, phase_costs
+from mlxpipe.plan.model_work import model_work
 from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,
