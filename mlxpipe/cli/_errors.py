@@ -62,7 +62,7 @@ def stop_on_signals(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from mlxpipe.launch.ranks import Interrupted, interrupt_on_signals
+        from mlxpipe.launch.signals import Interrupted, interrupt_on_signals
 
         try:
             with interrupt_on_signals():

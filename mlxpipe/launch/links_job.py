@@ -29,7 +29,8 @@ from mlxpipe.cluster.facts_file import write_facts
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
 from mlxpipe.defaults import DEFAULT_BACKEND
 from mlxpipe.errors import LaunchError, UsageError
-from mlxpipe.launch.ranks import LaunchSpec, Ranks, default_port
+from mlxpipe.launch.command import LaunchSpec, default_port
+from mlxpipe.launch.ranks import Ranks
 from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.protocol.events import LINKS_EVENTS, CollectiveMeasured, HostMeasured, Joined, LinkMeasured
 from mlxpipe.protocol.message import Event

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed, UsageError
 from mlxpipe.launch.batch import RankStats
-from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
+from mlxpipe.launch.command import LaunchSpec, lease_for
+from mlxpipe.launch.ranks import Ranks
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol.events import EVENTS, TRAIN_EVENTS, BatchDone, Done, Loaded, Result, Token

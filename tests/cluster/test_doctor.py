@@ -22,7 +22,7 @@ from mlxpipe.cluster.check_result import CheckResult
 from mlxpipe.cluster.doctor import preflight, require_ok, ring_ports
 from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.errors import LaunchError
-from mlxpipe.launch.ranks import free_port_base
+from mlxpipe.launch.command import free_port_base
 
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 
