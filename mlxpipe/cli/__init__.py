@@ -1,7 +1,8 @@
 """The ``mlxpipe`` command line: thin commands over the core modules.
 
-Each command checks its flags, builds plain values, calls the core and renders the result; one
-module per command, the options they share in ``_options``, the one error boundary in ``_errors``
+Each command checks its flags, builds typed configs, calls the core and renders the result; one
+module per command, each option defined once in ``_options`` and the groups of them the commands
+share (target, request, launch) in ``_groups``, the one error boundary in ``_errors``
 (errors raised on purpose, ``MlxpipeError``, become one line plus a hint; exit codes: 0 success,
 1 failure (a failed rank included), 2 usage error). Heavy imports wait inside the command bodies
 and option callbacks: importing this package (``mlxpipe --help``, ``mlxpipe --version``) loads only
