@@ -118,7 +118,8 @@ def make_plan(
     workload: Workload = DEFAULT_WORKLOAD,
     backend: str = "ring",
 ) -> Plan:
-    """Plan ``meta`` over ``hosts``, in groups of ``tp`` (checked by ``tensor.check_tp``) per stage.
+    """Plan ``meta`` over ``hosts``, in groups of ``tp`` per stage (a size they divide into: ``cluster.target.Target``
+    checks it as it is born).
 
     ``balanced`` weighs ``workload``'s two phases on each stage's hosts, as ``facts`` measured them
     (``plan/estimate.py``; without facts, like hosts)."""
