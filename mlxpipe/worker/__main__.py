@@ -61,4 +61,5 @@ def leave(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    wire.start_beating()  # to the supervisor, which stops a worker that falls silent (launch/supervisor.py)
     leave(main())
