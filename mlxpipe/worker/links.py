@@ -30,8 +30,8 @@ from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Bye, CollectiveMeasured, HostMeasured, Joined, LinkMeasured
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import MESSAGES, Exit, MeasureCollective, MeasureHost, MeasureLink
+from mlxpipe.worker.groups import init_group
 from mlxpipe.worker.load import barrier
-from mlxpipe.worker.loop import init_group
 
 Emit = Callable[[Event], None]
 

@@ -14,7 +14,6 @@ mlx-lm's ``stream_generate`` instead (``streamed``).
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -26,11 +25,11 @@ from typing import IO, TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from mlxpipe.errors import LaunchError, MlxpipeError, UsageError
+from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.events import BatchDone, Bye, Done, Loaded, Serving, Time
+from mlxpipe.protocol.events import BatchDone, Bye, Done, Serving, Time
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Batch, Exit, Generate, Serve
@@ -39,8 +38,9 @@ from mlxpipe.worker.agree import shared_seed
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.disk_cache import DiskCache, slice_identity
 from mlxpipe.worker.engine import Engine
+from mlxpipe.worker.groups import init_group
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.load import LoadedModel, barrier, load_rank
+from mlxpipe.worker.load import LoadedModel, barrier, load_rank, loaded_event
 from mlxpipe.worker.progress import Emit, Progress
 from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
 from mlxpipe.worker.streamed import Streamed
@@ -56,37 +56,6 @@ def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) ->
     loaded = load_rank(job, group)
     emit(loaded_event(job, group, loaded))
     RankLoop(loaded, group, job, emit).run(stream or sys.stdin)
-
-
-def loaded_event(job: JobSpec, group: mx.distributed.Group, loaded: LoadedModel, trainable: int | None = None,
-                 frozen: int | None = None) -> Loaded:
-    """What a rank's ``loaded`` event says (serving and training ranks alike)."""
-    return Loaded(
-        rank=group.rank(),
-        host=socket.gethostname(),
-        layers=[loaded.start, loaded.end],
-        num_layers=sum(job.split),
-        mode=job.mode,
-        peak_memory=mx.get_peak_memory() / 1e9,
-        load_seconds=loaded.load_seconds,
-        trainable=trainable,
-        frozen=frozen,
-    )
-
-
-def init_group(world_size: int) -> mx.distributed.Group:
-    """The distributed group of the job; a single rank needs no backend."""
-    if world_size == 1:
-        # mlx.launch gives a lone rank an empty hostfile, which the ring
-        # backend fails to parse even when not strict.
-        os.environ.pop("MLX_HOSTFILE", None)
-    group = mx.distributed.init(strict=world_size > 1)
-    if group.size() != world_size:
-        raise LaunchError(
-            f"the job is for {world_size} ranks but mlx.launch started {group.size()}",
-            hint="the hostfile and the job must list the same hosts",
-        )
-    return group
 
 
 class RankLoop:
