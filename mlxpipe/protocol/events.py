@@ -243,7 +243,7 @@ class Time(Event):
     idle: float
     wall: float
     busy: float  # compute over the time with work in the pipeline
-    disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.disk_cache.figures)
+    disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.caches.disk_cache.figures)
     vision: float = 0.0  # of compute: the vision tower on prompts' images (the first stage)
 
     def spent(self) -> dict[str, float]:

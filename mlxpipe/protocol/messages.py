@@ -83,7 +83,7 @@ class Serve(Message):
     concurrency: int
     decode_batch: int = 1
     prompt_cache_size: int = 0  # finished requests whose caches are kept for prefix reuse; 0: none
-    # The disk tier (worker.disk_cache): each rank's directory on its own host (rank r: prompt_cache_dirs[r]),
+    # The disk tier (worker.caches.disk_cache): each rank's directory on its own host (rank r: prompt_cache_dirs[r]),
     # and the bytes each may keep there, in GB; None or 0: no disk tier.
     prompt_cache_dirs: list[str] | None = None
     prompt_cache_gb: float = 0.0

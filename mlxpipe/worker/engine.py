@@ -57,13 +57,13 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.worker import vision
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
-from mlxpipe.worker.batch_caches import BatchCaches, decode_batch_for
+from mlxpipe.worker.caches.batch_caches import BatchCaches, decode_batch_for
+from mlxpipe.worker.caches.disk_cache import DiskCache
+from mlxpipe.worker.caches.prompt_caches import PromptCaches
 from mlxpipe.worker.constraints import Constraint, request_grammar
 from mlxpipe.worker.context import RankContext
-from mlxpipe.worker.disk_cache import DiskCache
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.prompt_caches import PromptCaches
 from mlxpipe.worker.reporters import Reporter, Timing
 from mlxpipe.worker.sampling import (
     LogitsProcessor,

@@ -35,8 +35,8 @@ from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Batch, Exit, Generate, Serve
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import shared_seed
+from mlxpipe.worker.caches.disk_cache import DiskCache, slice_identity
 from mlxpipe.worker.context import RankContext
-from mlxpipe.worker.disk_cache import DiskCache, slice_identity
 from mlxpipe.worker.engine import Engine
 from mlxpipe.worker.groups import init_group
 from mlxpipe.worker.inbox import Inbox

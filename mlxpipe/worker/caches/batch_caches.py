@@ -4,14 +4,47 @@ its members' own caches as they join and filtered as they leave, as mlx-lm's ``B
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
 
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxpipe.protocol.checks import at_least
 from mlxpipe.protocol.job import JobSpec
-from mlxpipe.worker.schedule import MicroBatch, Schedule
+
+
+class MicroBatchView(Protocol):
+    """A micro-batch's rows (``generation.schedule.MicroBatch``): one request per row, its decode group if any.
+
+    This and the two views below are what the caches read of the engine's schedule: protocols, so that the
+    generation room imports the caches and not the reverse."""
+
+    @property
+    def requests(self) -> tuple[int, ...]: ...
+
+    @property
+    def group(self) -> int | None: ...
+
+    @property
+    def request(self) -> int: ...
+
+
+class RequestView(Protocol):
+    """Where one request stands (``generation.schedule.RequestState``), as far as its caches care."""
+
+    @property
+    def batch_key(self) -> Hashable: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+class ScheduleView(Protocol):
+    """The requests of a schedule (``generation.schedule.Schedule``), by index."""
+
+    @property
+    def requests(self) -> Sequence[RequestView]: ...
 
 
 def decode_batch_for(model: nn.Module, job: JobSpec, requested: int) -> int:
@@ -36,13 +69,13 @@ def merge_caches(caches: list[list[Any]]) -> list[Any]:
 class BatchCaches:
     """Every request's caches on this stage, as the engine's micro-batches run with them."""
 
-    def __init__(self, schedule: Schedule, decode_batch: int) -> None:
+    def __init__(self, schedule: ScheduleView, decode_batch: int) -> None:
         self.schedule, self.decode_batch = schedule, decode_batch
         self.own: dict[int, list[Any]] = {}  # a request's own caches, until it joins a decode group
         # group -> (its requests in row order, their batch caches) as this stage last ran it
         self.groups: dict[int, tuple[list[int], list[Any]]] = {}
 
-    def for_batch(self, batch: MicroBatch) -> list[Any]:
+    def for_batch(self, batch: MicroBatchView) -> list[Any]:
         """The caches ``batch`` runs with on this stage: its request's own, or its group's batch caches.
 
         A group's batch caches follow its members: requests that left are

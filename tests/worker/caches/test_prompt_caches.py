@@ -1,4 +1,4 @@
-"""worker/prompt_caches.py in one process (a group of one): which tier a request's caches come from, and which
+"""worker/caches/prompt_caches.py in one process (a group of one): which tier a request's caches come from, and which
 tiers keep them."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import mlx.core as mx
 from fixtures.kv_caches import IDENTITY, MIN, caches, held
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.protocol.request import Request
-from mlxpipe.worker.disk_cache import DiskCache
-from mlxpipe.worker.prompt_caches import PromptCaches
+from mlxpipe.worker.caches.disk_cache import DiskCache
+from mlxpipe.worker.caches.prompt_caches import PromptCaches
 
 MODEL = SimpleNamespace(layers=[None] * 3)  # make_prompt_cache: a KVCache per layer
 JOB = JobSpec(["/m"], [3])

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prom
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import agreed_min, all_agree
-from mlxpipe.worker.disk_cache import DiskCache, trim
+from mlxpipe.worker.caches.disk_cache import DiskCache, trim
 
 _MODEL_KEY = "model"  # one model per rank: LRUPromptCache's key
 

@@ -1,4 +1,4 @@
-"""worker/batch_caches.py: which models' caches can decode several requests in one micro-batch."""
+"""worker/caches/batch_caches.py: which models' caches can decode several requests in one micro-batch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_models_whose_caches_cannot_be_batched_decode_one_request_per_micro_batc
     from mlx_lm import load
     from mlx_lm.models.cache import ChunkedKVCache
 
-    from mlxpipe.worker.batch_caches import decode_batch_for
+    from mlxpipe.worker.caches.batch_caches import decode_batch_for
 
     class Chunked(nn.Module):  # llama4's attention chunks: a cache mlx-lm cannot merge
         def make_cache(self) -> list[Any]:

@@ -1,4 +1,4 @@
-"""worker/disk_cache.py: the prompt cache's disk tier on one rank, its files, keys, LRU bound and bad files."""
+"""worker/caches/disk_cache.py: the prompt cache's disk tier on one rank, its files, keys, LRU bound and bad files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, RotatingKVCache, load
 
 from fixtures.kv_caches import IDENTITY, MIN, caches, held
 from mlxpipe.protocol.job import JobSpec
-from mlxpipe.worker.disk_cache import (
+from mlxpipe.worker.caches.disk_cache import (
     DiskCache,
     as_tokens,
     common_prefix,
