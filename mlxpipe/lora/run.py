@@ -1,7 +1,7 @@
 """``mlxpipe lora``: LoRA fine-tuning of a model pipelined across the hosts.
 
 mlx_lm.lora's options, data formats, batches and outputs; the model's layers
-split across the ranks (``mlxpipe.worker.train``). This machine, the
+split across the ranks (``mlxpipe.worker.training.train``). This machine, the
 controller, reads the data and makes every batch exactly as mlx_lm.lora does
 (``iterate_batches`` with the same seed and the same draws in the same order),
 sends each step's batch to the ranks, reports the loss rank 0 computes, and
@@ -27,7 +27,7 @@ from mlxpipe.protocol.events import Adapter, TrainDone
 from mlxpipe.protocol.job import FINE_TUNE_TYPES, OPTIMIZERS, TrainSpec
 from mlxpipe.protocol.message import SAME_VERSION, Event
 from mlxpipe.protocol.messages import Eval, Resume, Save, Step, TrainMessage
-from mlxpipe.worker.train_schedule import SCHEDULES
+from mlxpipe.worker.training.train_schedule import SCHEDULES
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -310,7 +310,7 @@ def write_adapter_config(options: TrainOptions, model_path: str) -> Path:
 
 def merge_adapters(parts: dict[int, str]) -> dict[str, Any]:
     """Every rank's adapter tensors (as its ``adapter`` event carries them) in one dict, the first layers first."""
-    from mlxpipe.worker.train import decode_weights
+    from mlxpipe.worker.training.train import decode_weights
 
     merged: dict[str, Any] = {}
     for rank in sorted(parts, reverse=True):  # the highest rank runs the first layers

@@ -2,8 +2,8 @@
 
 A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
 (``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
-``cancel`` as requests come and go); a training rank (``worker.train``, ``mlxpipe lora``) takes ``resume``,
-``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
+``cancel`` as requests come and go); a training rank (``worker.training.train``, ``mlxpipe lora``) takes
+``resume``, ``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
 (``worker.links``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
 ``measure_collective``. ``exit`` ends any of them.
 
@@ -141,7 +141,7 @@ class Step(Message):
     batch: list[list[int]]
     lengths: list[list[int]]
     micro_batches: int
-    schedule: str  # 1f1b or gpipe (worker.train_schedule)
+    schedule: str  # 1f1b or gpipe (worker.training.train_schedule)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             links(args.links)
             return 0
         if JobSpec.decode(args.job).train is not None:
-            from mlxpipe.worker.train import run
+            from mlxpipe.worker.training.train import run
         else:
             from mlxpipe.worker.loop import run
         run(args.job)

@@ -1,4 +1,5 @@
-"""A training rank's LoRA parameters and optimizer, made exactly as single-process mlx_lm.lora makes them."""
+"""A training rank's LoRA parameters, optimizer and gradient checkpointing, made with mlx-lm's tuner exactly as
+single-process mlx_lm.lora makes them."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxpipe.worker import train_schedule as ts
-from mlxpipe.worker.train_schedule import Action, comm_ops, max_in_flight, simulate, stage_actions
+from mlxpipe.worker.training import train_schedule as ts
+from mlxpipe.worker.training.train_schedule import Action, comm_ops, max_in_flight, simulate, stage_actions
 
 
 def names(actions: list[Action]) -> list[str]:

@@ -44,13 +44,13 @@ from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Adapter, Bye, Progress, TrainDone
 from mlxpipe.protocol.job import JobSpec, TrainSpec
 from mlxpipe.protocol.messages import Eval, Exit, Resume, Save, Step, TrainMessage
-from mlxpipe.worker.adapters import add_lora, build_optimizer, checkpoint_layers
 from mlxpipe.worker.groups import init_group
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.load import LoadedModel, barrier, flat_parameters, load_rank, loaded_event
 from mlxpipe.worker.progress import PROGRESS_SECONDS, Emit
 from mlxpipe.worker.stages.cut import find_exchange
-from mlxpipe.worker.train_schedule import Action, stage_actions
+from mlxpipe.worker.training.train_schedule import Action, stage_actions
+from mlxpipe.worker.training.tuner import add_lora, build_optimizer, checkpoint_layers
 
 
 def run(job_text: str, stream: IO[str] | None = None, emit: Emit = wire.emit) -> None:
