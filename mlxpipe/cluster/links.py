@@ -1,11 +1,11 @@
 """Links measured, not guessed: a real MLX job over the hostfile's backend, and the cluster's facts file.
 
 ``measure`` starts one rank per host through ``mlx.launch`` (``launch/ranks.py``, as a pipeline
-starts; the ranks run ``worker/links.py``), then asks for one measurement at a time:
+starts; the ranks run ``worker/measure/link_probe.py``), then asks for one measurement at a time:
 
 * each machine (once, by its first rank): its chip, its memory bandwidth (Apple's published figure
   for a chip ``cluster/chips.py`` lists, else the measured one) and a large matrix product's rate;
-  with ``calibrate``, what real transformer layers reach there (``worker/calibrate.py``);
+  with ``calibrate``, what real transformer layers reach there (``worker/measure/calibrate.py``);
 * each pair of ranks that exchange data: on the ring, MLX only sends between neighbours, so rank i
   and i + 1, and the last and the first; the latency of a small message (half the median round trip)
   and the bandwidth of a large one;
@@ -35,7 +35,7 @@ from mlxpipe.protocol.events import LINKS_EVENTS, CollectiveMeasured, HostMeasur
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import MeasureCollective, MeasureHost, MeasureLink
 
-DEFAULT_ROUNDS = 200  # round trips per link (fewer when they take longer than worker.links.LINK_SECONDS)
+DEFAULT_ROUNDS = 200  # round trips per link (fewer when they take longer than worker.measure.link_probe.LINK_SECONDS)
 DEFAULT_LARGE = 16 * 1024 * 1024  # bytes of the large message
 COLLECTIVE_ROUNDS = 100
 START_TIMEOUT = 120.0  # seconds for every rank to join the group

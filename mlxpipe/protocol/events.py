@@ -287,7 +287,7 @@ class Adapter(Event):
     data: str
 
 
-# --- a links job's rank (``worker.links``: ``mlxpipe doctor --links``) ----------------------------------------
+# --- a links job's rank (``worker.measure.link_probe``: ``mlxpipe doctor --links``) -----------------------------
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens str
 (``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
 ``cancel`` as requests come and go); a training rank (``worker.training.train``, ``mlxpipe lora``) takes
 ``resume``, ``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
-(``worker.links``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
+(``worker.measure.link_probe``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
 ``measure_collective``. ``exit`` ends any of them.
 
 A request travels flat, its fields beside the message's ``type`` (``{"type": "generate", "prompt": ...}``).
@@ -172,7 +172,7 @@ class Save(Message):
 TrainMessage = Resume | Step | Eval | Save
 
 
-# --- mlxpipe doctor --links: a links job's rank (``worker.links``), one measurement at a time --------------------
+# --- mlxpipe doctor --links: a links job's rank (``worker.measure.link_probe``), one measurement at a time ---------
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxpipe.worker")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--job", help="the JobSpec, as JobSpec.encode() writes it")
-    what.add_argument("--links", type=int, metavar="RANKS", help="measure the job's hosts and links (worker.links)")
+    what.add_argument("--links", type=int, metavar="RANKS",
+                      help="measure the job's hosts and links (worker.measure.link_probe)")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         from mlxpipe.protocol.job import JobSpec
 
         if args.links is not None:
-            from mlxpipe.worker.links import main as links
+            from mlxpipe.worker.measure.link_probe import main as links
 
             links(args.links)
             return 0

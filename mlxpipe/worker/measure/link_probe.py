@@ -155,7 +155,7 @@ def measure_host(rank: int, host: str, calibrate: bool) -> HostMeasured:
     chip, cores = chip_name()
     calibration = None
     if calibrate:
-        from mlxpipe.worker.calibrate import calibrate_layers
+        from mlxpipe.worker.measure.calibrate import calibrate_layers
 
         calibration = calibrate_layers(dtype, gpu)
     return HostMeasured(rank=rank, host=host, chip=chip, performance_cores=cores, device="gpu" if gpu else "cpu",
