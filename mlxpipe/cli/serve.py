@@ -229,7 +229,7 @@ def serve(
             raise UsageError("--max-concurrency: with --draft-model requests run one at a time (speculative "
                              "decoding is not batched, as in mlx_lm.server)", "drop --max-concurrency")
         max_concurrency, decode_batch = 1, 1
-        prompt_cache_gb = 0.0  # requests continue the last one's caches (worker.streamed): no tier to keep
+        prompt_cache_gb = 0.0  # requests continue the last one's caches (worker.generation.streamed): no tier to keep
     run_config = pipeline_config(
         target, backend=backend, prefill_step_size=prefill_step_size, port=ring_port, timeout=timeout,
         trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,

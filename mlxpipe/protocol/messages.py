@@ -1,6 +1,6 @@
 """What the controller sends every rank, through ``mlx.launch``'s standard input (``wire.encode``).
 
-A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
+A serving rank (``worker.generation.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
 (``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
 ``cancel`` as requests come and go); a training rank (``worker.training.train``, ``mlxpipe lora``) takes
 ``resume``, ``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank

@@ -1,5 +1,8 @@
-"""Entry point of a rank: ``python -m mlxpipe.worker --job <base64 JSON>``; a links job's rank (``mlxpipe doctor
---links``): ``python -m mlxpipe.worker --links <ranks>``."""
+"""Entry point of a rank, and the one dispatch of every kind of job to its room.
+
+``python -m mlxpipe.worker --job <base64 JSON>`` serves (``generation.loop``) or, for a training job, trains
+(``training.train``); a links job's rank (``mlxpipe doctor --links``): ``python -m mlxpipe.worker --links <ranks>``
+(``measure.link_probe``)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if JobSpec.decode(args.job).train is not None:
             from mlxpipe.worker.training.train import run
         else:
-            from mlxpipe.worker.loop import run
+            from mlxpipe.worker.generation.loop import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller

@@ -15,7 +15,7 @@ whose data does not match its size and CRC, is removed, never loaded.
 
 Writes run on a thread of their own: the rank's thread only takes a ``Snapshot`` (the arrays made contiguous
 and evaluated, held as buffers), and the writer puts those bytes in a file without calling MLX. Loads run on
-the rank's thread, when every rank admits the request (``engine``): the ranks first agree on how many tokens
+the rank's thread, when every rank admits the request (``generation.engine``): the ranks first agree on how many tokens
 every one of them can give, then that every one loaded its slice; a rank that could not makes it a miss for
 all.
 """

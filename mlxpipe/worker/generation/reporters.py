@@ -9,8 +9,8 @@ from mlxpipe.protocol.events import Finished, Result, Token
 from mlxpipe.protocol.messages import RequestId
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.generation.schedule import Schedule
 from mlxpipe.worker.progress import Emit
-from mlxpipe.worker.schedule import Schedule
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

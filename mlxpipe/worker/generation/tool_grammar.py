@@ -1,4 +1,4 @@
-"""The grammar of a reply's tool calls, in the model's own tool-call format, for llguidance (``worker.constraints``).
+"""The grammar of a reply's tool calls, in the model's own tool-call format, for llguidance (``constraints``).
 
 A model writes tool calls as its chat template shows them, and mlx-lm reads them back with the tool parser it picks
 from that template (``mlx_lm.tool_parsers``): hermes-style JSON in ``<tool_call>`` tags (``json_tools``), Qwen3-Coder's

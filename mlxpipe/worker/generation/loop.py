@@ -37,13 +37,13 @@ from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import shared_seed
 from mlxpipe.worker.caches.disk_cache import DiskCache, slice_identity
 from mlxpipe.worker.context import RankContext
-from mlxpipe.worker.engine import Engine
+from mlxpipe.worker.generation.engine import Engine
+from mlxpipe.worker.generation.reporters import BatchReporter, StreamReporter, TextReporter
+from mlxpipe.worker.generation.streamed import Streamed
 from mlxpipe.worker.groups import init_group
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.load import LoadedModel, barrier, load_rank, loaded_event
 from mlxpipe.worker.progress import Emit, Progress
-from mlxpipe.worker.reporters import BatchReporter, StreamReporter, TextReporter
-from mlxpipe.worker.streamed import Streamed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -221,7 +221,7 @@ class RankLoop:
     def _warm_constraints(self, vocab_size: int) -> None:
         """llguidance's tokenizer takes a second or two to build: built aside now, not at the first
         ``response_format`` request, in the middle of every request's ticks. Without llguidance, nothing."""
-        from mlxpipe.worker.constraints import warm
+        from mlxpipe.worker.generation.constraints import warm
 
         tokenizer = self.loaded.tokenizer
         threading.Thread(target=_quietly, args=(warm, tokenizer, vocab_size, set(tokenizer.eos_token_ids)),

@@ -28,7 +28,7 @@ sender's own later steps, so the ring cannot deadlock, even with prefill
 chunks too large for the sockets' buffers. The stand-ins of the generic
 pipeline (``stages.stage.Exchange``) keep every model's own masks and cache
 bookkeeping; each request has its own caches on every rank, made with mlx-lm's
-``make_prompt_cache`` or taken from the prompt cache's tiers (``prompt_caches``:
+``make_prompt_cache`` or taken from the prompt cache's tiers (``caches.prompt_caches``:
 mlx-lm's ``LRUPromptCache`` in memory, each rank's own folder on disk), the
 longest cached prefix of its prompt, the same on every rank.
 
@@ -56,16 +56,14 @@ from mlxpipe.protocol.messages import Cancel, Exit, RequestId, Submit
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker import vision
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
-from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.caches.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.caches.disk_cache import DiskCache
 from mlxpipe.worker.caches.prompt_caches import PromptCaches
-from mlxpipe.worker.constraints import Constraint, request_grammar
 from mlxpipe.worker.context import RankContext
-from mlxpipe.worker.groups import Topology
-from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.reporters import Reporter, Timing
-from mlxpipe.worker.sampling import (
+from mlxpipe.worker.generation.ahead import RunAhead, lazy_sampling, may_run_ahead
+from mlxpipe.worker.generation.constraints import Constraint, request_grammar
+from mlxpipe.worker.generation.reporters import Reporter, Timing
+from mlxpipe.worker.generation.sampling import (
     LogitsProcessor,
     Sampler,
     TokenLogprobs,
@@ -74,7 +72,9 @@ from mlxpipe.worker.sampling import (
     logits_processors,
     token_logprobs,
 )
-from mlxpipe.worker.schedule import FAILED, MicroBatch, Schedule
+from mlxpipe.worker.generation.schedule import FAILED, MicroBatch, Schedule
+from mlxpipe.worker.groups import Topology
+from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.stages.cut import find_exchange
 from mlxpipe.worker.stages.stage import Exchange
 
@@ -107,7 +107,7 @@ class Engine:
         disk_tier: bool = False,
     ) -> None:
         """``prompt_cache``: a memory tier the caller keeps (chat turns), else one of ``prompt_cache_size``
-        entries; ``disk_cache``, ``disk_tier``: the disk tier (``prompt_caches.PromptCaches``)."""
+        entries; ``disk_cache``, ``disk_tier``: the disk tier (``caches.prompt_caches.PromptCaches``)."""
         loaded, group = context.loaded, context.group
         self.context, self.reporter = context, reporter
         self.model = loaded.model
@@ -155,7 +155,7 @@ class Engine:
         self._positions_in: mx.array | None = None  # received with the hidden state of this tick's micro-batch
         self._image_token = vision.image_token_of(loaded.config) if loaded.vision else None
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
-        # scheduled one tick ahead (see worker.ahead).
+        # scheduled one tick ahead (see worker.generation.ahead).
         self.lazy: set[int] = set()
         self.ahead: RunAhead | None = None
         self.run_ahead = {"used": 0, "taken_back": 0}  # steps run ahead: read at the next tick, or undone
@@ -454,7 +454,7 @@ class Engine:
         tokens, agreed = read_tick(self._shared(sampled, rows, inbox), rows, inbox is not None)
         return (tokens if sampling is not None else None), agreed
 
-    # --- one stage: lazy tokens, a step ahead (see worker.ahead) -------------------
+    # --- one stage: lazy tokens, a step ahead (see worker.generation.ahead) -------------------
 
     def _runs_lazily(self, batch: MicroBatch) -> bool:
         """Whether ``batch`` is a decode step of one stage whose every token can stay lazy."""

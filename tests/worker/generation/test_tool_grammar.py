@@ -1,10 +1,10 @@
-"""worker/tool_grammar.py: the grammar of tool calls in each model's own format, in one process.
+"""worker/generation/tool_grammar.py: the grammar of tool calls in each model's own format, in one process.
 
 Every format mlxpipe writes is checked the same way: replies drawn at random from what its grammar allows (a noise
 model, with a seeded generator) are read back by mlx-lm's own parser of that format, through the server's own text
 path (``serve.text``), and every call's arguments validate against its tool's schema. The tiny byte tokenizer
 stands in for each model's (its tool-call tokens are added tokens, as Qwen's are); the grammar is compiled and run by
-llguidance exactly as rank 0 runs it (``worker.constraints.Constraint``).
+llguidance exactly as rank 0 runs it (``worker.generation.constraints.Constraint``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from fixtures.tiny_models import VOCAB_SIZE
 from fixtures.tool_model import write_tool_tokenizer
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.text import Reply, tool_calls
-from mlxpipe.worker.constraints import Constraint, tool_compile_error, tool_grammar_of
-from mlxpipe.worker.tool_grammar import (
+from mlxpipe.worker.generation.constraints import Constraint, tool_compile_error, tool_grammar_of
+from mlxpipe.worker.generation.tool_grammar import (
     FORMATS,
     SUPPORTED,
     Inexpressible,

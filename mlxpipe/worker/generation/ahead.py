@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxpipe.worker.schedule import MicroBatch, Schedule
+from mlxpipe.worker.generation.schedule import MicroBatch, Schedule
 
 if TYPE_CHECKING:
     from mlxpipe.protocol.request import Request

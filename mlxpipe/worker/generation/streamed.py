@@ -25,11 +25,11 @@ from mlxpipe.protocol.messages import Cancel, Exit, Submit
 from mlxpipe.protocol.request import Request
 from mlxpipe.worker.agree import agreed_min, all_agree, seed_sampling
 from mlxpipe.worker.context import RankContext
+from mlxpipe.worker.generation.reporters import text_of
+from mlxpipe.worker.generation.sampling import extra_eos_ids, logits_processors, mlx_sampler
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.load import settle
 from mlxpipe.worker.progress import Emit
-from mlxpipe.worker.reporters import text_of
-from mlxpipe.worker.sampling import extra_eos_ids, logits_processors, mlx_sampler
 
 if TYPE_CHECKING:
     from mlx_lm.generate import GenerationResponse

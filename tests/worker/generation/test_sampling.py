@@ -1,4 +1,4 @@
-"""worker/sampling.py: mlx-lm's samplers, each request on its own random key."""
+"""worker/generation/sampling.py: mlx-lm's samplers, each request on its own random key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ def test_interleaved_requests_each_sample_what_they_sample_alone() -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxpipe.worker.sampling import KeyedSampler
+    from mlxpipe.worker.generation.sampling import KeyedSampler
 
     logits = mx.random.normal((1, 64), key=mx.random.key(0))
     logprobs = logits - mx.logsumexp(logits, keepdims=True)

@@ -1,4 +1,4 @@
-"""worker/schedule.py, pure: who runs what at each tick, with a fake model (no MLX, no ranks)."""
+"""worker/generation/schedule.py, pure: who runs what at each tick, with a fake model (no MLX, no ranks)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import pytest
 
-from mlxpipe.worker.schedule import MicroBatch, Schedule
+from mlxpipe.worker.generation.schedule import MicroBatch, Schedule
 
 
 def _simulate(prompts: list[list[int]], max_tokens: list[int], stages: int, slots: int,

@@ -1,4 +1,4 @@
-"""worker/engine.py in one process (a group of one): the overlapped, batched request loop."""
+"""worker/generation/engine.py in one process (a group of one): the overlapped, batched request loop."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def test_an_unbatchable_model_runs_one_request_per_decode_micro_batch(tiny_model
     from mlx_lm.models.cache import KVCache
 
     from mlxpipe.protocol.messages import Batch
+    from mlxpipe.worker.generation.loop import RankLoop
     from mlxpipe.worker.load import load_rank
-    from mlxpipe.worker.loop import RankLoop
 
     class Unmergeable(KVCache):  # as a cache mlx-lm cannot batch (quantized, chunked)
         def __getattribute__(self, name: str) -> Any:

@@ -1,4 +1,4 @@
-"""worker/ahead.py: when a decode step may be built a tick ahead, and how it is taken back."""
+"""worker/generation/ahead.py: when a decode step may be built a tick ahead, and how it is taken back."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxpipe.protocol.request import Request
-from mlxpipe.worker.ahead import RunAhead, lazy_sampling, may_run_ahead
-from mlxpipe.worker.schedule import MicroBatch, Schedule
+from mlxpipe.worker.generation.ahead import RunAhead, lazy_sampling, may_run_ahead
+from mlxpipe.worker.generation.schedule import MicroBatch, Schedule
 
 
 def decoding(prompts: int, slots: int, max_tokens: int = 10) -> tuple[Schedule, MicroBatch]:

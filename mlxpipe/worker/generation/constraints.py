@@ -3,7 +3,7 @@
 Two things become an llguidance grammar. Structured output: OpenAI's ``{"type": "json_object"}`` and
 ``{"type": "json_schema", ...}`` (``grammar_of``: a JSON schema compiled by llguidance's own JSON-schema
 compiler). Tool calls: a request's ``tool_calls`` (``tool_grammar_of``: the model's own tool-call format, written by
-``worker.tool_grammar``). The controller compiles each once before admission (``compile_error``,
+``worker.generation.tool_grammar``). The controller compiles each once before admission (``compile_error``,
 ``tool_compile_error``), so a grammar llguidance cannot compile is a 400 and never reaches a rank; rank 0, which
 samples, keeps one ``Constraint`` per request: llguidance's ``LLMatcher``, which computes the mask of the tokens the
 grammar allows next and advances with each token sampled. Each request has its own, so batched and overlapped
@@ -24,7 +24,7 @@ import numpy as np
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import ToolCalls
-from mlxpipe.worker.tool_grammar import Inexpressible, Markers, format_of, grammar, starts_in_reasoning
+from mlxpipe.worker.generation.tool_grammar import Inexpressible, Markers, format_of, grammar, starts_in_reasoning
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -1,4 +1,5 @@
-"""worker/constraints.py: structured output's grammar state (llguidance), in one process on a tiny tokenizer."""
+"""worker/generation/constraints.py: structured output's grammar state (llguidance), in one process on a tiny
+tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from fixtures.schemas import PERSON, schema_format
 from fixtures.tiny_models import VOCAB_SIZE, TinyModels
-from mlxpipe.worker.constraints import Constraint, compile_error, grammar_of
+from mlxpipe.worker.generation.constraints import Constraint, compile_error, grammar_of
 
 
 @pytest.mark.parametrize(("schema", "fragment"), [
