@@ -7,9 +7,10 @@ alone streams ``token`` events; every rank ends the request with ``done``.
 a ``result`` per request, every rank ends with ``batch_done``. ``serve`` hands the
 rest of standard input to the engine (``mlxpipe serve``): ``submit`` and
 ``cancel`` messages, applied by every rank at the same tick, until ``exit``; rank 0
-emits every sampled ``token`` and a ``finished`` per request. One rank,
-``--pipeline native`` and a draft model run requests one at a time through
-mlx-lm's ``stream_generate`` instead (``streamed``).
+emits every sampled ``token`` and a ``finished`` per request. One request on one
+rank, ``--pipeline native`` and a draft model run requests one at a time through
+mlx-lm's ``stream_generate`` instead (``streamed``): ``RankLoop.runs_streamed``
+makes that choice, in one place, for every message.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Literal
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
@@ -98,14 +99,27 @@ class RankLoop:
         barrier(self.group)
         self._emit(Bye(rank=self.rank, host=self.host))
 
-    def generate(self, request: Request) -> Done:
-        """Run one generation; emit its events and return its ``done``.
+    def runs_streamed(self, kind: Literal["generate", "batch", "serve"]) -> bool:
+        """Whether this rank runs a ``kind`` message's requests through ``streamed`` (mlx-lm's ``stream_generate``,
+        one request at a time) rather than the ``engine``: the one choice between the two generation paths.
 
-        A generic pipeline runs it through the engine, so the prompt's prefill
-        chunks flow through the stages one behind the other and every host
-        prefills at once; one rank, the model's own ``pipeline()``, or a draft
-        model (speculative decoding) runs mlx-lm's ``stream_generate``.
+        Why each exists: the engine overlaps requests across a generic pipeline's stages in lockstep ticks (every
+        stage busy at once, decode steps batched, a prompt's prefill chunks flowing through every host at once), and
+        it alone feeds a vision-language model the image embeddings and position ids of its prompts. ``streamed`` is
+        mlx-lm's own generation: a draft model's speculative decoding, which mlx-lm does not batch, for every
+        message; and one ``generate`` request where nothing would overlap (one rank) or where the model's own
+        ``pipeline()`` cuts it (``--pipeline native``: no stand-ins for the engine to drive). Many requests (a batch,
+        a server) run in the engine, on one rank too.
         """
+        if self.loaded.draft is not None:
+            return True
+        if kind != "generate":
+            return False
+        # One request: the engine where a generic pipeline's stages overlap its chunks, or for a vision model.
+        return self.job.mode != "generic" or not (self.group.size() > 1 or self.loaded.vision)
+
+    def generate(self, request: Request) -> Done:
+        """Run one generation; emit its events and return its ``done`` (its path: ``runs_streamed``)."""
         tic = time.perf_counter()
         self.progress.reset()
         try:  # every rank reads the same request: a bad one fails alike everywhere, and only this request
@@ -115,12 +129,10 @@ class RankLoop:
             done = Done(rank=self.rank, finish_reason="error", error=_reason(e), tokens=[], generation_tokens=0,
                         peak_memory=mx.get_peak_memory() / 1e9, id=request.id)
         else:
-            # A vision-language model runs in the engine even alone: its embeddings and positions are the engine's.
-            engine = self.group.size() > 1 or self.loaded.vision
-            if self.job.mode == "generic" and engine and self.loaded.draft is None:
-                done = self._generate_in_engine(request, tokens)
-            else:
+            if self.runs_streamed("generate"):
                 done = self.streamed.generate(request, tokens, tic)
+            else:
+                done = self._generate_in_engine(request, tokens)
         self._emit(done)
         return done
 
@@ -155,7 +167,7 @@ class RankLoop:
         Rank 0 emits a ``result`` for each request as it ends; every rank ends
         with ``batch_done``.
         """
-        if self.loaded.draft is not None:
+        if self.runs_streamed("batch"):
             self._chat_cache = None
             return self.streamed.batch(batch.requests)
         self._forget_chats()
@@ -178,7 +190,7 @@ class RankLoop:
         rank 0 streams each sampled token. Up to ``message.concurrency`` run at once, the
         rest wait for a slot.
         """
-        if self.loaded.draft is not None:
+        if self.runs_streamed("serve"):
             self._chat_cache = None
             self.streamed.serve(inbox)
             return
