@@ -73,8 +73,7 @@ def may_run_ahead(schedule: Schedule, batch: MicroBatch, cache: list[Any]) -> bo
     arrives, and its caches can step back."""
     members = set(batch.requests)
     for index in batch.requests:
-        state = schedule.requests[index]
-        if state.cancelled or len(state.generated) + 1 >= state.max_tokens:
-            return False  # it ends with this token: nothing follows
+        if schedule.end_reason(schedule.requests[index], None) is not None:
+            return False  # it ends with this token, whatever its value: nothing follows
     # A request waiting for a free slot starts next (a slot frees only when a member ends: taken back then).
     return schedule.in_slots == members and not schedule.admits_next and all(type(c) in _STEPS_BACK for c in cache)

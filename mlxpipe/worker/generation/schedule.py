@@ -331,23 +331,38 @@ class Schedule:
             request = self.requests[index]
             if request.finish_reason is not None:
                 continue  # already ended (cancelled and freed)
-            if request.cancelled:
-                self._free(request, "cancelled")  # its token is dropped: nobody waits for it
-            elif token == FAILED:
-                self._free(request, "error")  # its sampling failed on rank 0; the others go on
-            else:
+            reason = self.end_reason(request, token)
+            if reason not in ("cancelled", "error"):  # a cancelled request's token is dropped: nobody waits for it
                 request.generated.append(token)
-                if token in self.eos_ids or token in request.extra_eos:
-                    self._free(request, "stop")
-                elif len(request.generated) >= request.max_tokens:
-                    self._free(request, "length")
-                else:
-                    request.ready_at = self.tick + 1
-                    continue
+            if reason is None:
+                request.ready_at = self.tick + 1
+                continue
+            self._free(request, reason)
             finished.append(index)
         if sampled.group is not None and sampled.group in self.groups:
             self.groups[sampled.group].ready_at = self.tick + 1
         return finished
+
+    def end_reason(self, request: RequestState, token: int | None) -> str | None:
+        """Why ``request`` ends with ``token``, the token sampled for it now (not yet in its ``generated``), or None
+        while it goes on: the one place that decides when a generation stops.
+
+        "cancelled": it was cancelled (its token is dropped); "error": its sampling failed on rank 0 (``FAILED``;
+        the others go on); "stop": an end-of-sequence id, the schedule's or the request's own; "length": its
+        ``max_tokens``-th token. ``token`` None is a token not read yet (a decode step built a tick ahead on a lazy
+        one, ``ahead``): whatever does not depend on its value. ``streamed`` requests end by the same rules in
+        mlx-lm's ``stream_generate`` (the tokenizer's end-of-sequence ids with the request's own added, and
+        ``max_tokens``).
+        """
+        if request.cancelled:
+            return "cancelled"
+        if token == FAILED:
+            return "error"
+        if token is not None and (token in self.eos_ids or token in request.extra_eos):
+            return "stop"
+        if len(request.generated) + 1 >= request.max_tokens:
+            return "length"
+        return None
 
     def _free(self, request: RequestState, reason: str) -> None:
         assert request.slot is not None

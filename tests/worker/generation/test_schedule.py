@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import pytest
 
-from mlxpipe.worker.generation.schedule import MicroBatch, Schedule
+from mlxpipe.worker.generation.schedule import FAILED, MicroBatch, Schedule
 
 
 def _simulate(prompts: list[list[int]], max_tokens: list[int], stages: int, slots: int,
@@ -201,6 +201,19 @@ def test_end_of_sequence_ends_a_request() -> None:
     assert sched.requests[1].generated == [100, 101]
     assert sched.requests[1].finish_reason == "stop"
     assert sched.requests[0].finish_reason == "length"
+
+
+def test_one_place_says_why_a_request_ends_with_its_next_token() -> None:
+    sched = Schedule([[1], [2]], [2, 2], stages=1, slots=2, prefill_step=4, eos_ids={9})
+    sched.add([3], 2, extra_eos=[8])
+    first, _, own_eos = sched.requests
+    assert [sched.end_reason(first, t) for t in (5, 9, 8, FAILED, None)] == [None, "stop", None, "error", None]
+    assert sched.end_reason(own_eos, 8) == "stop"  # its own end-of-sequence id
+    first.generated.append(5)
+    assert sched.end_reason(first, 5) == "length" and sched.end_reason(first, None) == "length"  # its 2nd of 2
+    assert sched.end_reason(first, 9) == "stop"  # the end of sequence says why first
+    sched.cancel(1)
+    assert sched.end_reason(sched.requests[1], FAILED) == "cancelled"
 
 
 def test_schedule_refuses_a_missing_or_unexpected_token() -> None:
