@@ -13,5 +13,5 @@ these modules import MLX.
 Beside the rooms, what every kind of rank shares: ``inbox`` (the numbered
 standard input), ``progress`` (the stall watchdog's reports), ``agree`` (the
 ranks' tiny agreeing collectives), ``context`` (what a serving rank's request
-loops read) and ``vision`` (a vision-language model on a rank).
+loops read) and ``vision`` (a vision-language model loaded on a rank).
 """

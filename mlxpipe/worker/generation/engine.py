@@ -54,7 +54,6 @@ from mlxpipe.protocol.events import BatchDone
 from mlxpipe.protocol.message import Message
 from mlxpipe.protocol.messages import Cancel, Exit, RequestId, Submit
 from mlxpipe.protocol.request import Request
-from mlxpipe.worker import vision
 from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
 from mlxpipe.worker.caches.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.caches.disk_cache import DiskCache
@@ -73,6 +72,7 @@ from mlxpipe.worker.generation.sampling import (
     token_logprobs,
 )
 from mlxpipe.worker.generation.schedule import FAILED, MicroBatch, Schedule
+from mlxpipe.worker.generation.vision_inputs import POSITION_BYTES, VisionInputs, pack_positions, unpack_positions
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
 from mlxpipe.worker.stages.cut import find_exchange
@@ -147,13 +147,12 @@ class Engine:
         self.cache_tiers: dict[int, str] = {}  # where a request's cached tokens came from: "memory" or "disk"
         self._by_id: dict[RequestId, int] = {}
         self._exit = False
-        # A vision-language model (worker.vision): the first stage keeps each prompt's input embeddings and
-        # position ids; with position ids, those of each micro-batch travel with its hidden state.
-        self.vision = loaded.vision
+        # A vision-language model: the first stage keeps each prompt's input embeddings and position ids
+        # (``vision_inputs``); with position ids, those of each micro-batch travel with its hidden state.
+        self.vision = (VisionInputs(self.model, loaded.processor, loaded.config, self.stage == 0, loaded.positions)
+                       if loaded.vision else None)
         self.positions = loaded.positions
-        self.prompts: dict[int, vision.PromptFeatures] = {}
         self._positions_in: mx.array | None = None  # received with the hidden state of this tick's micro-batch
-        self._image_token = vision.image_token_of(loaded.config) if loaded.vision else None
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (see worker.generation.ahead).
         self.lazy: set[int] = set()
@@ -169,7 +168,7 @@ class Engine:
         try:
             if not prompt:
                 raise UsageError("the prompt has no tokens")
-            if request.images and not self.vision:
+            if request.images and self.vision is None:
                 raise UsageError("this model takes no images")
             request = request.check(vocab_size=self.vocab_size)
             extra = extra_eos_ids(tokenizer, request.extra_eos_token)
@@ -182,10 +181,9 @@ class Engine:
         key = None if request.kv_bits is not None else (request.max_kv_size or self.context.job.max_kv_size,)
         index = self.schedule.add(prompt, request.max_tokens, cached, extra_eos=extra, batch_key=key)
         self.requests.append(request)
-        if self.vision and self.stage == 0:  # the first stage: the vision tower, once per prompt
-            loaded = self.context.loaded
+        if self.vision is not None and self.stage == 0:  # the first stage: the vision tower, once per prompt
             tic = time.perf_counter()
-            self.prompts[index] = vision.features(self.model, loaded.processor, loaded.config, request, prompt)
+            self.vision.add(index, request, prompt)
             spent = time.perf_counter() - tic
             self.spent.vision += spent
             self.spent.compute += spent
@@ -340,7 +338,7 @@ class Engine:
         if self.exchange is not None:
             self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
         inputs = mx.array(batch.rows)
-        extra = self._vision_inputs(batch, inputs) if self.vision else {}
+        extra = self.vision.inputs(batch, inputs, self._positions_in) if self.vision is not None else {}
         logits = self.model(inputs, cache=cache, **extra)
         if len(batch.requests) == 1:
             # As generate_step: after every forward pass (the stand-ins' caches take it too). A request
@@ -351,7 +349,7 @@ class Engine:
             assert self.exchange is not None and self.exchange.hidden_out is not None
             hidden_out = self.exchange.hidden_out
             if self.positions:
-                hidden_out = vision.pack_positions(hidden_out, extra["position_ids"])
+                hidden_out = pack_positions(hidden_out, extra["position_ids"])
             mx.eval(hidden_out, state)
             sending = time.perf_counter()
             self.spent.compute += sending - tic
@@ -421,8 +419,8 @@ class Engine:
         if self.positions:  # the position ids come packed with the hidden state
             rows, width = len(batch.requests), batch.width
             per_token = math.prod(shape) * dtype.size // (rows * width)
-            message = self.topology.recv_up((rows, width, per_token + vision.POSITION_BYTES), mx.uint8)
-            hidden, self._positions_in = vision.unpack_positions(message, shape, dtype)
+            message = self.topology.recv_up((rows, width, per_token + POSITION_BYTES), mx.uint8)
+            hidden, self._positions_in = unpack_positions(message, shape, dtype)
             mx.eval(hidden, self._positions_in)
         else:
             hidden = self.topology.recv_up(shape, dtype)
@@ -524,46 +522,16 @@ class Engine:
             self.reporter.finished(self, index, timing, time.perf_counter())
         self.cache_tiers.pop(index, None)
         self.eos.pop(index, None)
-        self.prompts.pop(index, None)
+        if self.vision is not None:
+            self.vision.drop(index)
         self.errors.pop(index, None)
         self.logprobs.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
 
-    # --- a vision-language model ---------------------------------------------------
-
-    def _vision_inputs(self, batch: MicroBatch, inputs: mx.array) -> dict[str, Any]:
-        """What a micro-batch hands the language model besides its tokens: on the first stage, the prompt's
-        embeddings (its images merged in) where its rows read the prompt (and their deepstack features), and the
-        position ids; on the later
-        stages, the position ids that came with the hidden state."""
-        extra: dict[str, Any] = {}
-        if self.stage > 0:
-            if self.positions:
-                extra["position_ids"] = self._positions_in
-            return extra
-        rows = list(zip(batch.requests, batch.starts, strict=True))
-        if self.positions:
-            extra["position_ids"] = mx.concatenate(
-                [vision.positions_of(self.prompts.get(i), start, batch.width) for i, start in rows], axis=1)
-        if any(start < self.prompts[i].embeddings.shape[1] for i, start in rows if i in self.prompts):
-            embeddings = []
-            for row, (i, start) in enumerate(rows):
-                prompt = self.prompts.get(i)
-                if prompt is not None and start < prompt.embeddings.shape[1]:
-                    embeddings.append(prompt.embeddings[:, start : start + batch.width])
-                else:  # a reply's token: embedded as the language model would embed it
-                    embeddings.append(vision.text_embeddings(self.model, inputs[row : row + 1]))
-            extra["input_embeddings"] = mx.concatenate(embeddings, axis=0)
-            extra.update(vision.deepstack_inputs([(self.prompts.get(i), start) for i, start in rows], batch.width))
-        return extra
-
     def _cache_key(self, request: Request, tokens: Sequence[int]) -> list[int]:
-        """The prompt cache's key of ``tokens``: with images, each image's placeholder tokens made its own
-        (``vision.cache_key``), so that only the same picture reuses a cached prefix."""
-        if not request.images or self._image_token is None:
-            return list(tokens)
-        return vision.cache_key(tokens, request.images, self._image_token)
+        """The prompt cache's key of ``tokens`` (a vision model's: each image's own, ``VisionInputs.cache_key``)."""
+        return self.vision.cache_key(request, tokens) if self.vision is not None else list(tokens)
 
     # --- shapes --------------------------------------------------------------------
 
