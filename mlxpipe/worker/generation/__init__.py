@@ -10,8 +10,8 @@ rank, a model's native ``pipeline()``, a draft model).
 
 The rooms: ``loop`` (the serving rank's loop and the one choice between the
 two paths), ``engine`` (the overlapped requests), ``schedule`` (which stage
-runs what at each tick, and when a request ends), ``ahead`` (the decode step
-built a tick ahead), ``sampling`` (mlx-lm's samplers and logits processors, a
+runs what at each tick, and when a request ends), ``hop`` (the hidden state
+between the stages), ``ahead`` (the decode step built a tick ahead), ``sampling`` (mlx-lm's samplers and logits processors, a
 random key per request), ``constraints`` (a grammar masking a request's
 logits: structured output, tool calls), ``tool_grammar`` (tool calls in each
 model's own format, as a grammar), ``vision_inputs`` (a vision-language

@@ -14,7 +14,8 @@ messages out of turn:
 1. run this stage's micro-batch (if any) through the model with its caches,
    and send the hidden state on to rank - 1 (rank 0 instead samples each
    row's token, with that request's own sampler, when the micro-batch asks);
-2. receive from rank + 1 the hidden state of the next tick's micro-batch;
+2. receive from rank + 1 the hidden state of the next tick's micro-batch
+   (``hop``: what crosses the cut, and how it is handed in and out);
 3. one small collective: rank 0's tokens reach every rank (the first stage
    embeds it next, and every rank applies it to the same schedule, so all learn
    together that a request ended and its slot is free), and, when the loop
@@ -38,7 +39,6 @@ waiting for its input, waiting in the collective, idle without requests.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -46,7 +46,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache
 
 from mlxpipe.errors import MlxpipeError, UsageError
 from mlxpipe.model.facts import text_config_of
@@ -61,6 +61,7 @@ from mlxpipe.worker.caches.prompt_caches import PromptCaches
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.generation.ahead import RunAhead, lazy_sampling, may_run_ahead
 from mlxpipe.worker.generation.constraints import Constraint, request_grammar
+from mlxpipe.worker.generation.hop import Hop
 from mlxpipe.worker.generation.reporters import Reporter, Timing
 from mlxpipe.worker.generation.sampling import (
     LogitsProcessor,
@@ -72,11 +73,9 @@ from mlxpipe.worker.generation.sampling import (
     token_logprobs,
 )
 from mlxpipe.worker.generation.schedule import FAILED, MicroBatch, Schedule
-from mlxpipe.worker.generation.vision_inputs import POSITION_BYTES, VisionInputs, pack_positions, unpack_positions
+from mlxpipe.worker.generation.vision_inputs import VisionInputs
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.inbox import Inbox
-from mlxpipe.worker.stages.cut import find_exchange
-from mlxpipe.worker.stages.stage import Exchange
 
 _CLEAR_CACHE_TICKS = 256
 
@@ -116,8 +115,9 @@ class Engine:
         self.topology = loaded.topology or Topology(group, 1)
         self.pipe_rank, self.pipe_size = self.topology.stage, self.topology.stages
         self.stage = self.pipe_size - 1 - self.pipe_rank  # the schedule's stage: the first is the highest
-        self.exchange: Exchange | None = find_exchange(self.model)
-        if self.pipe_size > 1 and self.exchange is None:
+        # What this stage receives and sends on, moved by the engine itself (``hop``).
+        self.hop = Hop(self.model, self.topology, self.stage == 0, loaded.positions)
+        if self.pipe_size > 1 and self.hop.exchange is None:
             raise UsageError(
                 "overlapped requests need the generic pipeline", hint="run without --pipeline native"
             )
@@ -152,7 +152,6 @@ class Engine:
         self.vision = (VisionInputs(self.model, loaded.processor, loaded.config, self.stage == 0, loaded.positions)
                        if loaded.vision else None)
         self.positions = loaded.positions
-        self._positions_in: mx.array | None = None  # received with the hidden state of this tick's micro-batch
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (see worker.generation.ahead).
         self.lazy: set[int] = set()
@@ -223,20 +222,14 @@ class Engine:
 
     def run(self, inbox: Inbox | None = None) -> BatchDone:
         """Run until every request has ended (no ``inbox``), or until an agreed ``exit`` (with one)."""
-        if self.exchange is not None:
-            self.exchange.explicit = True
-        try:
+        with self.hop.explicit():
             return self._run(inbox)
-        finally:
-            if self.exchange is not None:
-                self.exchange.explicit = False
-                self.exchange.hidden_in = self.exchange.hidden_out = None
 
     def _run(self, inbox: Inbox | None) -> BatchDone:
         # Requests added before the run (generate, a batch) ran their images through the vision tower already:
         # that time is the run's too, so that busy stays the share of the run's time spent computing.
         tic = self._tic = time.perf_counter() - self.spent.vision
-        self._probe_incoming()
+        self.hop.probe()
         hidden_in = None
         progress = self.context.progress
         progress.reset()
@@ -335,10 +328,9 @@ class Engine:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
         tic = time.perf_counter()
         cache = self.caches.for_batch(batch)
-        if self.exchange is not None:
-            self.exchange.hidden_in, self.exchange.hidden_out = hidden_in, None
+        self.hop.enter(hidden_in)
         inputs = mx.array(batch.rows)
-        extra = self.vision.inputs(batch, inputs, self._positions_in) if self.vision is not None else {}
+        extra = self.vision.inputs(batch, inputs, self.hop.positions_in) if self.vision is not None else {}
         logits = self.model(inputs, cache=cache, **extra)
         if len(batch.requests) == 1:
             # As generate_step: after every forward pass (the stand-ins' caches take it too). A request
@@ -346,14 +338,11 @@ class Engine:
             maybe_quantize_kv_cache(cache, **self.requests[batch.request].kv_kwargs())
         state = [c.state for c in cache]
         if self.pipe_rank > 0:
-            assert self.exchange is not None and self.exchange.hidden_out is not None
-            hidden_out = self.exchange.hidden_out
-            if self.positions:
-                hidden_out = pack_positions(hidden_out, extra["position_ids"])
+            hidden_out = self.hop.outgoing(extra)
             mx.eval(hidden_out, state)
             sending = time.perf_counter()
             self.spent.compute += sending - tic
-            mx.eval(self.topology.send_down(hidden_out))
+            self.hop.send(hidden_out)
             self.spent.send += time.perf_counter() - sending
             return None
         if not batch.samples:
@@ -415,16 +404,7 @@ class Engine:
         if batch is None:
             return None
         tic = time.perf_counter()
-        shape, dtype = self._incoming_shape(len(batch.requests), batch.width)
-        if self.positions:  # the position ids come packed with the hidden state
-            rows, width = len(batch.requests), batch.width
-            per_token = math.prod(shape) * dtype.size // (rows * width)
-            message = self.topology.recv_up((rows, width, per_token + POSITION_BYTES), mx.uint8)
-            hidden, self._positions_in = unpack_positions(message, shape, dtype)
-            mx.eval(hidden, self._positions_in)
-        else:
-            hidden = self.topology.recv_up(shape, dtype)
-            mx.eval(hidden)
+        hidden = self.hop.receive(len(batch.requests), batch.width)
         self.spent.recv += time.perf_counter() - tic
         return hidden
 
@@ -532,27 +512,3 @@ class Engine:
     def _cache_key(self, request: Request, tokens: Sequence[int]) -> list[int]:
         """The prompt cache's key of ``tokens`` (a vision model's: each image's own, ``VisionInputs.cache_key``)."""
         return self.vision.cache_key(request, tokens) if self.vision is not None else list(tokens)
-
-    # --- shapes --------------------------------------------------------------------
-
-    def _probe_incoming(self) -> None:
-        """Learn the shape and dtype of the hidden state this rank receives.
-
-        One lazy call on throwaway caches, never evaluated: the first local
-        layer notes what arrives there (the stand-ins pass the embedding on).
-        """
-        if self.exchange is None or self.stage == 0:
-            return
-        self.exchange.hidden_in = None
-        self.model(mx.array([[0]]), cache=make_prompt_cache(self.model))
-        if self.exchange.incoming is None:
-            raise RuntimeError("the pipeline's first local layer was never called")
-
-    def _incoming_shape(self, rows: int, num_tokens: int) -> tuple[tuple[int, ...], mx.Dtype]:
-        assert self.exchange is not None
-        shape, dtype = self.exchange.incoming_shape(num_tokens)
-        # The batch axis comes just before the tokens' (gemma3n's AltUp streams lead: (4, batch,
-        # tokens, hidden)); a packed message is (batch, tokens, bytes).
-        axis = 0 if self.exchange.incoming_layout is not None else self.exchange.token_axis - 1
-        return (*shape[:axis], rows, *shape[axis + 1 :]), dtype
-
