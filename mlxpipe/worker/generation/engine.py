@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -54,12 +54,12 @@ from mlxpipe.protocol.events import BatchDone
 from mlxpipe.protocol.message import Message
 from mlxpipe.protocol.messages import Cancel, Exit, RequestId, Submit
 from mlxpipe.protocol.request import Request
-from mlxpipe.worker.agree import read_tick, tick_collective, tick_tokens
+from mlxpipe.worker.agree import read_tick, tick_collective
 from mlxpipe.worker.caches.batch_caches import BatchCaches, decode_batch_for
 from mlxpipe.worker.caches.disk_cache import DiskCache
 from mlxpipe.worker.caches.prompt_caches import PromptCaches
 from mlxpipe.worker.context import RankContext
-from mlxpipe.worker.generation.ahead import RunAhead, lazy_sampling, may_run_ahead
+from mlxpipe.worker.generation.ahead import Lookahead
 from mlxpipe.worker.generation.constraints import Constraint, request_grammar
 from mlxpipe.worker.generation.hop import Hop
 from mlxpipe.worker.generation.reporters import Reporter, Timing
@@ -153,10 +153,9 @@ class Engine:
                        if loaded.vision else None)
         self.positions = loaded.positions
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
-        # scheduled one tick ahead (see worker.generation.ahead).
-        self.lazy: set[int] = set()
-        self.ahead: RunAhead | None = None
-        self.run_ahead = {"used": 0, "taken_back": 0}  # steps run ahead: read at the next tick, or undone
+        # scheduled one tick ahead (``ahead``).
+        self.lookahead = Lookahead(self.model, self.schedule, self.pipe_size == 1 and not self.positions,
+                                   self.topology.samples, self.samplers, self._shared)
 
     # --- requests in ---------------------------------------------------------------
 
@@ -255,7 +254,7 @@ class Engine:
             seconds=seconds,
             peak_memory=mx.get_peak_memory() / 1e9,
             decode_batch=self.decode_batch,
-            run_ahead=dict(self.run_ahead),
+            run_ahead=dict(self.lookahead.counts),
             time=self.spent.report(seconds),
         )
 
@@ -268,12 +267,13 @@ class Engine:
         for group in self.schedule.ended_groups:
             self.caches.groups.pop(group, None)
         batch = self.schedule.at(self.stage)
-        if self.ahead is not None and not self.ahead.runs(batch):
-            self._take_back()
+        self.lookahead.check(batch)
         sampling = self.schedule.sampling
         tokens: list[int] | None
-        if batch is not None and self._runs_lazily(batch):
-            tokens, agreed = self._run_lazily(batch, inbox)
+        if batch is not None and self.lookahead.runs_lazily(batch):  # steps 1 and 3, the token read lazily
+            tic = time.perf_counter()
+            tokens, agreed = self.lookahead.run(batch, self.caches.for_batch(batch), inbox)
+            self.spent.compute += time.perf_counter() - tic
             hidden_next = None
         else:
             sampled = self._run_stage(batch, hidden_in) if batch is not None else None
@@ -321,8 +321,7 @@ class Engine:
         if self.rank == 0:
             self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
             self.processors[index] = processors
-        if self.pipe_size == 1 and lazy_sampling(request, bool(processors)) and not self.positions:
-            self.lazy.add(index)
+        self.lookahead.admit(index, request, bool(processors))
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
         """Step 1: this stage's layers on ``batch``; send on, or sample on rank 0."""
@@ -432,60 +431,14 @@ class Engine:
         tokens, agreed = read_tick(self._shared(sampled, rows, inbox), rows, inbox is not None)
         return (tokens if sampling is not None else None), agreed
 
-    # --- one stage: lazy tokens, a step ahead (see worker.generation.ahead) -------------------
-
-    def _runs_lazily(self, batch: MicroBatch) -> bool:
-        """Whether ``batch`` is a decode step of one stage whose every token can stay lazy."""
-        return self.pipe_size == 1 and batch.samples and all(i in self.lazy for i in batch.requests)
-
-    def _run_lazily(self, batch: MicroBatch, inbox: Inbox | None) -> tuple[list[int], int]:
-        """Steps 1 and 3 of a lazily sampled decode step (its token read once the next step is scheduled)."""
-        tic = time.perf_counter()
-        rows = len(batch.requests)
-        cache = self.caches.for_batch(batch)
-        if self.ahead is not None:  # built at the last tick: it is this batch (checked as the tick began)
-            shared, self.ahead = self.ahead.shared, None
-            self.run_ahead["used"] += 1
-        else:
-            shared = self._lazy_step(batch, mx.array(batch.rows), cache, inbox)
-        if may_run_ahead(self.schedule, batch, cache):
-            inputs = tick_tokens(shared, rows, inbox is not None).reshape(rows, 1)
-            self.ahead = RunAhead(batch.requests, batch.group, self._lazy_step(batch, inputs, cache, inbox), cache)
-        result = read_tick(shared, rows, inbox is not None)
-        self.spent.compute += time.perf_counter() - tic
-        return result
-
-    def _lazy_step(self, batch: MicroBatch, inputs: mx.array, cache: list[Any], inbox: Inbox | None) -> mx.array:
-        """One decode step on ``inputs``, scheduled: its lazy per-tick collective."""
-        logits = self.model(inputs, cache=cache)[:, -1, :]
-        sampled = None
-        if self.topology.samples:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = mx.concatenate(
-                [self.samplers[index](logprobs[row : row + 1]).reshape(1) for row, index in enumerate(batch.requests)]
-            ).astype(mx.int32)
-        shared = self._shared(sampled, len(batch.requests), inbox)
-        # logits too: another member's share of the gathered vocabulary head runs even though it reads nothing
-        mx.async_eval(shared, logits)
-        return shared
-
     def _shared(self, sampled: mx.array | None, rows: int, inbox: Inbox | None) -> mx.array:
         """The tick's collective, lazy (``agree.tick_collective``)."""
         received = inbox.received if inbox is not None else None
         return tick_collective(self.context.group, sampled if self.rank == 0 else None, rows, received)
 
-    def _take_back(self) -> None:
-        """The schedule runs something else: the step run ahead is undone before its caches are used."""
-        assert self.ahead is not None
-        self.ahead.undo()
-        self.ahead = None
-        self.run_ahead["taken_back"] += 1
-
     def _finish(self, index: int) -> None:
         """Drop a request's caches (keeping them in the prompt cache's tiers) and report it."""
-        if self.ahead is not None and index in self.ahead.requests:
-            self._take_back()
-        self.lazy.discard(index)
+        self.lookahead.forget(index)
         cache = self.caches.own.pop(index, None)
         if cache is None and self.prompt_caches.keeps and self.caches.group_of(index) is not None:
             cache = self.caches.take_own(index)
