@@ -46,7 +46,7 @@ from mlxpipe.worker.inbox import Inbox
 
 if TYPE_CHECKING:
     from mlxpipe.protocol.request import Request
-    from mlxpipe.worker.generation.sampling import Sampler
+    from mlxpipe.worker.generation.sampling import Samplers
 
 # The engine's per-tick collective, lazy: rank 0's sampled tokens (None elsewhere), their rows, the inbox whose
 # message count the ranks agree on (``Engine._shared``, ``agree.tick_collective``).
@@ -96,12 +96,12 @@ class Lookahead:
     """An engine's decode steps whose tokens stay lazy, each next step built before this one is read (see the
     module docstring)."""
 
-    def __init__(self, model: nn.Module, schedule: Schedule, lazy: bool, samples: bool, samplers: dict[int, Sampler],
+    def __init__(self, model: nn.Module, schedule: Schedule, lazy: bool, samples: bool, sampling: Samplers,
                  collective: Collective) -> None:
         """``lazy``: tokens may stay lazy at all (one stage, no position ids to carry); ``samples``: this rank
-        samples, with ``samplers`` (rank 0's, by request); ``collective``: the engine's per-tick one."""
+        samples, with ``sampling`` (rank 0's samplers); ``collective``: the engine's per-tick one."""
         self.model, self.schedule = model, schedule
-        self.enabled, self.samples, self.samplers = lazy, samples, samplers
+        self.enabled, self.samples, self.sampling = lazy, samples, sampling
         self.collective = collective
         self.lazy: set[int] = set()  # the requests whose token can stay lazy
         self.ahead: RunAhead | None = None
@@ -146,10 +146,7 @@ class Lookahead:
         logits = self.model(inputs, cache=cache)[:, -1, :]
         sampled = None
         if self.samples:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = mx.concatenate(
-                [self.samplers[index](logprobs[row : row + 1]).reshape(1) for row, index in enumerate(batch.requests)]
-            ).astype(mx.int32)
+            sampled = self.sampling.lazy(batch.requests, logits)
         shared = self.collective(sampled, len(batch.requests), inbox)
         # logits too: another member's share of the gathered vocabulary head runs even though it reads nothing
         mx.async_eval(shared, logits)

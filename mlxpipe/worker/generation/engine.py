@@ -60,18 +60,9 @@ from mlxpipe.worker.caches.disk_cache import DiskCache
 from mlxpipe.worker.caches.prompt_caches import PromptCaches
 from mlxpipe.worker.context import RankContext
 from mlxpipe.worker.generation.ahead import Lookahead
-from mlxpipe.worker.generation.constraints import Constraint, request_grammar
 from mlxpipe.worker.generation.hop import Hop
 from mlxpipe.worker.generation.reporters import Reporter, Timing
-from mlxpipe.worker.generation.sampling import (
-    LogitsProcessor,
-    Sampler,
-    TokenLogprobs,
-    extra_eos_ids,
-    keyed_sampler,
-    logits_processors,
-    token_logprobs,
-)
+from mlxpipe.worker.generation.sampling import Samplers, extra_eos_ids, logits_processors
 from mlxpipe.worker.generation.schedule import FAILED, MicroBatch, Schedule
 from mlxpipe.worker.generation.vision_inputs import VisionInputs
 from mlxpipe.worker.groups import Topology
@@ -132,11 +123,8 @@ class Engine:
         # Serving: called on every rank with its time figures whenever a request ends.
         self.on_time: Callable[[dict[str, float]], None] | None = None
         self._tic = time.perf_counter()
-        self.samplers: dict[int, Sampler] = {}
-        self.processors: dict[int, list[LogitsProcessor]] = {}
+        self.sampling = Samplers(loaded.tokenizer)  # rank 0's (the other ranks sample nothing)
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
-        self.constraints: dict[int, Constraint] = {}  # rank 0: each constrained request's grammar
-        self.logprobs: dict[int, TokenLogprobs] = {}  # rank 0: the last token's, for its reporter (when asked)
         self.timing: dict[int, Timing] = {}
         # Why a request ended with "error" (rank 0 knows what its sampling raised; every rank, a refusal).
         self.errors: dict[int, str] = {}
@@ -155,7 +143,7 @@ class Engine:
         # One stage (pure tensor parallelism): requests whose token can stay lazy, and the decode step
         # scheduled one tick ahead (``ahead``).
         self.lookahead = Lookahead(self.model, self.schedule, self.pipe_size == 1 and not self.positions,
-                                   self.topology.samples, self.samplers, self._shared)
+                                   self.topology.samples, self.sampling, self._shared)
 
     # --- requests in ---------------------------------------------------------------
 
@@ -319,8 +307,7 @@ class Engine:
         self.timing[index] = Timing(admitted=time.perf_counter())
         processors = logits_processors(request)
         if self.rank == 0:
-            self.samplers[index] = keyed_sampler(request, self.context.loaded.tokenizer, self.eos[index])
-            self.processors[index] = processors
+            self.sampling.admit(index, request, self.eos[index], processors)
         self.lookahead.admit(index, request, bool(processors))
 
     def _run_stage(self, batch: MicroBatch, hidden_in: mx.array | None) -> mx.array | None:
@@ -362,41 +349,13 @@ class Engine:
         return sampled
 
     def _sample(self, index: int, logits: mx.array) -> int:
-        """Rank 0: one request's token from its row of logits, with its logits processors (which see every
-        token fed so far, prompt and reply, as in generate_step), its sampler, its random key. Whatever they
-        raise ends this request alone (``FAILED``, shared with every rank at this tick)."""
+        """Rank 0: one request's token from its row of logits (``sampling.Samplers``). Whatever its sampling raises
+        ends this request alone (``FAILED``, shared with every rank at this tick)."""
         try:
-            processors = self.processors[index]
-            if processors:
-                request = self.schedule.requests[index]
-                history = mx.array([*request.prompt, *request.generated], dtype=mx.uint32)
-                for processor in processors:
-                    logits = processor(history, logits)
-            constraint = self._constraint(index, logits.shape[-1])
-            if constraint is not None:  # after logit_bias and penalties: the grammar has the last word
-                logits = mx.where(mx.array(constraint.allowed(logits.shape[-1])), logits, -mx.inf)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = int(cast(int, self.samplers[index](logprobs).item()))  # mlx types item() as any scalar
-            if constraint is not None:
-                constraint.accept(token)
-            wanted = self.requests[index]
-            if wanted.logprobs:  # from the very logprobs the sampler drew from
-                self.logprobs[index] = token_logprobs(logprobs, token, wanted.top_logprobs)
-            return token
+            return self.sampling.sample(index, self.requests[index], self.schedule.requests[index], logits)
         except Exception as e:  # noqa: BLE001 - one request's options or sampler: that request fails, not the rank
             self.errors[index] = f"sampling failed on rank 0: {type(e).__name__}: {e}"
             return FAILED
-
-    def _constraint(self, index: int, width: int) -> Constraint | None:
-        """Rank 0: the grammar state of a constrained request (structured output, tool calls), made at its first
-        token (``width``: the logits', the model's vocabulary)."""
-        request = self.requests[index]
-        if not request.constrained:
-            return None
-        if index not in self.constraints:
-            tokenizer = self.context.loaded.tokenizer
-            self.constraints[index] = Constraint(request_grammar(request, tokenizer), tokenizer, width, self.eos[index])
-        return self.constraints[index]
 
     def _receive(self, batch: MicroBatch | None) -> mx.array | None:
         """Step 2: the hidden state of the next tick's micro-batch, from stage + 1."""
@@ -442,9 +401,7 @@ class Engine:
         cache = self.caches.own.pop(index, None)
         if cache is None and self.prompt_caches.keeps and self.caches.group_of(index) is not None:
             cache = self.caches.take_own(index)
-        self.samplers.pop(index, None)
-        self.processors.pop(index, None)
-        self.constraints.pop(index, None)
+        self.sampling.drop(index)
         timing = self.timing.pop(index, None) or Timing(admitted=time.perf_counter())
         state = self.schedule.requests[index]
         if cache is not None and self.prompt_caches.keeps and state.fed_tokens:
@@ -458,7 +415,6 @@ class Engine:
         if self.vision is not None:
             self.vision.drop(index)
         self.errors.pop(index, None)
-        self.logprobs.pop(index, None)
         if self.on_time is not None:
             self.on_time(self.spent.report(time.perf_counter() - self._tic))
 

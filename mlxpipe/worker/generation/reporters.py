@@ -15,6 +15,8 @@ from mlxpipe.worker.progress import Emit
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from mlxpipe.worker.generation.sampling import Samplers
+
 
 @dataclass
 class Timing:
@@ -34,7 +36,7 @@ class EngineView(Protocol):
     requests: list[Request]
     eos: dict[int, set[int]]  # each request's end-of-sequence ids
     errors: dict[int, str]  # why a request ended with "error"
-    logprobs: dict[int, Any]  # rank 0: a request's last token's logprobs (sampling.TokenLogprobs), when asked
+    sampling: Samplers  # rank 0's: a request's last token's logprobs, when asked
     cache_tiers: dict[int, str]  # where a request's cached tokens came from: "memory" or "disk"
 
 
@@ -107,7 +109,7 @@ class StreamReporter:
     emit: Emit
 
     def token(self, engine: EngineView, index: int, token: int) -> None:
-        logprobs = engine.logprobs.pop(index, None)
+        logprobs = engine.sampling.logprobs.pop(index, None)
         logprob, top = logprobs if logprobs is not None else (None, None)
         self.emit(Token(rank=0, id=engine.requests[index].id, token=token, logprob=logprob, top=top))
 

@@ -7,6 +7,10 @@ they cannot share MLX's global random key: each request keeps its own, which is
 made the global key around each call of mlx-lm's sampler (``mx.random.seed``
 takes any 64-bit key) and read back after, so a seeded request samples exactly
 what it samples alone after ``mx.random.seed(seed)``.
+
+In the engine, rank 0 keeps each running request's sampling (``Samplers``):
+its sampler, its logits processors, its grammar and the log-probabilities of
+its last token; the other ranks sample nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.request import Request
+from mlxpipe.worker.generation.constraints import Constraint, request_grammar
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlxpipe.worker.generation.schedule import RequestState
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -93,3 +100,64 @@ def token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
     ids, logits = cast(list[int], order.tolist()), cast(list[float], values.tolist())
     ranked = sorted(zip(ids, logits, strict=True), key=lambda p: (-p[1], p[0]))
     return chosen, [[int(i), float(v)] for i, v in ranked if v != -float("inf")]
+
+
+class Samplers:
+    """Rank 0's sampling of the engine's requests, each its own: its sampler (on its own random key), its logits
+    processors, its grammar (made at its first token), the log-probabilities of its last token when it asked."""
+
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        self.tokenizer = tokenizer
+        self.samplers: dict[int, Sampler] = {}
+        self.processors: dict[int, list[LogitsProcessor]] = {}
+        self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
+        self.constraints: dict[int, Constraint] = {}  # each constrained request's grammar
+        self.logprobs: dict[int, TokenLogprobs] = {}  # the last token's, for its reporter (when asked)
+
+    def admit(self, index: int, request: Request, eos: set[int], processors: list[LogitsProcessor]) -> None:
+        """A request starts: its sampler, with its logits ``processors`` (made for every rank's look at them)."""
+        self.samplers[index] = keyed_sampler(request, self.tokenizer, eos)
+        self.processors[index] = processors
+        self.eos[index] = eos
+
+    def drop(self, index: int) -> None:
+        """A request ended: its sampling goes."""
+        for held in (self.samplers, self.processors, self.eos, self.constraints, self.logprobs):
+            held.pop(index, None)
+
+    def sample(self, index: int, request: Request, state: RequestState, logits: mx.array) -> int:
+        """``request``'s token from its row of logits, with its logits processors (which see every token fed so far,
+        prompt and reply, as in generate_step), its grammar, its sampler, its random key."""
+        processors = self.processors[index]
+        if processors:
+            history = mx.array([*state.prompt, *state.generated], dtype=mx.uint32)
+            for processor in processors:
+                logits = processor(history, logits)
+        constraint = self._constraint(index, request, logits.shape[-1])
+        if constraint is not None:  # after logit_bias and penalties: the grammar has the last word
+            logits = mx.where(mx.array(constraint.allowed(logits.shape[-1])), logits, -mx.inf)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = int(cast(int, self.samplers[index](logprobs).item()))  # mlx types item() as any scalar
+        if constraint is not None:
+            constraint.accept(token)
+        if request.logprobs:  # from the very logprobs the sampler drew from
+            self.logprobs[index] = token_logprobs(logprobs, token, request.top_logprobs)
+        return token
+
+    def lazy(self, requests: tuple[int, ...], logits: mx.array) -> mx.array:
+        """The tokens of a decode step's rows (``requests``' last logits), left lazy: requests whose sampling has
+        no host-side state (``ahead.lazy_sampling``)."""
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.concatenate(
+            [self.samplers[index](logprobs[row : row + 1]).reshape(1) for row, index in enumerate(requests)]
+        ).astype(mx.int32)
+
+    def _constraint(self, index: int, request: Request, width: int) -> Constraint | None:
+        """The grammar state of a constrained request (structured output, tool calls), made at its first token
+        (``width``: the logits', the model's vocabulary)."""
+        if not request.constrained:
+            return None
+        if index not in self.constraints:
+            self.constraints[index] = Constraint(request_grammar(request, self.tokenizer), self.tokenizer, width,
+                                                 self.eos[index])
+        return self.constraints[index]
