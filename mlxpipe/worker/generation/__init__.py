@@ -14,8 +14,9 @@ runs what at each tick, and when a request ends), ``hop`` (the hidden state
 between the stages), ``ahead`` (the decode step built a tick ahead),
 ``sampling`` (mlx-lm's samplers and logits processors, a random key per
 request), ``constraints`` (a grammar masking a request's logits: structured
-output, tool calls), ``tool_grammar`` (tool calls in each model's own format,
-as a grammar), ``vision_inputs`` (a vision-language model's prompts: image
+output, tool calls), ``tool_grammar`` (a reply's tool calls as a grammar),
+``tool_formats`` (how each model's format writes a call), ``lark_writer`` (a
+grammar written in the model's own tokens), ``vision_inputs`` (a vision-language model's prompts: image
 features, position ids across the cuts), ``reporters`` (what rank 0 tells the
 controller) and ``streamed`` (mlx-lm's ``stream_generate``).
 """

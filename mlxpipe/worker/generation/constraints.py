@@ -24,7 +24,9 @@ import numpy as np
 
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import ToolCalls
-from mlxpipe.worker.generation.tool_grammar import Inexpressible, Markers, format_of, grammar, starts_in_reasoning
+from mlxpipe.worker.generation.lark_writer import Markers
+from mlxpipe.worker.generation.tool_formats import Inexpressible, format_of
+from mlxpipe.worker.generation.tool_grammar import grammar, starts_in_reasoning
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -1,4 +1,5 @@
-"""worker/generation/tool_grammar.py: the grammar of tool calls in each model's own format, in one process.
+"""worker/generation/tool_grammar.py and tool_formats.py: the grammar of tool calls in each model's own format, in
+one process.
 
 Every format mlxpipe writes is checked the same way: replies drawn at random from what its grammar allows (a noise
 model, with a seeded generator) are read back by mlx-lm's own parser of that format, through the server's own text
@@ -24,17 +25,9 @@ from fixtures.tool_model import write_tool_tokenizer
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.text import Reply, tool_calls
 from mlxpipe.worker.generation.constraints import Constraint, tool_compile_error, tool_grammar_of
-from mlxpipe.worker.generation.tool_grammar import (
-    FORMATS,
-    SUPPORTED,
-    Inexpressible,
-    Lark,
-    Markers,
-    format_of,
-    grammar,
-    loosened,
-    starts_in_reasoning,
-)
+from mlxpipe.worker.generation.lark_writer import Markers
+from mlxpipe.worker.generation.tool_formats import FORMATS, SUPPORTED, Inexpressible, format_of, loosened
+from mlxpipe.worker.generation.tool_grammar import grammar, starts_in_reasoning
 
 # Bounded, so that a noise model's reply ends where the grammar does (strings, numbers, arrays).
 WEATHER = {"type": "object", "properties": {
@@ -275,24 +268,3 @@ def test_a_tool_call_format_mlxpipe_cannot_write_is_said(tokenizer_dir: Path) ->
     assert format_of(tokenizer) == "gemma4" and "gemma4" not in SUPPORTED
     error = tool_compile_error(ToolCalls("gemma4", TOOLS), tokenizer, [])
     assert error == (None, "no grammar writes the tool-call format 'gemma4'")
-
-
-def test_optional_items_are_joined_by_their_separator_only_between_those_present() -> None:
-    from llguidance import LLMatcher
-
-    g = Lark(Markers("<c>", "</c>", None, {}, frozenset()))
-    g.lines.insert(0, "start: " + g.joined([('"a"', True), ('"b"', False), ('"c"', True)], ", "))
-    compiled = LLMatcher.grammar_from_lark(g.text())
-    assert not LLMatcher.validate_grammar(compiled)
-    for text, ok in [("b", True), ("a, b", True), ("b, c", True), ("a, b, c", True), (", b", False), ("a", False),
-                     ("a b", False), ("b, ", False)]:
-        assert _matches(compiled, text) is ok, text
-
-
-def _matches(compiled: str, text: str) -> bool:
-    import llguidance
-    from llguidance import LLMatcher
-
-    tokenizer = llguidance.LLTokenizer("byte")
-    matcher = LLMatcher(tokenizer, compiled, log_level=0)
-    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
