@@ -9,6 +9,7 @@ filtered as they leave (``batch_caches``). The generation room's engine is
 what uses them; nothing here imports it.
 
 The rooms: ``prompt_caches`` (the two tiers, a request's caches fetched and
-kept), ``disk_cache`` (the disk tier: entries, LRU bound, the writer thread)
-and ``batch_caches`` (the decode groups' merged caches).
+kept), ``disk_cache`` (the disk tier: entries, LRU bound, the writer thread),
+``disk_files`` (a prefix's caches as mlx-lm's prompt cache file, written
+without MLX) and ``batch_caches`` (the decode groups' merged caches).
 """

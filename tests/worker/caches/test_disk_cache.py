@@ -14,14 +14,8 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, RotatingKVCache, load
 
 from fixtures.kv_caches import IDENTITY, MIN, caches, held
 from mlxpipe.protocol.job import JobSpec
-from mlxpipe.worker.caches.disk_cache import (
-    DiskCache,
-    as_tokens,
-    common_prefix,
-    key_of,
-    slice_folder,
-    slice_identity,
-)
+from mlxpipe.worker.caches.disk_cache import DiskCache, common_prefix, key_of, slice_folder, slice_identity
+from mlxpipe.worker.caches.disk_files import as_tokens
 
 
 def store(tmp_path: Path, max_bytes: int = 10**8, identity: dict[str, Any] = IDENTITY) -> DiskCache:
