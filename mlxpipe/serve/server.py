@@ -117,7 +117,9 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that ends the queue's requests first on SIGINT/SIGTERM and does not re-raise the signal."""
+    """uvicorn's server that, on SIGTERM, drains: it takes no new request and gives the ones in flight
+    ``--drain-seconds`` to finish; on SIGINT (Ctrl-C), or a second SIGTERM, it ends the queue's requests at once.
+    It does not re-raise the signal."""
 
     def __init__(self, config: uvicorn.Config, queue: RequestQueue) -> None:
         super().__init__(config)
@@ -129,8 +131,27 @@ class _Server(uvicorn.Server):
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.signal is None and self.queue.options.drain_seconds > 0:
+            self.signal = sig
+            self.queue.drain()
+            console.warn(f"SIGTERM: finishing the {self.queue.in_flight} requests in flight, for at most "
+                         f"{self.queue.options.drain_seconds:g} s (--drain-seconds), and taking no new ones; "
+                         "SIGTERM again or Ctrl-C stops now")
+            threading.Thread(target=self._drain, daemon=True, name="mlxpipe-drain").start()
+            return
         if self.signal is None:
             self.signal = sig
+        self._stop()
+
+    def _drain(self) -> None:
+        if self.queue.wait_drained():
+            console.err.print("drained: every request in flight finished")
+        else:
+            console.warn(f"drained for {self.queue.options.drain_seconds:g} s (--drain-seconds): the "
+                         f"{self.queue.in_flight} requests still in flight end now")
+        self._stop()
+
+    def _stop(self) -> None:
         # End the streams now: uvicorn's graceful shutdown waits for them.
         threading.Thread(target=self.queue.stop, daemon=True).start()
         self.should_exit = True
@@ -195,6 +216,8 @@ def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max
         raise UsageError(f"--prompt-cache-gb must be 0 (no disk tier) or more, got {options.prompt_cache_gb:g}")
     if not options.queue_timeout > 0:
         raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
+    if not options.drain_seconds >= 0:
+        raise UsageError(f"--drain-seconds must be 0 (SIGTERM stops at once) or more, got {options.drain_seconds:g}")
     if max_body_bytes < 1024:
         raise UsageError(f"--max-body-size must be at least 1024 bytes, got {max_body_bytes}")
     if not 0 < port < 65536:

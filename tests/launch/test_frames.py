@@ -20,13 +20,15 @@ from fixtures.flood import check_flood, flood
 from mlxpipe.launch import frames
 
 READ = 8192  # what mlx.launch reads of a rank's pipe at once
+# Random bytes to the characters frames must escape or may confuse with their own, and plain letters.
+TEXT = bytes(b'ab@#:{}" \\'[i % 10] for i in range(256))
 
 
 def rank_events(rng: random.Random, rank: int, count: int, big: float) -> list[dict[str, Any]]:
     events = []
     for i in range(count):
         size = rng.randint(5000, 60000) if rng.random() < big else rng.randint(1, 300)
-        text = "".join(rng.choice('ab@#:{}" \\') for _ in range(size))
+        text = rng.randbytes(size).translate(TEXT).decode()
         events.append({"event": rng.choice(["token", "alive", "log", "done"]), "rank": rank, "i": i, "text": text})
     return events
 
@@ -85,6 +87,20 @@ def test_every_event_is_put_back_from_mlx_launch_pieces(ranks: int, big: float) 
         assert [i for i in items if not isinstance(i, dict) or i["event"] == "lost"] == [], seed
         for rank in range(ranks):
             assert [e for e in items if isinstance(e, dict) and e["rank"] == rank] == sent[rank], (seed, rank)
+
+
+@pytest.mark.parametrize(("seed", "ranks", "big"), [
+    (18, 2, 0.0),  # a frame cut inside its header, then the rest of another one cut there earlier: a "header"
+    (14, 4, 0.0),  # ... that is neither frame's (the rest completes the piece set aside)
+    (12, 4, 0.0),  # two starts set aside ("@@ml", "@@mlx") that one rest completes: its rank's order tells them apart
+    (22, 4, 0.0),  # a start set aside as "@", whose rest the line's search took as a whole header with the "@" of
+    (3, 4, 0.1),   # ... the piece before it: that piece's frame takes the "@" back when its rest comes
+])
+def test_cuts_that_once_lost_frames_are_put_back(seed: int, ranks: int, big: float) -> None:
+    sent, items = scenario(seed, ranks, big, small=0.0)
+    assert [i for i in items if not isinstance(i, dict) or i["event"] == "lost"] == []
+    for rank in range(ranks):
+        assert [e for e in items if isinstance(e, dict) and e["rank"] == rank] == sent[rank], rank
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

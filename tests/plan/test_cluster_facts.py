@@ -1,4 +1,4 @@
-"""plan/facts.py: the cluster's facts survive their JSON file, and a file that is not one is refused by name."""
+"""plan/cluster_facts.py: the cluster's facts survive their JSON file, and a file that is not one is refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from fixtures.cluster_facts import FACTS
 from mlxpipe.errors import HostfileError
-from mlxpipe.plan.facts import Calibration, ClusterFacts
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts
 
 
 def test_facts_survive_their_json() -> None:

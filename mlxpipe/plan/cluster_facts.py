@@ -1,9 +1,9 @@
 """The cluster's facts: what each host computes at and what each link carries, measured once.
 
 ``mlxpipe doctor --links`` (and ``mlxpipe cluster init``) runs a real MLX job over the hostfile
-and writes these beside it (``cluster.json`` -> ``cluster.facts.json``, ``cluster/links.py``);
+and writes these beside it (``cluster.json`` -> ``cluster.facts.json``, ``launch/links_job.py``);
 the cost model (``plan/estimate.py``) reads them. Pure: plain data and its JSON, no MLX, no
-file I/O (``cluster/links.py`` reads and writes the file).
+file I/O (``cluster/facts_file.py`` reads and writes the file).
 
 Units are SI throughout: seconds, bytes per second, FLOP per second.
 """

@@ -1,4 +1,4 @@
-"""Hub errors: huggingface_hub's and the network's exceptions as one-line ``HubError``s.
+"""Hub faults: huggingface_hub's and the network's exceptions as one-line ``HubError``s.
 
 Network faults (refused connection, DNS, TLS, timeout, 5xx, 429, ``HF_HUB_OFFLINE``)
 become one ``HubUnreachable`` naming the host that failed and what to do. Used on the

@@ -1,4 +1,4 @@
-"""lora/run.py: the controller's side of a training run, over a channel that loses a rank's event."""
+"""lora/training.py: the controller's side of a training run, over a channel that loses a rank's event."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def test_a_rank_whose_adapters_are_lost_on_the_way_fails_the_save_instead_of_wri
     import mlx.core as mx
 
     from mlxpipe.errors import LaunchError
-    from mlxpipe.lora.run import ADAPTER_FILE, Reporter, Training, TrainOptions
+    from mlxpipe.lora.adapters import ADAPTER_FILE
+    from mlxpipe.lora.options import TrainOptions
+    from mlxpipe.lora.training import Reporter, Training
     from mlxpipe.protocol.events import TRAIN_EVENTS
     from mlxpipe.protocol.messages import Save
     from mlxpipe.worker.training.train import encode_weights

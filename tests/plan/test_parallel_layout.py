@@ -1,11 +1,11 @@
-"""plan/layout.py: a layout's name and flags, what cannot be a layout, the workloads by name."""
+"""plan/parallel_layout.py: a layout's name and flags, what cannot be a layout, the workloads by name."""
 
 from __future__ import annotations
 
 import pytest
 
 from mlxpipe.errors import UsageError
-from mlxpipe.plan.layout import AGENT, BATCH, CHAT, Layout, Workload, workload
+from mlxpipe.plan.parallel_layout import AGENT, BATCH, CHAT, Layout, Workload, workload
 
 
 @pytest.mark.parametrize(("layout", "name", "flags"), [

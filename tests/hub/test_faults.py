@@ -1,4 +1,4 @@
-"""hub/errors.py: huggingface_hub's and the network's exceptions as one-line errors naming the host and the fix.
+"""hub/faults.py: huggingface_hub's and the network's exceptions as one-line errors naming the host and the fix.
 
 The exceptions are the real ones huggingface_hub and its HTTP client raise, built
 here with the request they would carry (``hub/test_offline.py`` makes them happen
@@ -16,7 +16,7 @@ import pytest
 from huggingface_hub import errors as hf
 
 from mlxpipe.errors import HubError, HubUnreachable, UsageError
-from mlxpipe.hub.errors import as_hub_error, hub_errors, network_fault
+from mlxpipe.hub.faults import as_hub_error, hub_errors, network_fault
 
 HUB = "http://127.0.0.1:9"
 

@@ -1,23 +1,23 @@
-"""Links measured, not guessed: a real MLX job over the hostfile's backend, and the cluster's facts file.
+"""Links measured, not guessed: a real MLX job over the hostfile's backend (``mlxpipe doctor --links``).
 
 ``measure`` starts one rank per host through ``mlx.launch`` (``launch/ranks.py``, as a pipeline
-starts; the ranks run ``worker/measure/link_probe.py``), then asks for one measurement at a time:
+starts; the ranks run ``python -m mlxpipe.worker --links N``), then asks for one measurement at a time:
 
 * each machine (once, by its first rank): its chip, its memory bandwidth (Apple's published figure
   for a chip ``cluster/chips.py`` lists, else the measured one) and a large matrix product's rate;
-  with ``calibrate``, what real transformer layers reach there (``worker/measure/calibrate.py``);
+  with ``calibrate``, what real transformer layers reach there;
 * each pair of ranks that exchange data: on the ring, MLX only sends between neighbours, so rank i
   and i + 1, and the last and the first; the latency of a small message (half the median round trip)
   and the bandwidth of a large one;
 * the small all-reduce every rank joins at every engine tick.
 
-The facts go beside the hostfile (``cluster.json`` -> ``cluster.facts.json``), where ``plan`` and
-the launching commands read them (``load_facts``).
+The facts go beside the hostfile (``cluster/facts_file.py``), where ``plan`` and the launching
+commands read them. The job lives at the launch level because it starts ranks; ``cluster/`` only
+reads and writes what it measured.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from mlxpipe.cluster import chips
+from mlxpipe.cluster.facts_file import write_facts
 from mlxpipe.cluster.hostfile import Hostfile, load_hostfile
 from mlxpipe.defaults import DEFAULT_BACKEND
-from mlxpipe.errors import HostfileError, LaunchError, UsageError
-from mlxpipe.launch.ranks import LaunchSpec, Ranks, default_port
-from mlxpipe.paths import replacing
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+from mlxpipe.errors import LaunchError, UsageError
+from mlxpipe.launch.command import LaunchSpec, default_port
+from mlxpipe.launch.ranks import Ranks
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.protocol.events import LINKS_EVENTS, CollectiveMeasured, HostMeasured, Joined, LinkMeasured
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import MeasureCollective, MeasureHost, MeasureLink
@@ -41,29 +42,9 @@ COLLECTIVE_ROUNDS = 100
 START_TIMEOUT = 120.0  # seconds for every rank to join the group
 STEP_TIMEOUT = 600.0  # seconds one measurement may take (a calibration on a slow CPU)
 WORKER = ("-m", "mlxpipe.worker", "--links")
-SUFFIX = ".facts.json"
 
 E = TypeVar("E", bound=Event)
 Progress = Callable[[str], None]
-
-
-def facts_path(hostfile: Path) -> Path:
-    """Where the facts of ``hostfile`` live: beside it, ``cluster.json`` -> ``cluster.facts.json``."""
-    return hostfile.with_name(hostfile.stem + SUFFIX)
-
-
-def load_facts(hostfile: Hostfile) -> tuple[ClusterFacts | None, str | None]:
-    """The facts measured for ``hostfile``, and None; or None and why there are none to use."""
-    path = facts_path(hostfile.path)
-    if not path.is_file():
-        return None, f"no {path.name} beside {hostfile.path.name}: links not measured"
-    try:
-        facts = ClusterFacts.from_json(json.loads(path.read_text()), str(path))
-    except (OSError, ValueError, HostfileError) as e:
-        return None, f"{path}: {getattr(e, 'message', e)}"
-    if not facts.matches([(h.ssh, h.ips) for h in hostfile.hosts]):
-        return None, f"{path} is of other hosts than {hostfile.path.name} lists now: measure again"
-    return facts, None
 
 
 def measure(hostfile: Path | Hostfile, *, calibrate: bool = False, backend: str | None = None, port: int | None = None,
@@ -93,14 +74,6 @@ def measure(hostfile: Path | Hostfile, *, calibrate: bool = False, backend: str 
     if save:
         write_facts(facts, hosts.path)
     return facts
-
-
-def write_facts(facts: ClusterFacts, hostfile: Path) -> Path:
-    """Replace the facts file of ``hostfile`` with ``facts`` in one step."""
-    path = facts_path(hostfile)
-    with replacing(path) as tmp:
-        tmp.write_text(json.dumps(facts.to_json(), indent=2) + "\n")
-    return path
 
 
 def _measure(ranks: Ranks, events: Iterator[Event], hosts: Hostfile, backend: str, calibrate: bool, rounds: int,
