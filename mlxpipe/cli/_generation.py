@@ -55,10 +55,10 @@ def settle_layout(target: Target, *, quiet: bool, backend: str | None, context: 
             meta = load_model_metadata(target, progress=progress)
 
     def refuses(tp: int, stages: int) -> str | None:
-        from mlxpipe.launch.run import check_pipelinable
+        from mlxpipe.launch.run import check_model_structure
 
         try:
-            check_pipelinable(meta, mode, trust_remote_code, tp, stages)
+            check_model_structure(meta, mode, trust_remote_code, tp, stages)
         except MlxpipeError as e:
             return e.message
         return None

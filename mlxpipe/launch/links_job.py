@@ -36,7 +36,7 @@ from mlxpipe.protocol.events import LINKS_EVENTS, CollectiveMeasured, HostMeasur
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import MeasureCollective, MeasureHost, MeasureLink
 
-DEFAULT_ROUNDS = 200  # round trips per link (fewer when they take longer than worker.links.LINK_SECONDS)
+DEFAULT_ROUNDS = 200  # round trips per link (fewer when they take longer than worker.measure.link_probe.LINK_SECONDS)
 DEFAULT_LARGE = 16 * 1024 * 1024  # bytes of the large message
 COLLECTIVE_ROUNDS = 100
 START_TIMEOUT = 120.0  # seconds for every rank to join the group

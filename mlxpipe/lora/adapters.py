@@ -28,7 +28,7 @@ def write_adapter_config(options: TrainOptions, model_path: str) -> Path:
 
 def merge_adapters(parts: dict[int, str]) -> dict[str, Any]:
     """Every rank's adapter tensors (as its ``adapter`` event carries them) in one dict, the first layers first."""
-    from mlxpipe.worker.train import decode_weights
+    from mlxpipe.worker.training.train import decode_weights
 
     merged: dict[str, Any] = {}
     for rank in sorted(parts, reverse=True):  # the highest rank runs the first layers

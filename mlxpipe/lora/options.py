@@ -11,7 +11,7 @@ from typing import Any
 from mlxpipe.errors import ConfigError, UsageError
 from mlxpipe.protocol.checks import one_of
 from mlxpipe.protocol.job import FINE_TUNE_TYPES, OPTIMIZERS, TrainSpec
-from mlxpipe.worker.train_schedule import SCHEDULES
+from mlxpipe.worker.training.train_schedule import SCHEDULES
 
 
 @dataclass

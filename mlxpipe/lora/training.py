@@ -2,7 +2,7 @@
 
 This machine, the controller, launches the ranks (``launch.run``), sends each step's batch
 (``lora.batches``), reports the loss rank 0 computes, and writes the adapters gathered from every
-rank (``lora.adapters``); a rank's side is ``mlxpipe.worker.train``.
+rank (``lora.adapters``); a rank's side is ``mlxpipe.worker.training.train``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ measured matmul throughput, each at an assumed efficiency):
   all-reduces of the hidden state (``allreduce``: 2 members swap once; more members pass it down
   their chain and back), the head one gather of the logits.
 
-The engine (``worker/engine.py``) runs in lockstep ticks: at each tick every stage runs its micro-batch,
+The engine (``worker/generation/engine.py``) runs in lockstep ticks: at each tick every stage runs its micro-batch,
 sends its hidden state to the next stage (``hop``: the link's latency plus bytes over its bandwidth,
 down the chain of the next group's members), and every rank takes part in one small collective
 (rank 0's tokens: the measured all-reduce of the whole world) plus its engine's own overhead. So:

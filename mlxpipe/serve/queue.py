@@ -3,7 +3,7 @@
 The HTTP server lives in the controller's process, never in a rank, so a rank's
 death does not take the API down. A background thread launches the pipeline
 (through ``launch.run.launch``, the same sequence every command uses), puts the
-ranks into their serving loop (``worker.loop``), and pumps their events:
+ranks into their serving loop (``worker.generation.loop``), and pumps their events:
 each token goes to its request's stream as it is sampled. When a rank fails,
 every request in flight ends at once with the root cause, ``/health`` says
 ``restarting``, and the thread launches and loads the pipeline again, up to

@@ -22,7 +22,7 @@ def test_a_rank_whose_adapters_are_lost_on_the_way_fails_the_save_instead_of_wri
     from mlxpipe.lora.training import Reporter, Training
     from mlxpipe.protocol.events import TRAIN_EVENTS
     from mlxpipe.protocol.messages import Save
-    from mlxpipe.worker.train import encode_weights
+    from mlxpipe.worker.training.train import encode_weights
 
     class Ranks:
         size = 2
