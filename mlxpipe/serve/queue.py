@@ -55,6 +55,7 @@ from mlxpipe.protocol.events import Finished, Serving, Time, Token
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
 from mlxpipe.protocol.request import Request
+from mlxpipe.serve.stream import Outcome, Sampled, Stream
 
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
@@ -71,63 +72,6 @@ class ServeOptions:
     prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB  # the disk tier, per rank (0: none)
     prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # on SIGTERM: how long the requests in flight may take to finish
-
-
-@dataclass
-class Outcome:
-    """How a request ended, from rank 0's ``finished`` event (or a failure)."""
-
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generation_tokens: int = 0
-    error: MlxpipeError | None = None
-    cache_tier: str | None = None  # where the cached tokens came from: "memory" or "disk"
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A token with its log-probability and the top tokens' (``[id, logprob]``, best first), for a request that
-    asked for logprobs; the others' tokens are plain ints."""
-
-    token: int
-    logprob: float
-    top: list[list[float]]
-
-
-class Stream:
-    """The tokens of one request, readable from the HTTP server's event loop."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request  # as the ranks run it: its token ids (the chat template applied here), its options
-        self._loop = loop
-        self._queue: asyncio.Queue[int | Sampled | Outcome] = asyncio.Queue()
-        self._peeked: list[int | Sampled | Outcome] = []
-        self.submitted = time.monotonic()
-        self.first_token: float | None = None
-        self.outcome: Outcome | None = None
-
-    def put(self, item: int | Sampled | Outcome) -> None:
-        """From the pump thread."""
-        if not isinstance(item, Outcome) and self.first_token is None:
-            self.first_token = time.monotonic()
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the HTTP server has shut down: nobody reads this stream any more
-
-    async def next(self) -> int | Sampled | Outcome:
-        """The next token, or the outcome once the request has ended."""
-        item = self._peeked.pop() if self._peeked else await self._queue.get()
-        if isinstance(item, Outcome):
-            self.outcome = item
-        return item
-
-    async def peek(self) -> int | Sampled | Outcome:
-        """The first item ``next`` will give, without taking it."""
-        if not self._peeked:
-            self._peeked.append(await self._queue.get())
-        return self._peeked[0]
 
 
 @dataclass
