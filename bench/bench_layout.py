@@ -102,7 +102,7 @@ def run_case(title: str, model: Path, hostfile: Path, layouts: list[tuple[str, i
 
 def calibrate(hostfile: Path) -> Any:
     """This machine's compute, from a links job with --calibrate on ``hostfile`` (two local ranks)."""
-    from mlxpipe.cluster.links import measure
+    from mlxpipe.launch.links_job import measure
 
     return measure(hostfile, calibrate=True).hosts[0].calibration
 
@@ -110,7 +110,8 @@ def calibrate(hostfile: Path) -> Any:
 def links_facts(hostfile: Path, calibration: Any) -> Any:
     """The facts of the less loaded of two links jobs on ``hostfile`` (a wait for a core during one inflates
     its latency, which --tp 2 pays twice a layer), with ``calibration``, written beside the hostfile."""
-    from mlxpipe.cluster.links import measure, write_facts
+    from mlxpipe.cluster.facts_file import write_facts
+    from mlxpipe.launch.links_job import measure
 
     facts = min((measure(hostfile) for _ in range(2)), key=lambda f: f.links[0].latency)
     facts = facts.with_calibration(calibration)
@@ -130,7 +131,7 @@ def one_host_facts(facts: Any, hostfile: Path) -> Any:
     """The facts of the first host alone (no link), for the 1-host hostfile of the same machine."""
     from dataclasses import replace
 
-    from mlxpipe.cluster.links import write_facts
+    from mlxpipe.cluster.facts_file import write_facts
 
     single = replace(facts, hosts=facts.hosts[:1], links=(), collective=None, addresses=facts.addresses[:1])
     write_facts(single, hostfile)
@@ -156,7 +157,7 @@ def local_cases(tmp: Path, runs: int, calibration: Any) -> list[dict[str, Any]]:
 def namespace_cases(tmp: Path, runs: int, calibration: Any) -> tuple[list[dict[str, Any]], str | None]:
     """The namespace hosts' cases, and the added delay as the links job measured it."""
     from fixtures.cluster import ClusterUnavailable, built_cluster, check_available
-    from mlxpipe.cluster.links import measure
+    from mlxpipe.launch.links_job import measure
 
     try:
         check_available()

@@ -6,7 +6,7 @@
 The same batches (mlx_lm.lora's own ``iterate_batches``, seed 0) are trained:
 
 * by single-process mlx_lm.lora (``train_model``: its compiled step), pinned to one core;
-* by one launch of 2 local ranks (``mlxpipe.lora.run``: what ``mlxpipe lora`` runs), each worker
+* by one launch of 2 local ranks (``mlxpipe.lora.training``: what ``mlxpipe lora`` runs), each worker
   pinned to a core of its own, under every schedule in turn: naive (one micro-batch),
   GPipe and 1F1B with M = 2, 4, 8 micro-batches.
 
@@ -74,7 +74,7 @@ def build(dest: Path) -> tuple[Path, Path]:
 
 
 def options_for(model: Path, data: Path, out: Path, iters: int, batch: int = BATCH) -> Any:
-    from mlxpipe.lora.run import TrainOptions
+    from mlxpipe.lora.options import TrainOptions
 
     return TrainOptions.build({"model": str(model), "train": True, "data": str(data), "batch_size": batch,
                                "iters": iters, "num_layers": -1, "learning_rate": 1e-5, "val_batches": 0,
@@ -124,14 +124,14 @@ def training_launch(model: Path, options: Any, pinned: bool) -> Iterator[types.S
     from mlxpipe.launch.config import PipelineConfig
     from mlxpipe.launch.pipeline import controller_model_dir
     from mlxpipe.launch.run import launch, prepare
-    from mlxpipe.lora import run as lora
+    from mlxpipe.lora.batches import load_datasets, requests
     from mlxpipe.protocol.messages import Step
 
     target = resolve_target(str(model), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     config = PipelineConfig(target, quiet=True, timeout=600)
     meta, the_plan = prepare(config)
-    datasets = lora.load_datasets(options, controller_model_dir(meta))
-    steps = [r for r in lora.requests(options, datasets, None) if isinstance(r, Step)]
+    datasets = load_datasets(options, controller_model_dir(meta))
+    steps = [r for r in requests(options, datasets, None) if isinstance(r, Step)]
     pipe = launch(config, meta, the_plan, train=options.for_ranks())
     try:
         if pinned:
@@ -147,14 +147,14 @@ def pipeline_rows(model: Path, data: Path, out: Path, steps: int) -> list[Row]:
     """Every setup, ``steps`` steps each, on one launch of 2 pinned ranks."""
     from dataclasses import replace
 
-    from mlxpipe.lora import run as lora
+    from mlxpipe.lora.training import Reporter, Training
 
     options = options_for(model, data, out, steps * len(SETUPS))
     rows = []
     with training_launch(model, options, pinned=True) as run:
         for i, (schedule, micro) in enumerate(SETUPS):
             todo = [replace(b, micro_batches=micro, schedule=schedule) for b in run.steps[i * steps:(i + 1) * steps]]
-            result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
+            result = Training(run.pipe, options, Reporter()).run(iter(todo))
             later = result.steps[1:]
             how = "naive (one micro-batch)" if micro == 1 else schedule
             rows.append(Row(how, micro, sum(s.tokens for s in later), sum(s.seconds for s in later)))
@@ -170,7 +170,8 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
     (a rank's peak is its largest since it started)."""
     from dataclasses import replace
 
-    from mlxpipe.lora import run as lora
+    from mlxpipe.lora.batches import longest_sequence
+    from mlxpipe.lora.training import Reporter, Training
     from mlxpipe.plan.training import training_memory
 
     lines = ["| setup | rank | layers | estimated | measured peak | measured / estimated |",
@@ -179,8 +180,8 @@ def memory_table(model: Path, data: Path, out: Path) -> str:
         options = replace(options_for(model, data, out, 2), micro_batches=micro, schedule=schedule)
         with training_launch(model, options, pinned=False) as run:
             todo = [replace(r, micro_batches=micro, schedule=schedule) for r in run.steps]
-            result = lora.Training(run.pipe, options, lora.Reporter()).run(iter(todo))
-        estimate = training_memory(run.meta, run.plan, options, lora.longest_sequence(run.datasets.train))
+            result = Training(run.pipe, options, Reporter()).run(iter(todo))
+        estimate = training_memory(run.meta, run.plan, options, longest_sequence(run.datasets.train))
         peaks = {r.rank: r.peak_memory_gb * 1e9 for r in result.ranks}
         how = "naive" if micro == 1 else schedule
         for m, r in zip(estimate, run.plan.ranks, strict=True):

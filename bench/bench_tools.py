@@ -77,7 +77,7 @@ def requests(model: Path, max_tokens: int) -> dict[str, Any]:
 
     from mlxpipe.launch.pipeline import Request
     from mlxpipe.protocol.tools import Tool, ToolCalls
-    from mlxpipe.worker.tool_grammar import format_of
+    from mlxpipe.worker.generation.tool_formats import format_of
 
     tokenizer = load(model)
     template_tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()]

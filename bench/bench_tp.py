@@ -58,8 +58,9 @@ def _rank_main(spec: dict[str, Any]) -> None:
     from mlxpipe.protocol.job import JobSpec
     from mlxpipe.protocol.messages import Batch
     from mlxpipe.protocol.request import Request
+    from mlxpipe.worker.generation.loop import RankLoop
+    from mlxpipe.worker.groups import init_group
     from mlxpipe.worker.load import barrier, load_rank
-    from mlxpipe.worker.loop import RankLoop, init_group
 
     job = JobSpec(**spec["job"])
     group = init_group(job.world_size)

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
-
-    from mlxpipe.download.controller import HostReport, HostTask
 
 # Piped output is not squeezed into 80 columns: tables stay readable in logs.
 _PIPE_WIDTH = 132
@@ -104,41 +100,3 @@ class ProgressCallback:
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
             self._progress.stop()
-
-
-@contextmanager
-def download_progress(
-    tasks: Sequence[HostTask], enabled: bool = True
-) -> Iterator[Callable[[HostReport], None] | None]:
-    """One Rich progress bar per host (bytes, rate, ETA); yields the update callback.
-
-    A bar counts only what moves: files a host already holds shrink its total.
-    Hosts not in ``tasks`` (the controller's own cache) get a bar on their first update.
-    Drawn only on a terminal: in a log, the table that follows says it all.
-    """
-    if not enabled or not err.is_terminal:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=err,
-    )
-    ids = {id(t): progress.add_task(t.label, total=t.total_bytes) for t in tasks}
-
-    def update(report: HostReport) -> None:
-        key = id(report.task)
-        if key not in ids:
-            ids[key] = progress.add_task(report.task.label, total=report.todo_bytes)
-        progress.update(ids[key], completed=max(report.done_bytes, 0), total=report.todo_bytes)
-
-    with progress:
-        yield update

@@ -46,6 +46,8 @@ DEFAULT_PROMPT_CACHE_SIZE = 10  # finished requests whose KV caches are kept for
 DEFAULT_PROMPT_CACHE_GB = 16.0
 PROMPT_CACHE_UNDER_HF_HOME = "mlxpipe/prompt-cache"
 DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
+# SIGTERM: seconds the server keeps answering the requests in flight (taking no new ones) before it stops.
+DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest request body; a larger one gets a 413
 # What one image a client sends may be, and how many a request may hold (serve's --max-image-mb,
 # --max-image-pixels, --max-images); here so the command line names them without importing the vision room.

@@ -1,7 +1,8 @@
 """The ``mlxpipe`` command line: thin commands over the core modules.
 
-Each command checks its flags, builds plain values, calls the core and renders the result; one
-module per command, the options they share in ``_options``, the one error boundary in ``_errors``
+Each command checks its flags, builds typed configs, calls the core and renders the result; one
+module per command, each option defined once in ``_options`` and the groups of them the commands
+share (target, request, launch) in ``_groups``, the one error boundary in ``_errors``
 (errors raised on purpose, ``MlxpipeError``, become one line plus a hint; exit codes: 0 success,
 1 failure (a failed rank included), 2 usage error). Heavy imports wait inside the command bodies
 and option callbacks: importing this package (``mlxpipe --help``, ``mlxpipe --version``) loads only
@@ -16,7 +17,7 @@ from typing import Annotated
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli import cluster, demo, doctor, download, generate, lora, plan, serve
+from mlxpipe.cli import cluster, demo_model, doctor, download, generate, lora, plan, serve
 from mlxpipe.cli._errors import boundary, set_debug, stop_on_signals
 
 # What `mlxpipe --version` reports: mlxpipe and the two packages that decide what a rank computes.
@@ -83,7 +84,7 @@ app.command()(boundary(stop_on_signals(generate.generate)))
 app.command()(boundary(stop_on_signals(generate.chat)))
 app.command()(boundary(serve.serve))
 app.command()(boundary(stop_on_signals(lora.lora)))
-app.command("demo-model")(boundary(demo.demo_model))
+app.command("demo-model")(boundary(demo_model.demo_model))
 app.command()(boundary(doctor.doctor))
 app.add_typer(cluster.app)  # discover, init, install: the set-up of a cluster of Macs
 

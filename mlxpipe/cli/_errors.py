@@ -41,9 +41,9 @@ def boundary(fn: Callable[P, R]) -> Callable[P, R]:
             console.error(e.message, e.hint)
             raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
         except Exception as e:
-            # A hub or network error that reached here unmapped (hub.errors.hub_errors maps them
+            # A hub or network error that reached here unmapped (hub.faults.hub_errors maps them
             # where the hub is called) is still the user's network, not a bug: one line, exit 1.
-            from mlxpipe.hub.errors import as_hub_error
+            from mlxpipe.hub.faults import as_hub_error
 
             known = None if os.environ.get(DEBUG_ENV) else as_hub_error(e)
             if known is None:
@@ -62,7 +62,7 @@ def stop_on_signals(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from mlxpipe.launch.ranks import Interrupted, interrupt_on_signals
+        from mlxpipe.launch.signals import Interrupted, interrupt_on_signals
 
         try:
             with interrupt_on_signals():

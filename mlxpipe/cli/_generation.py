@@ -1,107 +1,18 @@
-"""What the commands that run a model (generate, chat, serve, lora) make of their flags, written once.
+"""What the commands that run a model (generate, chat, serve, plan, download, doctor) do with their typed configs
+before the core runs: the draft model's flag combinations, and ``--layout auto`` settled by the cost model.
 
-``RequestFlags``: the generation flags, which become every request's defaults; ``pipeline_config``:
-the typed config of the pipeline to start. Both check on construction, naming the flags.
+The configs themselves are built from the option groups (``_groups``), each checked as it is born.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import UsageError
-from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
 
 if TYPE_CHECKING:
-    from mlxpipe.cluster.presets import Preset
     from mlxpipe.cluster.target import Settled, Target
     from mlxpipe.launch.config import PipelineConfig
-
-# The flags a --config preset may give too (the flag wins, then the preset, then mlx_lm.generate's default).
-_FROM_PRESET = ("max_tokens", "temp", "top_p", "min_p", "seed", "system_prompt")
-
-
-@dataclass(frozen=True)
-class RequestFlags:
-    """The generation flags one command takes, as given (None: not given, or not a flag of that command)."""
-
-    max_tokens: int | None = None
-    temp: float | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    system_prompt: str | None = None
-    ignore_chat_template: bool = False
-    top_k: int | None = None
-    min_tokens_to_keep: int | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    extra_eos_token: list[str] | None = None
-    max_kv_size: int | None = None
-    kv_bits: int | None = None
-    kv_group_size: int | None = None
-    quantized_kv_start: int | None = None
-    chat_template_config: str | None = None
-    use_default_chat_template: bool | None = None
-    prefill_response: str | None = None
-
-    @classmethod
-    def of(cls, params: Mapping[str, Any]) -> RequestFlags:
-        """The generation flags among a command's parameters (Typer gives each flag as its own parameter:
-        the command hands them over at once, ``RequestFlags.of(locals())``)."""
-        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
-
-    def request(self, preset: Preset) -> Request:
-        """The generation options every request gets: the flags, then ``preset``'s, then mlx_lm.generate's
-        defaults; a value out of range is refused naming its flag."""
-        from mlxpipe.cluster.presets import pick
-        from mlxpipe.protocol.request import parse_chat_template_config
-
-        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _FROM_PRESET}
-        given = {k: v for k, v in given.items() if v is not None}
-        if "chat_template_config" in given:
-            given["chat_template_config"] = parse_chat_template_config(given["chat_template_config"],
-                                                                       "--chat-template-config")
-        if "extra_eos_token" in given:
-            given["extra_eos_token"] = tuple(given["extra_eos_token"])
-        request = Request(
-            max_tokens=pick(self.max_tokens, preset.max_tokens, DEFAULT_MAX_TOKENS),
-            temp=pick(self.temp, preset.temp, Request.temp),
-            top_p=pick(self.top_p, preset.top_p, Request.top_p),
-            min_p=pick(self.min_p, preset.min_p, Request.min_p),
-            seed=pick(self.seed, preset.seed),
-            system_prompt=pick(self.system_prompt, preset.system_prompt),
-            **given,
-        )
-        return request.check(lambda field: "--" + field.replace("_", "-"))
-
-
-def pipeline_config(target: Target, *, backend: str | None, mode: str = "generic",
-                    prefill_step_size: int | None = None, port: int | None, timeout: float, trust_remote_code: bool,
-                    quiet: bool, from_controller: bool = False, context: int | None = None,
-                    adapter_path: Path | None = None, draft_model: str | None = None,
-                    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, images: bool = False) -> PipelineConfig:
-    """The typed config of the pipeline the flags describe (``PipelineConfig`` checks them on construction)."""
-    from mlxpipe.launch.config import PipelineConfig
-
-    return PipelineConfig(
-        target=target, backend=backend, mode=mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
-        trust_remote_code=trust_remote_code, from_controller=from_controller, quiet=quiet, context=context,
-        adapter_path=str(adapter_path.expanduser().resolve()) if adapter_path is not None else None,
-        draft_model=_model_dir_or_id(draft_model),
-        num_draft_tokens=num_draft_tokens,
-        images=images,
-    )
-
-
-def _model_dir_or_id(model: str | None) -> str | None:
-    """A directory as an absolute path (the ranks run elsewhere), anything else as given (a hub id)."""
-    from mlxpipe.launch.config import draft_dir
-
-    local = draft_dir(model) if model is not None else None
-    return model if local is None else str(local.resolve())
 
 
 def check_draft_flags(draft_model: str | None, max_kv_size: int | None) -> None:
@@ -144,10 +55,10 @@ def settle_layout(target: Target, *, quiet: bool, backend: str | None, context: 
             meta = load_model_metadata(target, progress=progress)
 
     def refuses(tp: int, stages: int) -> str | None:
-        from mlxpipe.launch.run import check_pipelinable
+        from mlxpipe.launch.run import check_model_structure
 
         try:
-            check_pipelinable(meta, mode, trust_remote_code, tp, stages)
+            check_model_structure(meta, mode, trust_remote_code, tp, stages)
         except MlxpipeError as e:
             return e.message
         return None

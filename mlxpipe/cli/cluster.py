@@ -180,8 +180,8 @@ def _measure_links(outcome: Outcome, hostfile: Path, quiet: bool) -> tuple[Any, 
 def _links_job(hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
     """The links job over ``hostfile``, its facts written beside it; or why not (a job that fails leaves the
     hostfile as it is, and says how to measure again)."""
-    from mlxpipe.cluster import init as setup
     from mlxpipe.errors import MlxpipeError
+    from mlxpipe.launch.links_job import measure
 
     later = f"`mlxpipe doctor --links --hostfile {hostfile}` measures them"
 
@@ -190,7 +190,7 @@ def _links_job(hostfile: Path, quiet: bool) -> tuple[Any, str | None]:
             console.err.print(text, markup=False, highlight=False)
 
     try:
-        return setup.measure_links(hostfile, say), None
+        return measure(hostfile, on_progress=say), None
     except MlxpipeError as e:
         return None, f"not measured ({e.message}); {later}"
 
@@ -235,32 +235,32 @@ def install(
 
     Example: mlxpipe cluster install --hostfile cluster.json
     """
+    from mlxpipe.cluster.facts_file import facts_path
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.cluster.install import FAILED, INSTALLED, Target, point_hostfile
+    from mlxpipe.cluster.install import FAILED, INSTALLED, ControllerEnv, point_hostfile
     from mlxpipe.cluster.install import install as install_hosts
-    from mlxpipe.cluster.links import facts_path
     from mlxpipe.errors import UsageError
 
     if wheelhouse is not None and not wheelhouse.is_dir():
         raise UsageError(f"--wheelhouse {wheelhouse}: no such directory", "pass a directory of .whl files")
     hosts = load_hostfile(hostfile)
-    target = Target.here()
+    env = ControllerEnv.here()
     if not json_out:
-        console.err.print(f"making {len({h.ssh for h in hosts.hosts})} hosts match this machine: {target.describe()}",
+        console.err.print(f"making {len({h.ssh for h in hosts.hosts})} hosts match this machine: {env.describe()}",
                           markup=False, highlight=False)
 
     def say(host: str, text: str) -> None:
         if not json_out:
             console.err.print(f"{host}: {text}", markup=False, highlight=False)
 
-    results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, target=target)
+    results = install_hosts(hosts.hosts, wheelhouse=wheelhouse, on_progress=say, env=env)
     changed = point_hostfile(hostfile, results)
     failed = [r for r in results if r.status == FAILED]
     links, links_note = None, None
     if not failed and (any(r.status == INSTALLED for r in results) or not facts_path(hostfile).is_file()):
         links, links_note = _links_job(hostfile, quiet=json_out)  # the hosts can run MLX now: --layout auto's facts
     if json_out:
-        console.print_json({"target": target.versions, "hosts": [r.to_json() for r in results],
+        console.print_json({"target": env.versions, "hosts": [r.to_json() for r in results],
                             "hostfile_updated": changed, "links": links.to_json() if links is not None else None,
                             "links_note": links_note})
     else:
@@ -343,7 +343,7 @@ def _print_init(outcome: Outcome, written: Path | None, links: Any, links_note: 
 def _print_links(links: Any, note: str | None, hostfile: Path) -> None:
     """What the links job measured, one line per link, and where it wrote it; or why it did not run."""
     from mlxpipe.cli.render import link_lines
-    from mlxpipe.cluster.links import facts_path
+    from mlxpipe.cluster.facts_file import facts_path
 
     if links is None:
         if note:

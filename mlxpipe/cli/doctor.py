@@ -3,42 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import (
-    Backend,
-    Config,
-    Hostfile,
-    Json,
-    LayoutOption,
-    Revision,
-    Split,
-    Strategy,
-    Tp,
-    WorkloadOption,
-    parse_split,
-    tcp_port,
-)
+from mlxpipe.cli._groups import Take, TargetFlags, option_groups
+from mlxpipe.cli._options import Backend, Json, tcp_port
 from mlxpipe.defaults import DEFAULT_CONTEXT, DEFAULT_PORT
 
+if TYPE_CHECKING:
+    from mlxpipe.cluster.check_result import CheckResult
+    from mlxpipe.cluster.hostfile import Hostfile
+    from mlxpipe.cluster.target import Target
+    from mlxpipe.model.metadata import ModelMetadata
+    from mlxpipe.plan.shard import Plan
 
+DoctorModel = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Also check memory and disk for this model's plan, and whether its layout is "
+    "predicted slower than fewer hosts would be (with the cluster's facts).",
+    show_default="the --config preset's, else none: no memory or disk check",
+)]
+
+
+@option_groups
 def doctor(
-    hostfile: Hostfile = None,
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="Also check memory and disk for this model's plan, and whether its layout is "
-        "predicted slower than fewer hosts would be (with the cluster's facts).",
-        show_default="the --config preset's, else none: no memory or disk check",
-    )] = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
+    flags: Annotated[TargetFlags, Take(model=DoctorModel)],
     port: Annotated[int | None, typer.Option(
         "--port", help="First ring port to check.",
         show_default=f"{DEFAULT_PORT}; unchecked when every rank is local", callback=tcp_port,
@@ -68,48 +59,27 @@ def doctor(
 
     Example: mlxpipe doctor --links --hostfile cluster.json
     """  # noqa: E501 - the examples are one command line each, as the help prints them
-    from mlxpipe.cli._generation import settle_layout
-    from mlxpipe.cli.render import doctor_table
-    from mlxpipe.cluster.doctor import layout_checks, preflight
-    from mlxpipe.cluster.hostfile import check_backend, load_hostfile
-    from mlxpipe.cluster.presets import pick
-    from mlxpipe.cluster.target import default_hostfile, load_model_metadata, plan_target, resolve_target
+    from mlxpipe.cluster.doctor import preflight
+    from mlxpipe.cluster.hostfile import check_backend
+    from mlxpipe.cluster.layout_checks import layout_checks
     from mlxpipe.errors import UsageError
-    from mlxpipe.plan.tensor import check_tp
 
     if calibrate and not links:
         raise UsageError("--calibrate goes with --links", "mlxpipe doctor --links --calibrate")
-    the_plan = meta = target = None
-    if all(v is None for v in (model, revision, strategy, split, config)):  # no model: no plan to check against
-        hosts = load_hostfile(hostfile) if hostfile else default_hostfile()
-        tp = check_tp(1 if tp is None else tp, hosts.size)
-    else:
-        target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
-        hosts, backend = target.hostfile, pick(backend, target.preset.backend)
-        with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
-            meta = load_model_metadata(target, progress=progress)
-        target = settle_layout(target, quiet=json_out, backend=backend, context=context, meta=meta).target
-        the_plan = plan_target(target, meta, context=context, backend=backend)
-        tp = target.tp
+    if flags.names_a_model:
+        planned = _plan(flags, backend, context, json_out)
+        hosts, backend, tp = planned.target.hostfile, planned.backend, planned.target.tp
+    else:  # no model: no plan to check against, the hosts alone (--tp checked against them)
+        planned, hosts, tp = None, flags.hosts(), flags.tp or 1
     check_backend(backend, "--backend")  # the flag's was checked while parsing; the preset's is checked here
     with console.err.status(f"checking {hosts.size} ranks...") if not json_out else contextlib.nullcontext():
-        results = preflight(hosts, the_plan, meta, port=port, backend=backend, tp=tp)
-    if target is not None and meta is not None and the_plan is not None:
-        results += layout_checks(target, meta, the_plan, backend=backend)
+        results = preflight(hosts, planned.plan if planned else None, planned.meta if planned else None, port=port,
+                            backend=backend, tp=tp)
+    if planned:
+        results += layout_checks(planned.target, planned.meta, planned.plan, backend=backend)
     failed = [r for r in results if r.failed]
-    facts = None
-    if links and not failed:
-        facts = _measure(hosts, backend, port, calibrate, json_out)
-    if json_out:
-        console.print_json({"ok": not failed, "checks": [r.to_json() for r in results],
-                            **({"facts": facts.to_json()} if facts is not None else {})})
-    else:
-        console.out.print(doctor_table(results))
-        if facts is not None:
-            from mlxpipe.cli.render import facts_table
-            from mlxpipe.cluster.links import facts_path
-
-            console.out.print(facts_table(facts, facts_path(hosts.path)))
+    facts = _measure(hosts, backend, port, calibrate, json_out) if links and not failed else None
+    _report(results, facts, hosts, json_out)
     if failed:
         names = ", ".join(dict.fromkeys(r.host for r in failed))
         more = "; the links are measured once every check passes" if links else ""
@@ -118,9 +88,49 @@ def doctor(
         raise typer.Exit(1)
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """The model's plan the checks compare the hosts against, and the backend chosen for it."""
+
+    target: Target
+    meta: ModelMetadata
+    plan: Plan
+    backend: str | None
+
+
+def _plan(flags: TargetFlags, backend: str | None, context: int, quiet: bool) -> _Planned:
+    """The target's plan at ``context``, in the layout that would run."""
+    from mlxpipe.cli._generation import settle_layout
+    from mlxpipe.cluster.presets import pick
+    from mlxpipe.cluster.target import load_model_metadata, plan_target
+
+    target = flags.target()
+    backend = pick(backend, target.preset.backend)
+    with console.ProgressCallback("reading safetensors headers", enabled=not quiet) as progress:
+        meta = load_model_metadata(target, progress=progress)
+    target = settle_layout(target, quiet=quiet, backend=backend, context=context, meta=meta).target
+    return _Planned(target, meta, plan_target(target, meta, context=context, backend=backend), backend)
+
+
+def _report(results: list[CheckResult], facts: Any, hosts: Hostfile, json_out: bool) -> None:
+    """Every check, and the links measured (with --links)."""
+    if json_out:
+        console.print_json({"ok": not any(r.failed for r in results), "checks": [r.to_json() for r in results],
+                            **({"facts": facts.to_json()} if facts is not None else {})})
+        return
+    from mlxpipe.cli.render import doctor_table
+
+    console.out.print(doctor_table(results))
+    if facts is not None:
+        from mlxpipe.cli.render import facts_table
+        from mlxpipe.cluster.facts_file import facts_path
+
+        console.out.print(facts_table(facts, facts_path(hosts.path)))
+
+
 def _measure(hosts: Any, backend: str | None, port: int | None, calibrate: bool, quiet: bool) -> Any:
-    """The links job (``cluster/links.py``), its progress on stderr."""
-    from mlxpipe.cluster.links import measure
+    """The links job (``launch/links_job.py``), its progress on stderr."""
+    from mlxpipe.launch.links_job import measure
 
     def say(text: str) -> None:
         if not quiet:

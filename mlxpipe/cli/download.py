@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import (
-    Config,
-    Hostfile,
-    Json,
-    LayoutOption,
-    Model,
-    Revision,
-    Split,
-    Strategy,
-    Tp,
-    WorkloadOption,
-    parse_split,
-)
+from mlxpipe.cli._groups import TargetFlags, option_groups
+from mlxpipe.cli._options import Json
 from mlxpipe.errors import UsageError
 
+if TYPE_CHECKING:
+    from mlxpipe.cluster.hostfile import Hostfile
+    from mlxpipe.download.controller import HostReport, HostTask
+    from mlxpipe.model.metadata import ModelMetadata
 
+
+@option_groups
 def download(
-    model: Model = None,
-    hostfile: Hostfile = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
+    flags: TargetFlags,
     rank: Annotated[int | None, typer.Option(
         "--rank", help="Fetch only this rank's files, on this machine.", show_default="every rank, on its host"
     )] = None,
@@ -58,24 +45,12 @@ def download(
     Example: mlxpipe download --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """  # noqa: E501 - the example is one command line, as the help prints it
     from mlxpipe.cli._generation import settle_layout
-    from mlxpipe.cli.render import controller_line, download_table, tasks_table
-    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-    from mlxpipe.console import download_progress
+    from mlxpipe.cluster.target import load_model_metadata, plan_target
     from mlxpipe.download import controller as dl
     from mlxpipe.launch.run import require_fit
 
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
-    hosts = target.hostfile.hosts
-    if local and rank is None:
-        here = [h.rank for h in hosts if h.is_local]
-        if not here:
-            raise UsageError("--local: no host in the hostfile is 127.0.0.1", "use --rank R")
-        rank = here[0]
-    if rank is not None and not 0 <= rank < len(hosts):
-        raise UsageError(f"--rank {rank}: the hostfile has ranks 0-{len(hosts) - 1}")
-    if rank is not None and from_controller:
-        raise UsageError("--from-controller sends every host its files; --rank fetches one rank's here",
-                         "give one of them")
+    target = flags.target()
+    rank = _rank(target.hostfile, rank, local, from_controller)
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, progress=progress)
     if not from_controller:
@@ -83,14 +58,43 @@ def download(
     target = settle_layout(target, quiet=json_out, backend=None, context=None, meta=meta).target  # the layout that runs
     the_plan = plan_target(target, meta)
     require_fit(the_plan)  # shares that no run could load are not worth fetching (nor listing: exit 1)
-    tasks = dl.host_tasks(the_plan, meta, hosts, None if rank is None else [rank], here=rank is not None)
+    only = None if rank is None else [rank]
+    tasks = dl.host_tasks(the_plan, meta, target.hostfile.hosts, only, here=rank is not None)
     if dry_run:
         if json_out:
             console.print_json(dl.tasks_json(meta, tasks))
         else:
+            from mlxpipe.cli.render import tasks_table
+
             console.out.print(tasks_table(tasks, meta))
         return
+    _fetch(tasks, meta, rank, from_controller, json_out)
+
+
+def _rank(hosts: Hostfile, rank: int | None, local: bool, from_controller: bool) -> int | None:
+    """The one rank whose files are fetched here (--rank, or --local's), or None: every rank, on its host."""
+    if local and rank is None:
+        here = [h.rank for h in hosts.hosts if h.is_local]
+        if not here:
+            raise UsageError("--local: no host in the hostfile is 127.0.0.1", "use --rank R")
+        rank = here[0]
+    if rank is not None and not 0 <= rank < hosts.size:
+        raise UsageError(f"--rank {rank}: the hostfile has ranks 0-{hosts.size - 1}")
+    if rank is not None and from_controller:
+        raise UsageError("--from-controller sends every host its files; --rank fetches one rank's here",
+                         "give one of them")
+    return rank
+
+
+def _fetch(tasks: list[HostTask], meta: ModelMetadata, rank: int | None, from_controller: bool,
+           json_out: bool) -> None:
+    """Each task fetched (here, on its host, or sent from here), then what moved."""
+    from mlxpipe.cli.render import controller_line, download_table
+    from mlxpipe.download import controller as dl
+    from mlxpipe.download.progress import download_progress
+
     controller = None
+    reports: list[HostReport]
     with download_progress(tasks, enabled=not json_out) as on_update:
         if from_controller:
             outcome = dl.distribute(tasks, meta, on_update)
@@ -108,6 +112,3 @@ def download(
     moved = sum(r.result.fetched_bytes for r in reports if r.result)
     if moved == 0:
         console.out.print("Every host already had its files: 0 bytes transferred.")
-
-
-

@@ -9,54 +9,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
-from mlxpipe.cli._options import (
-    AdapterPath,
-    Backend,
-    ChatTemplateConfig,
-    Config,
-    Context,
-    DecodeBatch,
-    DraftModel,
-    ExtraEosToken,
-    FromController,
-    Hostfile,
-    IgnoreChatTemplate,
-    Json,
-    KvBits,
-    KvGroupSize,
-    LayoutOption,
-    MaxKvSize,
-    MaxTokens,
-    MinP,
-    MinTokensToKeep,
-    Model,
-    NumDraftTokens,
-    PipelineMode,
-    PrefillResponse,
-    PrefillStepSize,
-    QuantizedKvStart,
-    Revision,
-    RingPort,
-    Seed,
-    Split,
-    Strategy,
-    SystemPrompt,
-    Temp,
-    Timeout,
-    TopK,
-    TopP,
-    Tp,
-    TrustRemoteCode,
-    UseDefaultChatTemplate,
-    WorkloadOption,
-    XtcProbability,
-    XtcThreshold,
-    parse_split,
-)
-from mlxpipe.defaults import DEFAULT_DECODE_BATCH, DEFAULT_STEP_TIMEOUT
+from mlxpipe.cli._generation import check_draft_flags, settle_config
+from mlxpipe.cli._groups import LaunchFlags, RequestFlags, Take, TargetFlags, option_groups
+from mlxpipe.cli._options import DecodeBatch, Json
+from mlxpipe.defaults import DEFAULT_DECODE_BATCH
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
-from mlxpipe.protocol.request import DEFAULT_NUM_DRAFT_TOKENS, Image, Request
+from mlxpipe.protocol.request import Image, Request
 
 if TYPE_CHECKING:
     from mlxpipe.launch.batch import RequestResult
@@ -89,48 +47,14 @@ Output = Annotated[Path | None, typer.Option(
 )]
 
 
+@option_groups
 def generate(
+    *,
     prompt: Prompt = None,
     image: Images = None,
-    model: Model = None,
-    hostfile: Hostfile = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
-    max_tokens: MaxTokens = None,
-    temp: Temp = None,
-    top_p: TopP = None,
-    min_p: MinP = None,
-    seed: Seed = None,
-    system_prompt: SystemPrompt = None,
-    ignore_chat_template: IgnoreChatTemplate = False,
-    top_k: TopK = Request.top_k,
-    min_tokens_to_keep: MinTokensToKeep = Request.min_tokens_to_keep,
-    xtc_probability: XtcProbability = Request.xtc_probability,
-    xtc_threshold: XtcThreshold = Request.xtc_threshold,
-    extra_eos_token: ExtraEosToken = None,
-    max_kv_size: MaxKvSize = None,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = Request.kv_group_size,
-    quantized_kv_start: QuantizedKvStart = Request.quantized_kv_start,
-    chat_template_config: ChatTemplateConfig = None,
-    use_default_chat_template: UseDefaultChatTemplate = False,
-    prefill_response: PrefillResponse = None,
-    context: Context = None,
-    adapter_path: AdapterPath = None,
-    draft_model: DraftModel = None,
-    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS,
-    backend: Backend = None,
-    pipeline_mode: PipelineMode = "generic",
-    prefill_step_size: PrefillStepSize = None,
-    port: RingPort = None,
-    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
-    trust_remote_code: TrustRemoteCode = False,
-    from_controller: FromController = False,
+    target: TargetFlags,
+    request: RequestFlags,
+    launch: LaunchFlags,
     prompts_file: PromptsFile = None,
     concurrency: Concurrency = None,
     output: Output = None,
@@ -149,11 +73,37 @@ def generate(
     import sys
 
     from mlxpipe.cli.render import answer_table
-    from mlxpipe.cluster.target import resolve_target
     from mlxpipe.launch.pipeline import request_for
     from mlxpipe.launch.run import running_pipeline
 
-    flags = RequestFlags.of(locals())
+    _check_generate_flags(prompt, prompts_file, concurrency, output, launch.draft_model)
+    check_draft_flags(launch.draft_model, request.max_kv_size)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if target.workload is None and prompts_file is not None:
+        target = replace(target, workload="batch")  # many prompts at once: judged by aggregate throughput
+    if image and prompts_file is not None:
+        raise UsageError("--image goes with --prompt, not --prompts-file")
+    images = read_images(image)
+    the_target = target.target()
+    options = request.request(the_target.preset)
+    config = settle_config(launch.config(the_target, quiet=json_out, images=bool(images)), quiet=json_out)
+    if prompts_file is not None:
+        _generate_batch(config, options, prompts_file, concurrency, output, json_out, decode_batch)
+        return
+    with running_pipeline(config) as pipe:
+        answer = pipe.generate(replace(request_for(prompt, None, options), images=images),
+                               None if json_out else _stream_text)
+    if json_out:
+        console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
+    else:
+        console.out.print()
+        console.err.print(answer_table(answer))
+
+
+def _check_generate_flags(prompt: str | None, prompts_file: Path | None, concurrency: int | None,
+                          output: Path | None, draft_model: str | None) -> None:
+    """One prompt or a file of them, and the flags that go with each, refused before anything starts."""
     if prompts_file is not None and prompt is not None:
         raise UsageError("give --prompt or --prompts-file, not both")
     if prompts_file is None and (concurrency is not None or output is not None):
@@ -163,33 +113,6 @@ def generate(
     if prompts_file is not None and draft_model is not None and concurrency not in (None, 1):
         raise UsageError("--concurrency: with --draft-model the prompts run one at a time (speculative decoding "
                          "is not batched, as in mlx-lm)", "drop --concurrency")
-    check_draft_flags(draft_model, max_kv_size)
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    if workload is None and prompts_file is not None:
-        workload = "batch"  # many prompts at once: judged by aggregate throughput
-    if image and prompts_file is not None:
-        raise UsageError("--image goes with --prompt, not --prompts-file")
-    images = read_images(image)
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
-    options = flags.request(target.preset)
-    run_config = pipeline_config(
-        target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
-        trust_remote_code=trust_remote_code, quiet=json_out, from_controller=from_controller, context=context,
-        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens, images=bool(images),
-    )
-    run_config = settle_config(run_config, quiet=json_out)
-    if prompts_file is not None:
-        _generate_batch(run_config, options, prompts_file, concurrency, output, json_out, decode_batch)
-        return
-    with running_pipeline(run_config) as pipe:
-        request = replace(request_for(prompt, None, options), images=images)
-        answer = pipe.generate(request, None if json_out else _stream_text)
-    if json_out:
-        console.print_json({**answer.to_json(), "run_dir": str(pipe.run_dir)})
-    else:
-        console.out.print()
-        console.err.print(answer_table(answer))
 
 
 def _generate_batch(config: PipelineConfig, defaults: Request, prompts_file: Path,
@@ -250,65 +173,26 @@ def _stream_text(text: str) -> None:
     sys.stdout.flush()
 
 
+@option_groups
 def chat(
+    *,
     image: Images = None,
-    model: Model = None,
-    hostfile: Hostfile = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
-    max_tokens: MaxTokens = None,
-    temp: Temp = None,
-    top_p: TopP = None,
-    min_p: MinP = None,
-    seed: Seed = None,
-    system_prompt: SystemPrompt = None,
-    top_k: TopK = Request.top_k,
-    min_tokens_to_keep: MinTokensToKeep = Request.min_tokens_to_keep,
-    xtc_probability: XtcProbability = Request.xtc_probability,
-    xtc_threshold: XtcThreshold = Request.xtc_threshold,
-    extra_eos_token: ExtraEosToken = None,
-    max_kv_size: MaxKvSize = None,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = Request.kv_group_size,
-    quantized_kv_start: QuantizedKvStart = Request.quantized_kv_start,
-    chat_template_config: ChatTemplateConfig = None,
-    use_default_chat_template: UseDefaultChatTemplate = False,
-    context: Context = None,
-    adapter_path: AdapterPath = None,
-    draft_model: DraftModel = None,
-    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS,
-    backend: Backend = None,
-    pipeline_mode: PipelineMode = "generic",
-    prefill_step_size: PrefillStepSize = None,
-    port: RingPort = None,
-    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
-    trust_remote_code: TrustRemoteCode = False,
-    from_controller: FromController = False,
+    target: TargetFlags,
+    request: Annotated[RequestFlags, Take(drop=("ignore_chat_template", "prefill_response"))],
+    launch: LaunchFlags,
 ) -> None:
     """Multi-turn chat with the model across the hosts; each turn reuses the prompt cache.
 
     Type a message and press Enter; an empty line or Ctrl-D ends the chat.
     """
-    from mlxpipe.cluster.target import resolve_target
     from mlxpipe.launch.run import running_pipeline
 
-    flags = RequestFlags.of(locals())
-    check_draft_flags(draft_model, max_kv_size)
+    check_draft_flags(launch.draft_model, request.max_kv_size)
     images = read_images(image)
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
-    options = flags.request(target.preset)
-    run_config = pipeline_config(
-        target, backend=backend, mode=pipeline_mode, prefill_step_size=prefill_step_size, port=port, timeout=timeout,
-        trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
-        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens, images=bool(images),
-    )
-    run_config = settle_config(run_config, quiet=False)
-    with running_pipeline(run_config) as pipe:
+    the_target = target.target()
+    options = request.request(the_target.preset)
+    config = settle_config(launch.config(the_target, quiet=False, images=bool(images)), quiet=False)
+    with running_pipeline(config) as pipe:
         _chat_turns(pipe, replace(options, images=images))
 
 

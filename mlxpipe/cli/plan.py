@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mlxpipe import console
-from mlxpipe.cli._options import (
-    Backend,
-    Config,
-    Hostfile,
-    Json,
-    LayoutOption,
-    Model,
-    Revision,
-    Split,
-    Strategy,
-    Tp,
-    WorkloadOption,
-    parse_split,
-)
-from mlxpipe.cli.fleet import FleetFile
+from mlxpipe.cli._groups import TargetFlags, option_groups
+from mlxpipe.cli._options import Backend, FleetFile, Json
 from mlxpipe.defaults import DEFAULT_CONTEXT
 
+if TYPE_CHECKING:
+    from mlxpipe.cluster.target import Settled
+    from mlxpipe.plan.shard import Plan
 
+
+@option_groups
 def plan(
-    model: Model = None,
-    hostfile: Hostfile = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
+    flags: TargetFlags,
     backend: Backend = None,
     context: Annotated[int, typer.Option(
         "--context", help="Context length (tokens) the fit check reserves KV cache for."
@@ -53,43 +37,22 @@ def plan(
     Example: mlxpipe plan --model mlx-community/Llama-3.3-70B-Instruct-4bit --hostfile hostfiles/mac-studio-2-thunderbolt.json
     """  # noqa: E501 - the example is one command line, as the help prints it
     from mlxpipe.cli._generation import settle_layout
-    from mlxpipe.cli.render import layouts_table, plan_table
-    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
+    from mlxpipe.cluster.target import load_model_metadata, plan_target
 
     if fleet is not None:  # every entry of the file, each on its own hosts of --hostfile
-        from mlxpipe.cli.fleet import plan_fleet, refuse_model_flags
+        from mlxpipe.cli.fleet import plan_fleet
 
-        refuse_model_flags({"--model": model, "--revision": revision, "--strategy": strategy, "--split": split,
-                            "--tp": tp, "--layout": layout, "--config": config})
-        plan_fleet(fleet, hostfile, context=context, backend=backend, workload=workload, refresh=refresh,
-                   json_out=json_out)
+        plan_fleet(fleet, flags, context=context, backend=backend, refresh=refresh, json_out=json_out)
         return
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
+    target = flags.target()
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, refresh=refresh, progress=progress)
     settled = settle_layout(target, quiet=json_out, backend=backend, context=context, meta=meta, say=False)
     the_plan = plan_target(settled.target, meta, context=context, backend=backend)
-    choice = settled.choice
     if json_out:
-        data = the_plan.to_json()
-        if choice is not None:
-            found = bool(choice.candidates)
-            data["layouts"] = {"workload": choice.workload.name, "chosen": choice.chosen.name if found else None,
-                               "reason": choice.reason if found else None,
-                               "candidates": [c.estimate.to_json() for c in choice.candidates],
-                               "refused": [{"layout": name, "why": why} for name, why in choice.refused]}
-        if settled.note and target.layout_asked:  # asked for: say why no layout was weighed
-            data["layout_note"] = settled.note
-        console.print_json(data)
+        console.print_json(_plan_json(the_plan, settled, target.layout_asked))
     else:
-        if choice is not None and choice.candidates:
-            console.out.print(layouts_table(choice))
-            console.out.print(f"layout: {choice.reason}", markup=False, highlight=False, soft_wrap=True)
-        elif settled.note and target.layout_asked:
-            console.out.print(f"[dim]{settled.note}[/]", highlight=False)
-        console.out.print(plan_table(the_plan))
-        for note in the_plan.notes:
-            console.out.print(f"[dim]note: {note}[/]")
+        _print_plan(the_plan, settled, target.layout_asked)
     if not the_plan.fits:
         bad = ", ".join(f"rank {r.rank} ({r.host})" for r in the_plan.ranks if r.fits is False)
         hint = (
@@ -99,3 +62,33 @@ def plan(
         )
         console.error(f"{bad} cannot hold its share at --context {context}", hint)
         raise typer.Exit(1)
+
+
+def _plan_json(the_plan: Plan, settled: Settled, asked: bool) -> dict[str, Any]:
+    """The plan's JSON, with the layouts weighed (and, ``asked`` for --layout, why none were)."""
+    data = the_plan.to_json()
+    choice = settled.choice
+    if choice is not None:
+        found = bool(choice.candidates)
+        data["layouts"] = {"workload": choice.workload.name, "chosen": choice.chosen.name if found else None,
+                           "reason": choice.reason if found else None,
+                           "candidates": [c.estimate.to_json() for c in choice.candidates],
+                           "refused": [{"layout": name, "why": why} for name, why in choice.refused]}
+    if settled.note and asked:  # asked for: say why no layout was weighed
+        data["layout_note"] = settled.note
+    return data
+
+
+def _print_plan(the_plan: Plan, settled: Settled, asked: bool) -> None:
+    """The layouts weighed and the choice (or, ``asked`` for --layout, why none were), then the plan's table."""
+    from mlxpipe.cli.render import layouts_table, plan_table
+
+    choice = settled.choice
+    if choice is not None and choice.candidates:
+        console.out.print(layouts_table(choice))
+        console.out.print(f"layout: {choice.reason}", markup=False, highlight=False, soft_wrap=True)
+    elif settled.note and asked:
+        console.out.print(f"[dim]{settled.note}[/]", highlight=False)
+    console.out.print(plan_table(the_plan))
+    for note in the_plan.notes:
+        console.out.print(f"[dim]note: {note}[/]")

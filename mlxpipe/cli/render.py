@@ -13,12 +13,12 @@ from mlxpipe.console import short_bytes
 from mlxpipe.plan.shard import Plan
 
 if TYPE_CHECKING:
-    from mlxpipe.cluster.doctor import CheckResult
+    from mlxpipe.cluster.check_result import CheckResult
     from mlxpipe.download.controller import HostReport, HostTask
     from mlxpipe.launch.batch import BatchResult
     from mlxpipe.launch.pipeline import Answer
     from mlxpipe.model.metadata import ModelMetadata
-    from mlxpipe.protocol.download import FetchResult
+    from mlxpipe.protocol.fetch_events import FetchResult
 
 
 def plan_table(plan: Plan) -> RenderableType:

@@ -2,43 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from mlxpipe.cli._generation import RequestFlags, check_draft_flags, pipeline_config, settle_config
-from mlxpipe.cli._options import (
-    FROM_PRESET,
-    AdapterPath,
-    Backend,
-    ChatTemplateConfig,
-    Config,
-    DecodeBatch,
-    FromController,
-    Hostfile,
-    KvBits,
-    KvGroupSize,
-    LayoutOption,
-    MaxKvSize,
-    Model,
-    NumDraftTokens,
-    PrefillStepSize,
-    QuantizedKvStart,
-    Revision,
-    Split,
-    Strategy,
-    Timeout,
-    Tp,
-    TrustRemoteCode,
-    UseDefaultChatTemplate,
-    WorkloadOption,
-    parse_split,
-    tcp_port,
-)
-from mlxpipe.cli.fleet import FleetFile
+from mlxpipe.cli._generation import check_draft_flags, settle_config
+from mlxpipe.cli._groups import LaunchFlags, RequestFlags, Take, TargetFlags, option_groups
+from mlxpipe.cli._options import FROM_PRESET, DecodeBatch, FleetFile, tcp_port
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
+    DEFAULT_DRAIN_SECONDS,
     DEFAULT_IMAGE_URL_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_BYTES,
@@ -50,14 +25,15 @@ from mlxpipe.defaults import (
     DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
-    DEFAULT_STEP_TIMEOUT,
     PROMPT_CACHE_UNDER_HF_HOME,
 )
 from mlxpipe.errors import UsageError
 from mlxpipe.protocol.checks import at_least, positive
-from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, Request
+from mlxpipe.protocol.request import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
+    from mlxpipe.launch.config import PipelineConfig
+    from mlxpipe.serve.queue import ServeOptions
     from mlxpipe.vision.images import ImageLimits
 
 MIB = 1024 * 1024
@@ -86,6 +62,11 @@ QueueTimeout = Annotated[float, typer.Option(
 )]
 MaxBodySize = Annotated[int, typer.Option(
     "--max-body-size", help="Largest request body, in bytes; a larger one gets a 413."
+)]
+DrainSeconds = Annotated[float, typer.Option(
+    "--drain-seconds",
+    help="On SIGTERM: seconds the requests in flight have to finish, while new ones get a 503 with Retry-After; "
+         "then the server stops. 0: SIGTERM stops at once, as Ctrl-C does.",
 )]
 MaxRestarts = Annotated[int, typer.Option(
     "--max-restarts", help="Relaunches after a rank fails before the server gives up."
@@ -149,58 +130,86 @@ ImageUrlTimeout = Annotated[float, typer.Option(
     "--image-url-timeout", help="Seconds an image URL may take to fetch, whole, with --allow-image-urls; "
     "longer gets a 400."
 )]
-RingPort = Annotated[int | None, typer.Option(
+ServeRingPort = Annotated[int | None, typer.Option(
     "--ring-port", help="First port of the ranks' ring.",
     show_default=f"{DEFAULT_PORT}; a free one when every rank is local", callback=tcp_port,
 )]
 
 
+@dataclass(frozen=True)
+class ServeFlags:
+    """The server's own flags, as given: where it listens, whom it answers, and its limits."""
+
+    host: Host = "127.0.0.1"
+    port: HttpPort = 8080
+    api_key: ApiKey = None
+    served_model_name: ServedModelName = None
+    any_model_name: AnyModelName = False
+    max_concurrency: MaxConcurrency = None
+    decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH
+    max_queue: MaxQueue = DEFAULT_MAX_QUEUE
+    queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT
+    max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES
+    max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS
+    drain_seconds: DrainSeconds = DEFAULT_DRAIN_SECONDS
+    max_image_mb: MaxImageMb = DEFAULT_MAX_IMAGE_BYTES / MIB
+    max_image_pixels: MaxImagePixels = DEFAULT_MAX_IMAGE_PIXELS / MEGAPIXEL
+    max_images: MaxImages = DEFAULT_MAX_IMAGES
+    allow_image_urls: AllowImageUrls = False
+    image_url_timeout: ImageUrlTimeout = DEFAULT_IMAGE_URL_TIMEOUT
+    prompt_cache_size: PromptCacheSize = DEFAULT_PROMPT_CACHE_SIZE
+    prompt_cache_gb: PromptCacheGb = DEFAULT_PROMPT_CACHE_GB
+    prompt_cache_dir: PromptCacheDir = None
+
+    def for_draft(self) -> ServeFlags:
+        """With a draft model requests run one at a time, as in mlx_lm.server: no batch, no disk tier to keep
+        (each request continues the last one's caches)."""
+        if self.max_concurrency not in (None, 1):
+            raise UsageError("--max-concurrency: with --draft-model requests run one at a time (speculative "
+                             "decoding is not batched, as in mlx_lm.server)", "drop --max-concurrency")
+        return replace(self, max_concurrency=1, decode_batch=1, prompt_cache_gb=0.0)
+
+    def limits(self) -> ImageLimits:
+        """What each image a request sends may be (checked, naming the flags)."""
+        limits = image_limits(self.max_image_mb, self.max_image_pixels, self.max_images)
+        positive(self.image_url_timeout, "--image-url-timeout")
+        return limits
+
+    def check(self) -> None:
+        """The queue's flags, refused before the layout is settled (which may read the model)."""
+        from mlxpipe.launch.batch import check_decode_batch
+
+        check_decode_batch(self.decode_batch)
+        if self.max_concurrency is not None:
+            at_least(self.max_concurrency, 1, "--max-concurrency")
+
+    def options(self, config: PipelineConfig) -> ServeOptions:
+        """The request queue's options; ``--max-concurrency`` defaults to ``--decode-batch`` per stage of the
+        layout that runs (``config`` settled)."""
+        from mlxpipe.serve.queue import ServeOptions
+
+        given = self.max_concurrency
+        return ServeOptions(
+            max_concurrency=given if given is not None else config.concurrency(self.decode_batch),
+            max_queue=self.max_queue, max_restarts=self.max_restarts, prompt_cache_size=self.prompt_cache_size,
+            decode_batch=self.decode_batch, queue_timeout=self.queue_timeout, prompt_cache_gb=self.prompt_cache_gb,
+            prompt_cache_dir=self.prompt_cache_dir, drain_seconds=self.drain_seconds,
+        )
+
+
+@option_groups
 def serve(
-    model: Model = None,
-    hostfile: Hostfile = None,
-    revision: Revision = None,
-    strategy: Strategy = None,
-    split: Split = None,
-    tp: Tp = None,
-    layout: LayoutOption = None,
-    workload: WorkloadOption = None,
-    config: Config = None,
-    host: Host = "127.0.0.1",
-    port: HttpPort = 8080,
-    api_key: ApiKey = None,
-    served_model_name: ServedModelName = None,
-    any_model_name: AnyModelName = False,
-    max_concurrency: MaxConcurrency = None,
-    decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH,
-    max_queue: MaxQueue = DEFAULT_MAX_QUEUE,
-    queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT,
-    max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES,
-    max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
-    max_image_mb: MaxImageMb = DEFAULT_MAX_IMAGE_BYTES / MIB,
-    max_image_pixels: MaxImagePixels = DEFAULT_MAX_IMAGE_PIXELS / MEGAPIXEL,
-    max_images: MaxImages = DEFAULT_MAX_IMAGES,
-    allow_image_urls: AllowImageUrls = False,
-    image_url_timeout: ImageUrlTimeout = DEFAULT_IMAGE_URL_TIMEOUT,
-    prompt_cache_size: PromptCacheSize = DEFAULT_PROMPT_CACHE_SIZE,
-    prompt_cache_gb: PromptCacheGb = DEFAULT_PROMPT_CACHE_GB,
-    prompt_cache_dir: PromptCacheDir = None,
-    max_tokens: DefaultMaxTokens = None,
-    max_kv_size: MaxKvSize = None,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = Request.kv_group_size,
-    quantized_kv_start: QuantizedKvStart = Request.quantized_kv_start,
-    chat_template_config: ChatTemplateConfig = None,
-    use_default_chat_template: UseDefaultChatTemplate = False,
-    context: ServeContext = None,
-    adapter_path: AdapterPath = None,
-    draft_model: ServeDraftModel = None,
-    num_draft_tokens: NumDraftTokens = DEFAULT_NUM_DRAFT_TOKENS,
-    backend: Backend = None,
-    prefill_step_size: PrefillStepSize = None,
-    ring_port: RingPort = None,
-    timeout: Timeout = DEFAULT_STEP_TIMEOUT,
-    trust_remote_code: TrustRemoteCode = False,
-    from_controller: FromController = False,
+    *,
+    target: TargetFlags,
+    server: ServeFlags,
+    request: Annotated[RequestFlags, Take(
+        only=("max_tokens", "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "chat_template_config",
+              "use_default_chat_template"),
+        max_tokens=DefaultMaxTokens,
+    )],
+    launch: Annotated[LaunchFlags, Take(
+        drop=("pipeline_mode",), context=ServeContext, draft_model=ServeDraftModel, ring_port=ServeRingPort,
+    )],
     fleet: FleetFile = None,
 ) -> None:
     """Serve the model behind OpenAI's, Anthropic's and Ollama's APIs, with a browser page, until Ctrl-C.
@@ -217,45 +226,25 @@ def serve(
     if fleet is not None:  # several models, each on its own hosts of --hostfile: the per-model flags are its entries'
         from mlxpipe.cli.fleet import serve_fleet
 
-        raise typer.Exit(serve_fleet(fleet, locals()))
+        raise typer.Exit(serve_fleet(fleet, target=target, server=server, request=request, launch=launch))
     from mlxpipe.cluster.presets import Preset
-    from mlxpipe.cluster.target import resolve_target
-    from mlxpipe.launch.batch import check_decode_batch
-    from mlxpipe.serve import server
+    from mlxpipe.serve import server as http
 
-    flags = RequestFlags.of(locals())
-    limits = image_limits(max_image_mb, max_image_pixels, max_images)
-    positive(image_url_timeout, "--image-url-timeout")
-    target = resolve_target(model, revision, hostfile, strategy, parse_split(split), config, tp, layout, workload)
+    limits = server.limits()
+    the_target = target.target()
     # A request's sampling comes from its body; the preset gives only max_tokens, as before.
-    defaults = flags.request(Preset(max_tokens=target.preset.max_tokens))
-    check_draft_flags(draft_model, max_kv_size)
-    if draft_model is not None:
-        if max_concurrency not in (None, 1):
-            raise UsageError("--max-concurrency: with --draft-model requests run one at a time (speculative "
-                             "decoding is not batched, as in mlx_lm.server)", "drop --max-concurrency")
-        max_concurrency, decode_batch = 1, 1
-        prompt_cache_gb = 0.0  # requests continue the last one's caches (worker.streamed): no tier to keep
-    run_config = pipeline_config(
-        target, backend=backend, prefill_step_size=prefill_step_size, port=ring_port, timeout=timeout,
-        trust_remote_code=trust_remote_code, quiet=False, from_controller=from_controller, context=context,
-        adapter_path=adapter_path, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-    )
-    check_decode_batch(decode_batch)
-    if max_concurrency is not None:
-        at_least(max_concurrency, 1, "--max-concurrency")
-    run_config = settle_config(run_config, quiet=False)
-    options = server.ServeOptions(
-        max_concurrency=max_concurrency if max_concurrency is not None else run_config.concurrency(decode_batch),
-        max_queue=max_queue, max_restarts=max_restarts, prompt_cache_size=prompt_cache_size,
-        decode_batch=decode_batch, queue_timeout=queue_timeout, prompt_cache_gb=prompt_cache_gb,
-        prompt_cache_dir=prompt_cache_dir,
-    )
-    code = server.serve(
-        run_config, options, host=host, port=port, api_key=api_key,
-        defaults=defaults, context=context, max_body_bytes=max_body_size,
-        served_names=tuple(served_model_name or ()), any_model_name=any_model_name, image_limits=limits,
-        image_url_timeout=image_url_timeout if allow_image_urls else None,
+    defaults = request.request(Preset(max_tokens=the_target.preset.max_tokens))
+    check_draft_flags(launch.draft_model, request.max_kv_size)
+    if launch.draft_model is not None:
+        server = server.for_draft()
+    config = launch.config(the_target, quiet=False)
+    server.check()
+    config = settle_config(config, quiet=False)
+    code = http.serve(
+        config, server.options(config), host=server.host, port=server.port, api_key=server.api_key,
+        defaults=defaults, context=launch.context, max_body_bytes=server.max_body_size,
+        served_names=tuple(server.served_model_name or ()), any_model_name=server.any_model_name,
+        image_limits=limits, image_url_timeout=server.image_url_timeout if server.allow_image_urls else None,
     )
     raise typer.Exit(code)
 

@@ -5,7 +5,7 @@ it; its "up to" figure is the full chip's) or the Tech Specs of the MacBook Pro 
 binned variant of a chip sold in two bandwidths. The binned M3 Max and M4 Max
 (fewer GPU cores, narrower memory bus) are told apart by their performance cores, which ``sysctl
 hw.perflevel0.physicalcpu`` gives: 10 on the binned chips, 12 on the full ones. A chip not listed
-(a newer one, or a Linux machine's CPU) is measured instead (``worker/links.py``), and the facts
+(a newer one, or a Linux machine's CPU) is measured instead (``worker/measure/link_probe.py``), and the facts
 file says which.
 """
 

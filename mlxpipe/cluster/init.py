@@ -26,7 +26,6 @@ from mlxpipe.cluster.macos import BRIDGE, WIFI
 from mlxpipe.cluster.survey import PACKAGES, Machine, survey
 from mlxpipe.errors import SetupError
 from mlxpipe.host import GB, Host
-from mlxpipe.plan.facts import ClusterFacts
 
 RDMA_STEP = ("enable RDMA for JACCL: restart it into Recovery (hold the power button), open Utilities > Terminal, "
              "run `rdma_ctl enable`, restart")
@@ -218,10 +217,3 @@ def check_and_write(outcome: Outcome, path: Path) -> None:
     parse_hostfile(outcome.data, path)
     with replacing(path) as tmp:
         tmp.write_text(json.dumps(outcome.data, indent=2) + "\n")
-
-
-def measure_links(hostfile: Path, on_progress: Callable[[str], None] | None = None) -> ClusterFacts:
-    """The links measured over ``hostfile`` by a real MLX job, saved beside it (``mlxpipe.cluster.links``)."""
-    from mlxpipe.cluster import links
-
-    return links.measure(hostfile, on_progress=on_progress)

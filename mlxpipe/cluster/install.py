@@ -46,15 +46,15 @@ Progress = Callable[[str, str], None]  # (host, what is happening)
 
 
 @dataclass(frozen=True)
-class Target:
-    """The controller's environment, which every host's venv is made to match."""
+class ControllerEnv:
+    """The controller's Python, packages and platform, which every host's venv is made to match."""
 
     python: tuple[int, int]
     versions: dict[str, str]  # mlxpipe, mlx, mlx-lm
     platform: str  # sysconfig.get_platform()
 
     @classmethod
-    def here(cls) -> Target:
+    def here(cls) -> ControllerEnv:
         from importlib.metadata import PackageNotFoundError, version
 
         found = {}
@@ -92,8 +92,8 @@ class Installed:
 class Wheels:
     """The controller's wheels, made once and shared by every host's install (thread-safe)."""
 
-    def __init__(self, target: Target, wheelhouse: Path | None, work: Path) -> None:
-        self.target, self.wheelhouse, self.work = target, wheelhouse, work
+    def __init__(self, env: ControllerEnv, wheelhouse: Path | None, work: Path) -> None:
+        self.env, self.wheelhouse, self.work = env, wheelhouse, work
         self._lock = threading.RLock()  # download() packs mlxpipe's wheel while holding it
         self._made: dict[str, Path] = {}
 
@@ -101,7 +101,7 @@ class Wheels:
         """mlxpipe's own wheel at the controller's version: the wheelhouse's, else this install's (``wheels.own``)."""
         with self._lock:
             if "mlxpipe" not in self._made:
-                version = self.target.versions["mlxpipe"]
+                version = self.env.versions["mlxpipe"]
                 given = sorted(self.wheelhouse.glob(f"mlxpipe-{version}-*.whl")) if self.wheelhouse else []
                 if given:
                     self._made["mlxpipe"] = given[0]
@@ -118,7 +118,7 @@ class Wheels:
             if "closure" not in self._made:
                 out = self.work / "controller"
                 out.mkdir(parents=True, exist_ok=True)
-                for dist in wheels.closure(self.target.pins()):
+                for dist in wheels.closure(self.env.pins()):
                     if wheels.normalize(dist.metadata["Name"]) != "mlxpipe":
                         wheels.pack(dist, out)
                 self._made["closure"] = out
@@ -135,10 +135,10 @@ class Wheels:
                         "--python-version", f"{major}.{minor}", "--implementation", "cp"]
                 for platform in platforms:
                     argv += ["--platform", platform]
-                pins = self.target.pins()
-                if venv.platform.startswith("macosx") and not self.target.platform.startswith("macosx"):
+                pins = self.env.pins()
+                if venv.platform.startswith("macosx") and not self.env.platform.startswith("macosx"):
                     # pip evaluates markers for this machine, so mlx's Metal part (macOS only) is asked for by name.
-                    pins.append(f"mlx-metal=={self.target.versions['mlx']}")
+                    pins.append(f"mlx-metal=={self.env.versions['mlx']}")
                 others = [pin for pin in pins if not pin.startswith("mlxpipe==")]
                 proc = subprocess.run([*argv, str(self.mlxpipe()), *others], capture_output=True, text=True)
                 if proc.returncode != 0:
@@ -149,21 +149,21 @@ class Wheels:
 
 
 def install(hosts: Sequence[Host], *, wheelhouse: Path | None = None, on_progress: Progress | None = None,
-            target: Target | None = None) -> list[Installed]:
+            env: ControllerEnv | None = None) -> list[Installed]:
     """Make each host's venv match the controller; one result per ssh destination, in the hostfile's order."""
-    target = target or Target.here()
+    env = env or ControllerEnv.here()
     progress = on_progress or (lambda host, text: None)
     destinations = list(dict.fromkeys(h.ssh for h in hosts))
     by_ssh = {h.ssh: h for h in hosts}
     with tempfile.TemporaryDirectory(prefix="mlxpipe-install-") as work:
-        made = Wheels(target, wheelhouse, Path(work))
+        made = Wheels(env, wheelhouse, Path(work))
 
         def one(ssh: str) -> Installed:
             host = by_ssh[ssh]
             if host.is_local:
                 return Installed(ssh, SKIPPED, "this machine: its ranks run the controller's own environment")
             try:
-                return _install_host(host, target, made, wheelhouse, lambda text: progress(ssh, text))
+                return _install_host(host, env, made, wheelhouse, lambda text: progress(ssh, text))
             except SetupError as e:
                 return Installed(ssh, FAILED, e.message, fix=e.hint)
 
@@ -171,16 +171,16 @@ def install(hosts: Sequence[Host], *, wheelhouse: Path | None = None, on_progres
             return list(pool.map(one, destinations))
 
 
-def _install_host(host: Host, target: Target, made: Wheels, wheelhouse: Path | None,
+def _install_host(host: Host, env: ControllerEnv, made: Wheels, wheelhouse: Path | None,
                   say: Callable[[str], None]) -> Installed:
     say("surveying")
     machine = survey(host)
     venv_path = machine.venv_python
     venv = machine.python(venv_path)
-    if venv is not None and _matches(venv, target):
-        return Installed(host.ssh, UNCHANGED, f"~/{VENV} already has {target.describe()}", venv_path)
+    if venv is not None and _matches(venv, env):
+        return Installed(host.ssh, UNCHANGED, f"~/{VENV} already has {env.describe()}", venv_path)
     if venv is None:
-        base = _base_python(machine, target)
+        base = _base_python(machine, env)
         say(f"creating ~/{VENV} with Python {base.version}")
         _remote(host, ["sh", "-c", 'mkdir -p "$1" && exec "$2" -m venv "$3"', "sh",
                        str(Path(venv_path).parents[2]), base.path, str(Path(venv_path).parents[1])], "making the venv")
@@ -188,32 +188,32 @@ def _install_host(host: Host, target: Target, made: Wheels, wheelhouse: Path | N
         if venv is None:
             raise SetupError(f"{host.ssh}: the new venv's {venv_path} does not run",
                              f"remove ~/{VENV} on {host.ssh} and run install again")
-    source = _install_wheels(host, machine, venv, target, made, wheelhouse, say)
+    source = _install_wheels(host, machine, venv, env, made, wheelhouse, say)
     after = probe_python(host, venv_path)
-    if after is None or not _matches(after, target):
+    if after is None or not _matches(after, env):
         have = ", ".join(f"{n} {(after.packages.get(n) if after else None) or '-'}" for n in PACKAGES)
-        raise SetupError(f"{host.ssh}: after installing, {VENV} has {have}, not {target.describe()}",
-                         f"look at pip's output: run {venv_path} -m pip install {' '.join(target.pins())} there")
-    return Installed(host.ssh, INSTALLED, f"{target.describe()} in ~/{VENV}", venv_path, source=source)
+        raise SetupError(f"{host.ssh}: after installing, {VENV} has {have}, not {env.describe()}",
+                         f"look at pip's output: run {venv_path} -m pip install {' '.join(env.pins())} there")
+    return Installed(host.ssh, INSTALLED, f"{env.describe()} in ~/{VENV}", venv_path, source=source)
 
 
-def _matches(python: Python, target: Target) -> bool:
-    return all(python.packages.get(name) == version for name, version in target.versions.items())
+def _matches(python: Python, env: ControllerEnv) -> bool:
+    return all(python.packages.get(name) == version for name, version in env.versions.items())
 
 
-def _base_python(machine: Machine, target: Target) -> Python:
+def _base_python(machine: Machine, env: ControllerEnv) -> Python:
     """The host's interpreter to make the venv with: the controller's minor version, else the newest 3.10+."""
     usable = [p for p in machine.pythons if not p.venv and p.minor >= MIN_PYTHON]
-    same = [p for p in usable if p.minor == target.python]
+    same = [p for p in usable if p.minor == env.python]
     if same or usable:
         return (same or sorted(usable, key=lambda p: p.minor, reverse=True))[0]
-    major, minor = target.python
+    major, minor = env.python
     raise SetupError(f"{machine.ssh}: no Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or newer (macOS's own python3 is 3.9)",
                      f"install Python {major}.{minor} on {machine.ssh} (python.org's installer, or Homebrew: "
                      f"brew install python@{major}.{minor}), then run install again")
 
 
-def _install_wheels(host: Host, machine: Machine, venv: Python, target: Target, made: Wheels,
+def _install_wheels(host: Host, machine: Machine, venv: Python, env: ControllerEnv, made: Wheels,
                     wheelhouse: Path | None, say: Callable[[str], None]) -> str:
     """Install the pinned versions into the venv; returns where the wheels came from."""
     dest = f"{machine.home.rstrip('/')}/{WHEELS_DIR}"
@@ -225,11 +225,11 @@ def _install_wheels(host: Host, machine: Machine, venv: Python, target: Target, 
         say("installing from the host's package registry")
         _ship(host, [made.mlxpipe()], dest)
         online = _pip(host, [*pip, "--retries", "0", "--timeout", str(REGISTRY_TIMEOUT), "--find-links", dest,
-                             *target.pins()])
+                             *env.pins()])
         if online.returncode == 0:
             return "registry"
         say(f"no registry ({_tail(online.stderr)}): using the controller's wheels")
-        if _same_platform(venv, target):
+        if _same_platform(venv, env):
             files = [*sorted(made.controller().glob("*.whl")), made.mlxpipe()]
         else:
             files = [*sorted(made.download(venv, _platforms(host, machine)).glob("*.whl")), made.mlxpipe()]
@@ -239,21 +239,21 @@ def _install_wheels(host: Host, machine: Machine, venv: Python, target: Target, 
         source = f"the wheelhouse {wheelhouse}"
     say(f"copying {len(files)} wheels to ~/{WHEELS_DIR}")
     _ship(host, files, dest)
-    say(f"installing {target.describe()}")
-    offline = _pip(host, [*pip, "--no-index", "--find-links", dest, *target.pins()], isolated=True)
+    say(f"installing {env.describe()}")
+    offline = _pip(host, [*pip, "--no-index", "--find-links", dest, *env.pins()], isolated=True)
     if offline.returncode != 0:
         raise SetupError(f"{host.ssh}: pip install from {source} failed: {_tail(offline.stderr)}",
                          "give --wheelhouse the missing wheels (pip download them for the hosts' platform)")
     return source
 
 
-def _same_platform(venv: Python, target: Target) -> bool:
+def _same_platform(venv: Python, env: ControllerEnv) -> bool:
     """This machine's packed wheels install there: same OS and architecture, same Python minor."""
     def os_arch(platform: str) -> tuple[str, str]:
         parts = platform.split("-")
         return parts[0], parts[-1]
 
-    return venv.minor == target.python and os_arch(venv.platform) == os_arch(target.platform)
+    return venv.minor == env.python and os_arch(venv.platform) == os_arch(env.platform)
 
 
 def _platforms(host: Host, machine: Machine) -> list[str]:

@@ -18,9 +18,9 @@ from mlxpipe.errors import ModelError, UsageError
 from mlxpipe.host import LOCAL_HOST
 from mlxpipe.model.metadata import ModelMetadata, validate
 from mlxpipe.plan.choose import Choice, candidates
-from mlxpipe.plan.facts import ClusterFacts
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
-from mlxpipe.plan.layout import workload as workload_named
+from mlxpipe.plan.cluster_facts import ClusterFacts
+from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, LAYOUTS, Workload
+from mlxpipe.plan.parallel_layout import workload as workload_named
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import check_tp
 
@@ -129,7 +129,7 @@ def plan_target(target: Target, meta: ModelMetadata, *, context: int = DEFAULT_C
                 backend: str | None = None) -> Plan:
     """The plan of ``target``'s model, split and tensor-parallel groups over its hosts (the balanced split weighs
     the hosts as the cluster's facts measured them, when there are any)."""
-    from mlxpipe.cluster.links import load_facts
+    from mlxpipe.cluster.facts_file import load_facts
 
     facts, _ = load_facts(target.hostfile)
     return make_plan(
@@ -164,7 +164,7 @@ def settle_layout(target: Target, meta: ModelMetadata, *, context: int | None = 
     sizes; ``refuses``: what the ranks would refuse (the sharder's checks), on top of the plan's own."""
     if target.layout != "auto":
         return Settled(target)
-    from mlxpipe.cluster.links import facts_path, load_facts
+    from mlxpipe.cluster.facts_file import facts_path, load_facts
 
     pipeline = replace(target, layout="pipeline")
     facts, why = load_facts(target.hostfile)

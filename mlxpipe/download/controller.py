@@ -31,7 +31,7 @@ from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.download import FETCH_EVENTS, Check, FetchError, Fetching, FetchResult, FileDone
+from mlxpipe.protocol.fetch_events import FETCH_EVENTS, Check, FetchError, Fetching, FetchResult, FileDone
 from mlxpipe.protocol.message import Event
 
 _STDERR_TAIL = 20

@@ -1,7 +1,7 @@
 """The host side of ``mlxpipe download``: fetch one host's files, verified.
 
 Runs on each host (``python -m mlxpipe.download.fetch --job <base64>``) and reports
-progress as events (``protocol.download``: mlxpipe is installed there, as on every rank);
+progress as events (``protocol.fetch_events``: mlxpipe is installed there, as on every rank);
 ``--check`` only reports which files are already there (``download --from-controller``
 asks it before sending anything). Files
 land through huggingface_hub in the standard cache layout (or a plain
@@ -30,7 +30,7 @@ from mlxpipe.errors import DownloadError, MlxpipeError
 from mlxpipe.hub.cache import hub_cache_dir, repo_folder
 from mlxpipe.paths import write_atomic
 from mlxpipe.protocol import wire
-from mlxpipe.protocol.download import Check, FetchError, Fetching, FetchResult, FileDone
+from mlxpipe.protocol.fetch_events import Check, FetchError, Fetching, FetchResult, FileDone
 
 ATTEMPTS = 4
 # Seconds to wait before attempts 2, 3 and 4.
@@ -193,7 +193,7 @@ def _size(job: FetchJob, name: str) -> int:
 
 def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
     """Download one file with bounded retries and backoff; a corrupt file is never kept."""
-    from mlxpipe.hub.errors import network_fault
+    from mlxpipe.hub.faults import network_fault
 
     last: BaseException | None = None
     started = time.monotonic()
@@ -228,7 +228,7 @@ def _fetch_one(job: FetchJob, name: str, on_bytes: OnBytes | None) -> None:
                     "free space on that host, or point its hf_home/model_dir at a larger disk, then run download again",
                 ) from None
             if not isinstance(e, _Corrupt) and not _transient(e):
-                from mlxpipe.hub.errors import hub_errors
+                from mlxpipe.hub.faults import hub_errors
 
                 with hub_errors(job.repo, job.host):
                     raise
@@ -267,7 +267,7 @@ def _transient(e: BaseException) -> bool:
     """Worth another attempt: the network, a 5xx, or a short read; not offline mode or a TLS failure."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from mlxpipe.hub.errors import network_fault
+    from mlxpipe.hub.faults import network_fault
 
     fault = network_fault(e)
     if fault is not None:

@@ -20,7 +20,7 @@ from mlxpipe.cluster.target import Target, plan_target, settle_layout
 from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.fleet.spec import Fleet, FleetEntry
 from mlxpipe.model.metadata import ModelMetadata
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
+from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.shard import Plan
 
 

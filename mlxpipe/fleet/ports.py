@@ -3,7 +3,9 @@
 ``mlx.launch``'s ring backend gives each rank one port per address, counting up from the first port
 (``cluster.doctor.ring_ports``). Two pipelines that start from the same port collide on a host they share (and on
 this machine, where local ranks live): so the fleet's pipelines take consecutive ranges, each starting where the
-one before ends. On a cluster of local ranks alone the ranges start at a free port, as one pipeline's do.
+one before ends. Where the first range starts (``--ring-port``, else a free port when every rank is local, as one
+pipeline's, else mlx.launch's) is the launching command's to say (``cli.fleet``): this room stands below
+``launch/``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxpipe.cluster.hostfile import Hostfile
-from mlxpipe.defaults import DEFAULT_PORT
 
 
 def ports_needed(hostfile: Hostfile) -> int:
@@ -19,17 +20,15 @@ def ports_needed(hostfile: Hostfile) -> int:
     return sum(max(1, len(h.ips)) for h in hostfile.hosts)
 
 
-def first_ports(pipelines: Sequence[Hostfile], base: int | None = None) -> list[int]:
-    """Each pipeline's first ring port, their ranges one after the other from ``base`` (``--ring-port``), else
-    from a free port when every rank is local, else from mlx.launch's."""
-    from mlxpipe.launch.ranks import free_port_base
+def all_local(pipelines: Sequence[Hostfile]) -> bool:
+    """Whether every rank of every pipeline runs on this machine (then the ranges start at a free port)."""
+    return all(h.is_local for hostfile in pipelines for h in hostfile.hosts)
 
-    counts = [ports_needed(h) for h in pipelines]
-    if base is None:
-        local = all(h.is_local for hostfile in pipelines for h in hostfile.hosts)
-        base = free_port_base(sum(counts)) if local else DEFAULT_PORT
+
+def first_ports(pipelines: Sequence[Hostfile], base: int) -> list[int]:
+    """Each pipeline's first ring port, their ranges one after the other from ``base``."""
     starts, port = [], base
-    for count in counts:
+    for hostfile in pipelines:
         starts.append(port)
-        port += count
+        port += ports_needed(hostfile)
     return starts

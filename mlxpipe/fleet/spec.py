@@ -29,7 +29,7 @@ import yaml
 
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.errors import FleetError, MlxpipeError
-from mlxpipe.plan.layout import LAYOUTS
+from mlxpipe.plan.parallel_layout import LAYOUTS
 from mlxpipe.plan.splits import STRATEGIES
 
 _TOP_KEYS = ("models",)

@@ -5,7 +5,7 @@ Everything goes through huggingface_hub, so the standard cache, ``HF_HOME``,
 under ``mlxpipe_home()/metadata`` by commit, so a second ``plan`` of the same
 revision makes no network call.
 
-Errors are mapped by ``hub.errors`` (one line naming the host that failed and what to do).
+Errors are mapped by ``hub.faults`` (one line naming the host that failed and what to do).
 Every request has a timeout (``HF_HUB_ETAG_TIMEOUT``, 10 s by default), so a
 hub that accepts connections and never answers fails instead of hanging.
 With ``HF_HUB_OFFLINE=1`` (or when the hub cannot be reached) metadata comes
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxpipe.errors import HubError, HubUnreachable, ModelError
 from mlxpipe.hub.cache import hub_cache_dir, offline, repo_folder
-from mlxpipe.hub.errors import hub_errors
+from mlxpipe.hub.faults import hub_errors
 from mlxpipe.model.metadata import (
     SINGLE_WEIGHTS,
     WEIGHT_INDEX,

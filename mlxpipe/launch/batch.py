@@ -7,7 +7,7 @@ or one whose first non-blank line starts with ``{``) with per-prompt options::
     {"messages": [{"role": "user", "content": "Hi"}], "temp": 0.7, "seed": 1}
 
 The ranks overlap the requests across the pipeline's stages
-(``mlxpipe.worker.engine``); this module turns the file into requests and the
+(``mlxpipe.worker.generation.engine``); this module turns the file into requests and the
 ranks' ``result`` events into per-request results and a summary.
 """
 

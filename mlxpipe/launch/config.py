@@ -92,7 +92,7 @@ class PipelineConfig:
 
     def ring_port(self) -> int:
         """The ranks' first port: ``--port``, else mlx.launch's, or a free one when every rank is local."""
-        from mlxpipe.launch.ranks import default_port
+        from mlxpipe.launch.command import default_port
 
         return self.port or default_port(self.target.hostfile)
 

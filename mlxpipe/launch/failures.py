@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.errors import LaunchError
-from mlxpipe.launch.supervisor import HEARTBEAT_SECONDS
+from mlxpipe.launch.supervisor import HEARTBEAT_SECONDS, WORKER_SILENCE_SECONDS
 from mlxpipe.protocol.events import CONTROL, Bye, Error, Exited, Log, Lost, Progress, Started, rank_of
 from mlxpipe.protocol.message import Event, Registry, Wire, tag_of
 
@@ -156,6 +156,11 @@ class FailureTracker:
             return
         if rank in self._errored:
             return  # its error event already says what went wrong
+        if stopped == "silent":
+            self.add(rank, f"its worker stopped answering: no word from it for {WORKER_SILENCE_SECONDS:g} s, though "
+                           "its host still answers; it was killed",
+                     "the process was stopped (SIGSTOP), frozen or hung; its log in the run directory may say more")
+            return
         if stopped == "lease":
             self.add(rank, f"stopped its worker: no heartbeat from this controller for {self.lease:g} s",
                      "the network between this machine and that host failed for a while")

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from mlxpipe.defaults import DEFAULT_LOAD_TIMEOUT
 from mlxpipe.errors import LaunchError, RequestFailed, UsageError
 from mlxpipe.launch.batch import RankStats
-from mlxpipe.launch.ranks import LaunchSpec, Ranks, lease_for
+from mlxpipe.launch.command import LaunchSpec, lease_for
+from mlxpipe.launch.ranks import Ranks
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan
 from mlxpipe.protocol.events import EVENTS, TRAIN_EVENTS, BatchDone, Done, Loaded, Result, Token
@@ -60,7 +61,7 @@ def controller_model_dir(meta: ModelMetadata) -> Path:
     if meta.local:
         return Path(meta.source)
     from mlxpipe.hub.client import download_file
-    from mlxpipe.hub.errors import hub_errors
+    from mlxpipe.hub.faults import hub_errors
 
     with hub_errors(meta.source):
         for name in meta.support_files:
@@ -74,7 +75,7 @@ class Pipeline:
 
     ``config.worker`` is what each rank runs before ``--job`` (tests substitute a worker
     that misbehaves on purpose); with ``train`` the ranks fine-tune instead of serving
-    requests (``mlxpipe.lora.run``).
+    requests (``mlxpipe.lora.training``).
     """
 
     def __init__(self, meta: ModelMetadata, plan: Plan, config: PipelineConfig, train: TrainSpec | None = None) -> None:

@@ -25,9 +25,9 @@ and feeds every event to a ``failures.FailureTracker``, which decides, as
 torchrun does, when the run has failed and which failure is the root cause.
 ``stop()`` sends SIGTERM to mlx.launch's whole process group (local ranks, and
 the ssh clients whose closed connections hang up the remote ranks), then
-SIGKILL after a grace period. ``interrupt_on_signals`` turns SIGINT, SIGTERM
-and SIGHUP to the controller into ``Interrupted``, so the ranks are stopped on
-the way out and the command exits with 128 + the signal's number.
+SIGKILL after a grace period (``launch/signals.py`` turns SIGINT, SIGTERM and
+SIGHUP to the controller into an exception, so the ranks are stopped on the way
+out). The command line it runs is ``launch/command.py``'s.
 
 A run directory (``mlxpipe_home()/runs/<id>/``) keeps ``command.txt`` (the
 exact mlx.launch command line), ``hostfile.json``, ``launch.log`` (what
@@ -36,142 +36,34 @@ mlx.launch itself printed) and ``rank-<r>.log`` (each rank's output and events).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
 import re
 import shlex
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
-from mlxpipe.cluster import remote
-from mlxpipe.cluster.hostfile import Hostfile
-from mlxpipe.defaults import DEFAULT_PORT
 from mlxpipe.errors import LaunchError, WireError
-from mlxpipe.launch import frames, mlx_launch
+from mlxpipe.launch import frames
+from mlxpipe.launch.command import LaunchSpec, launch_argv
 from mlxpipe.launch.failures import FailureTracker, NodeExit
-from mlxpipe.launch.supervisor import (
-    HEARTBEAT_LINE,
-    HEARTBEAT_SECONDS,
-    KILL_GRACE_SECONDS,
-    MAX_LEASE_SECONDS,
-)
-from mlxpipe.paths import mlxpipe_home
+from mlxpipe.launch.supervisor import HEARTBEAT_LINE, HEARTBEAT_SECONDS, KILL_GRACE_SECONDS
 from mlxpipe.protocol import wire
 from mlxpipe.protocol.events import Log, rank_of
 from mlxpipe.protocol.message import Message, Wire, tag_of
 from mlxpipe.protocol.messages import Exit
 
-if TYPE_CHECKING:
-    from types import FrameType
-
-# The lease follows the watchdog (--timeout), within these bounds.
-MIN_LEASE_SECONDS = 5.0
 RUN_LOG = "launch.log"
 
 NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed|completed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything needed to start the ranks."""
-
-    hostfile: Hostfile
-    worker_args: tuple[str, ...]  # after the interpreter: ("-m", "mlxpipe.worker", ...)
-    backend: str = "ring"
-    env: tuple[tuple[str, str], ...] = ()
-    port: int | None = None
-    lease: float = MAX_LEASE_SECONDS
-    run_dir: Path = field(default_factory=lambda: new_run_dir())
-
-
-def lease_for(timeout: float) -> float:
-    """The lease for a run whose watchdog is ``timeout`` seconds."""
-    return min(max(timeout, MIN_LEASE_SECONDS), MAX_LEASE_SECONDS)
-
-
-def new_run_dir() -> Path:
-    """A fresh directory for this run's hostfile, command and logs."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = mlxpipe_home() / "runs" / f"{stamp}-{os.getpid()}-{threading.get_ident() % 10000}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def mlx_launch_command() -> list[str]:
-    """``mlx.launch``, run by this interpreter with its I/O threads made to sleep (``launch/mlx_launch.py``)."""
-    try:
-        found = importlib.util.find_spec("mlx._distributed_utils.launch") is not None
-    except ModuleNotFoundError:  # no mlx at all
-        found = False
-    if not found:
-        raise LaunchError("mlx.launch not found", "install mlx (pip install mlx) in this environment")
-    return [sys.executable, "-m", mlx_launch.LAUNCHER]
-
-
-def launch_argv(spec: LaunchSpec) -> list[str]:
-    """The exact ``mlx.launch`` command line for ``spec`` (also written to the run dir)."""
-    hostfile_path = spec.run_dir / "hostfile.json"
-    # --verbose makes mlx.launch report ranks that exit 0, which it otherwise ignores.
-    argv = [*mlx_launch_command(), "--verbose", "--hostfile", str(hostfile_path), "--backend", spec.backend]
-    for key, value in spec.env:
-        argv += ["--env", f"{key}={value}"]
-    argv += ["--starting-port", str(spec.port or default_port(spec.hostfile))]
-    return argv + ["--", *rank_command(spec)]
-
-
-def rank_command(spec: LaunchSpec) -> list[str]:
-    """The command every rank runs: the supervisor, which runs the worker with the same interpreter.
-
-    Per-host interpreters are chosen by ``$MLX_RANK``; mlx.launch quotes every argument.
-    """
-    supervised = ["-m", "mlxpipe.launch.supervisor", "--lease", f"{spec.lease:g}", "--", *spec.worker_args]
-    pythons = [remote.python_for(h) for h in spec.hostfile.hosts]
-    if len(set(pythons)) == 1:
-        return [pythons[0], *supervised]
-    cases = " ".join(f'{r}) exec {shlex.quote(p)} "$@";;' for r, p in enumerate(pythons))
-    return ["/bin/sh", "-c", f'case "$MLX_RANK" in {cases} esac; exit 127', "mlxpipe-rank", *supervised]
-
-
-def default_port(hostfile: Hostfile) -> int:
-    """mlx.launch's port on real clusters; a free one when every rank is on this machine."""
-    if all(h.is_local for h in hostfile.hosts):
-        return free_port_base(sum(max(1, len(h.ips)) for h in hostfile.hosts))
-    return DEFAULT_PORT
-
-
-def free_port_base(count: int) -> int:
-    """A base port with ``count`` free ports after it (for ranks on this machine)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        if base + count < 65000 and all(_port_free(base + i) for i in range(count)):
-            return base
-    return DEFAULT_PORT
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-# --- The controller side ------------------------------------------------------------------
 
 
 class Ranks:
@@ -430,44 +322,3 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# --- Signals to the controller -----------------------------------------------------------
-
-
-class Interrupted(KeyboardInterrupt):
-    """The controller received SIGINT, SIGTERM or SIGHUP; exit with ``128 + signum``."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + self.signum
-
-
-@contextmanager
-def interrupt_on_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
-    """Turn the first of these signals into ``Interrupted``, so the ranks are stopped on the way out.
-
-    Later ones are ignored while the ranks are being stopped. Only the main thread can
-    set handlers; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if not fired:
-            fired.append(signum)
-            raise Interrupted(signum)
-
-    previous = {s: signal.signal(s, handler) for s in signums}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)

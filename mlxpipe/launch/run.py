@@ -69,7 +69,7 @@ def prepare(config: PipelineConfig, training: bool = False) -> tuple[ModelMetada
     with _status("preflight: ssh, versions, ports, memory, disk...", config.quiet):
         require_ok(preflight(target.hostfile, the_plan, meta, port=config.ring_port(), backend=config.chosen_backend))
     ensure_files(the_plan, meta, target, config.from_controller, config.quiet)
-    check_pipelinable(meta, config.mode, config.trust_remote_code, config.target.tp, len(the_plan.split))
+    check_model_structure(meta, config.mode, config.trust_remote_code, config.target.tp, len(the_plan.split))
     if config.draft_model is not None:
         check_draft(ensure_draft(config), meta, config.trust_remote_code)
     return meta, the_plan
@@ -170,21 +170,22 @@ def ensure_files(the_plan: Plan, meta: ModelMetadata, target: Target, from_contr
 def _fetch(tasks: list[HostTask], meta: ModelMetadata, from_controller: bool, quiet: bool) -> None:
     """Each host fetches its task's files from the hub, or gets them from this machine."""
     from mlxpipe.download import controller as dl
+    from mlxpipe.download.progress import download_progress
 
-    with console.download_progress(tasks, enabled=not quiet) as on_update:
+    with download_progress(tasks, enabled=not quiet) as on_update:
         if meta.local or from_controller:
             dl.distribute(tasks, meta, on_update)
         else:
             dl.run_on_hosts(tasks, on_update)
 
 
-def check_pipelinable(meta: ModelMetadata, mode: str, trust: bool, tp: int = 1, stages: int = 1) -> None:
-    """Refuse a model the pipeline (with ``tp`` > 1: the tensor-parallel sharder) cannot handle before any
-    rank starts."""
+def check_model_structure(meta: ModelMetadata, mode: str, trust: bool, tp: int = 1, stages: int = 1) -> None:
+    """Refuse, before any rank starts, a model the pipeline (with ``tp`` > 1: the tensor-parallel sharder) cannot
+    handle: the ranks' own check (``worker.load.check_pipelinable``) on this machine's copy of the model."""
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.worker.load import check_pipelinable as check
+    from mlxpipe.worker.load import check_pipelinable
 
-    check(controller_model_dir(meta), mode=mode, trust_remote_code=trust, tp=tp, stages=stages)
+    check_pipelinable(controller_model_dir(meta), mode=mode, trust_remote_code=trust, tp=tp, stages=stages)
 
 
 def _status(text: str, quiet: bool) -> AbstractContextManager[object]:

@@ -11,7 +11,13 @@ and speaks for it (see ``mlxpipe.launch.ranks`` for why):
   whether the worker said ``bye``) — also for a remote rank killed by a signal,
   which mlx.launch would see only as ssh's status 255;
 * the worker is stopped when no heartbeat comes from the controller for the
-  lease, so a rank whose controller or network is gone does not run forever.
+  lease, so a rank whose controller or network is gone does not run forever;
+* the worker is killed when it falls silent: it beats every second from a
+  thread of its own (``protocol.wire.start_beating``), through long steps and
+  waits on the ring, so ``WORKER_SILENCE_SECONDS`` without a word means a
+  stopped (SIGSTOP), frozen or hung process. Its ``exited`` says ``silent``,
+  and the controller names it as the root cause within seconds, where the
+  watchdog on progress (``--timeout``) would wait for minutes.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ MAX_LEASE_SECONDS = 30.0
 # The lease before the first heartbeat: longer, so the controller reports a rank
 # that never started before the others give up on it.
 STARTUP_LEASE_SECONDS = 60.0
+# A worker that has beaten once and then says nothing for this long is stopped or hung (it beats every second).
+WORKER_SILENCE_SECONDS = 5.0
 _MAX_LINE = 2000  # characters of one log line per event
 _POLL_SECONDS = 0.1
 
@@ -51,12 +59,14 @@ class _Supervisor:
 
     child: subprocess.Popen[bytes]
 
-    def __init__(self, worker_args: Sequence[str], lease: float) -> None:
+    def __init__(self, worker_args: Sequence[str], lease: float, silence: float = WORKER_SILENCE_SECONDS) -> None:
         self.worker_args = list(worker_args)
+        self.silence = silence
         self.rank = int(os.environ.get("MLX_RANK", "-1"))
         self.lease = lease
         self.started = time.monotonic()
         self.last_heartbeat: float | None = None
+        self.last_word: float | None = None  # the worker's latest line (a beat, an event, any output)
         self.finished = False
         self.stop_reason: str | None = None
         self._wake = threading.Event()
@@ -80,6 +90,10 @@ class _Supervisor:
         while self.child.poll() is None and self.stop_reason is None:
             if self._lease_expired():
                 self.stop_reason = "lease"
+                break
+            if self._silent():
+                self.stop_reason = "silent"
+                self.child.kill()  # it answers no signal it could handle: a stopped process would keep SIGTERM
                 break
             if time.monotonic() - last_alive >= HEARTBEAT_SECONDS:
                 self.emit(Alive(rank=self.rank))
@@ -115,6 +129,9 @@ class _Supervisor:
             return now - self.started > max(self.lease, STARTUP_LEASE_SECONDS)
         return now - self.last_heartbeat > self.lease
 
+    def _silent(self) -> bool:
+        return self.last_word is not None and time.monotonic() - self.last_word > self.silence
+
     def _read_stdin(self) -> None:
         """Requests go on to the worker; heartbeats renew the lease."""
         assert self.child.stdin is not None
@@ -138,7 +155,10 @@ class _Supervisor:
         The events go on as they came, with the rank (the controller reads them, ``protocol.events``):
         only a ``bye`` is noted, and an ``error``'s traceback goes to the rank's log as lines of its own."""
         for raw in stream:
+            self.last_word = time.monotonic()
             line = raw.decode(errors="replace").rstrip("\r\n")
+            if line == wire.WORKER_BEAT_LINE:
+                continue
             data = wire.parse_event(line)
             try:
                 kind = tag_of(data) if data is not None else None
@@ -180,12 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--lease", type=float, default=MAX_LEASE_SECONDS,
                         help="stop the worker after this many seconds without a heartbeat")
+    parser.add_argument("--silence", type=float, default=WORKER_SILENCE_SECONDS,
+                        help="kill the worker when it has said nothing for this many seconds, having said something")
     parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
     args = parser.parse_args(argv)
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     if not worker_args:
         parser.error("no worker command after --")
-    return _Supervisor(worker_args, args.lease).run()
+    return _Supervisor(worker_args, args.lease, args.silence).run()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the ranks' time goes: the controller's reading of each rank's ``TimeSpent`` report.
 
 Every rank's engine counts its seconds computing, handing on, waiting for the rank before it,
-in the per-tick collective and idle (``worker/engine.py``) and sends them in its ``time`` event.
+in the per-tick collective and idle (``worker/generation/engine.py``) and sends them in its ``time`` event.
 Here the controller turns those reports into what a person asks of a pipeline: how busy each
 stage is, how long each hop waits, and which stage is the bottleneck. ``generate
 --prompts-file``'s summary (``launch/batch.py``) and ``serve``'s ``/health`` (and its page) show it.

@@ -1,1 +1,2 @@
-"""``mlxpipe lora``: pipeline-parallel LoRA fine-tuning (the controller side; a rank's side is ``worker.train``)."""
+"""``mlxpipe lora``: pipeline-parallel LoRA fine-tuning (the controller side; a rank's side is
+``worker.training``)."""

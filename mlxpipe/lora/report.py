@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxpipe import console
 from mlxpipe.console import human_bytes
-from mlxpipe.lora.run import Reporter, StepReport, TrainResult
+from mlxpipe.lora.training import Reporter, StepReport, TrainResult
 
 if TYPE_CHECKING:
     from mlxpipe.model.metadata import ModelMetadata

@@ -17,9 +17,10 @@ from mlxpipe.defaults import DEFAULT_CONTEXT
 from mlxpipe.errors import MlxpipeError
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata
-from mlxpipe.plan.estimate import Costing, Estimate, estimate, model_work
-from mlxpipe.plan.facts import ClusterFacts
-from mlxpipe.plan.layout import Layout, Workload
+from mlxpipe.plan.cluster_facts import ClusterFacts
+from mlxpipe.plan.estimate import Costing, Estimate, estimate
+from mlxpipe.plan.model_work import model_work
+from mlxpipe.plan.parallel_layout import Layout, Workload
 from mlxpipe.plan.shard import Plan, make_plan
 from mlxpipe.plan.tensor import divisors
 

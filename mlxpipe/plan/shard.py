@@ -24,6 +24,7 @@ from mlxpipe.host import Host
 from mlxpipe.model.facts import kv_sharing_groups
 from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan import tensor
+from mlxpipe.plan.cluster_facts import ClusterFacts
 from mlxpipe.plan.costs import (
     RUNTIME_OVERHEAD,
     Costs,
@@ -34,9 +35,9 @@ from mlxpipe.plan.costs import (
     model_costs,
     rank_weight_bytes,
 )
-from mlxpipe.plan.estimate import Costing, model_work, phase_costs
-from mlxpipe.plan.facts import ClusterFacts
-from mlxpipe.plan.layout import DEFAULT_WORKLOAD, Workload
+from mlxpipe.plan.estimate import Costing, phase_costs
+from mlxpipe.plan.model_work import model_work
+from mlxpipe.plan.parallel_layout import DEFAULT_WORKLOAD, Workload
 from mlxpipe.plan.splits import (
     check_groups,
     choose_split,
@@ -117,7 +118,8 @@ def make_plan(
     workload: Workload = DEFAULT_WORKLOAD,
     backend: str = "ring",
 ) -> Plan:
-    """Plan ``meta`` over ``hosts``, in groups of ``tp`` (checked by ``tensor.check_tp``) per stage.
+    """Plan ``meta`` over ``hosts``, in groups of ``tp`` per stage (a size they divide into: ``cluster.target.Target``
+    checks it as it is born).
 
     ``balanced`` weighs ``workload``'s two phases on each stage's hosts, as ``facts`` measured them
     (``plan/estimate.py``; without facts, like hosts)."""

@@ -28,7 +28,7 @@ OPTIMIZER_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "muon": 1, "adafactor": 1}
 
 
 class TrainingShape(Protocol):
-    """What the estimate reads of a run's options (``lora.run.TrainOptions`` has them): the planner stays below
+    """What the estimate reads of a run's options (``lora.options.TrainOptions`` has them): the planner stays below
     the LoRA trainer that imports it."""
 
     max_seq_length: int

@@ -185,7 +185,7 @@ class Result(Event):
 
 @dataclass(frozen=True)
 class BatchDone(Event):
-    """A ``batch`` ended on this rank: the run's figures (the engine's, ``worker.engine.Engine.run``)."""
+    """A ``batch`` ended on this rank: the run's figures (the engine's, ``worker.generation.engine.Engine.run``)."""
 
     TAG = "batch_done"
     rank: int
@@ -197,7 +197,7 @@ class BatchDone(Event):
     decode_batch: int  # as the rank ran it (1 where the model's caches cannot be batched)
     ticks: int | None = None
     run_ahead: dict[str, int] | None = None  # one stage: decode steps run ahead, used or taken back
-    time: dict[str, float] | None = None  # where the rank's time went (worker.engine.TimeSpent.report)
+    time: dict[str, float] | None = None  # where the rank's time went (worker.generation.engine.TimeSpent.report)
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,8 @@ class Finished(Event):
 
 @dataclass(frozen=True)
 class Time(Event):
-    """Serving: where the rank's time has gone (``worker.engine.TimeSpent``) and its memory, as a request ends."""
+    """Serving: where the rank's time has gone (``worker.generation.engine.TimeSpent``) and its memory, as a request
+    ends."""
 
     TAG = "time"
     rank: int
@@ -243,7 +244,7 @@ class Time(Event):
     idle: float
     wall: float
     busy: float  # compute over the time with work in the pipeline
-    disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.disk_cache.figures)
+    disk_cache: dict[str, float] | None = None  # the prompt cache's disk tier here (worker.caches.disk_cache.figures)
     vision: float = 0.0  # of compute: the vision tower on prompts' images (the first stage)
 
     def spent(self) -> dict[str, float]:
@@ -287,7 +288,7 @@ class Adapter(Event):
     data: str
 
 
-# --- a links job's rank (``worker.links``: ``mlxpipe doctor --links``) ----------------------------------------
+# --- a links job's rank (``worker.measure.link_probe``: ``mlxpipe doctor --links``) -----------------------------
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ class HostMeasured(Event):
     memory_bandwidth: float  # a large array read once
     compute: float  # a large matrix product, in ``dtype``
     dtype: str
-    calibration: dict[str, float] | None = None  # with calibrate: plan.facts.Calibration's fields
+    calibration: dict[str, float] | None = None  # with calibrate: plan.cluster_facts.Calibration's fields
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,15 @@
 
 The controller's ``PipelineConfig`` builds one ``JobSpec`` for the whole run and passes it to
 every rank on the command line (``--job <base64 JSON>``); each rank picks its
-own entries by rank. The config checked every value, naming its flag; what a rank
-checks here is its guard (refuse alike): a job of fields it does not know or lacks,
-or of an impossible shape, by the same checks.
+own entries by rank.
+
+The wire checks only what a rank needs to run the job it is sent, as its guard against a
+controller of another version: every field present and known (``decode``), a shape it can
+index (a model path per rank, a split entry per stage, groups of ``tp`` ranks), and nothing
+no rank could run (a mode it has no pipeline for, tensor-parallel groups where a rank has
+none); a value with a range is held to the one rule it has (``protocol/checks.py``). The
+user's flags were checked before, once, where the launch config was born
+(``launch/config.py``, naming each flag): a job the controller built never fails here.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ OPTIMIZERS = ("adam", "adamw", "muon", "sgd", "adafactor")  # mlx_lm.lora's --op
 @dataclass(frozen=True)
 class TrainSpec:
     """What a training rank (``mlxpipe lora``) needs to add its LoRA adapters and build its optimizer:
-    mlx_lm.lora's options by its names, as ``mlxpipe.lora.run.TrainOptions.for_ranks`` writes them."""
+    mlx_lm.lora's options by its names, as ``mlxpipe.lora.options.TrainOptions.for_ranks`` writes them."""
 
     seed: int
     num_layers: int  # layers fine-tuned, from the last (-1: all)

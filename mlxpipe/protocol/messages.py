@@ -1,10 +1,10 @@
 """What the controller sends every rank, through ``mlx.launch``'s standard input (``wire.encode``).
 
-A serving rank (``worker.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
+A serving rank (``worker.generation.loop``) takes ``generate`` (one request, its tokens streamed), ``batch``
 (``generate --prompts-file``: many requests overlapped) and ``serve`` (``mlxpipe serve``: then ``submit`` and
-``cancel`` as requests come and go); a training rank (``worker.train``, ``mlxpipe lora``) takes ``resume``,
-``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
-(``worker.links``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
+``cancel`` as requests come and go); a training rank (``worker.training.train``, ``mlxpipe lora``) takes
+``resume``, ``step``, ``eval`` and ``save``, each answered by a ``done`` event of every rank; a links job's rank
+(``worker.measure.link_probe``, ``mlxpipe doctor --links``) takes ``measure_host``, ``measure_link`` and
 ``measure_collective``. ``exit`` ends any of them.
 
 A request travels flat, its fields beside the message's ``type`` (``{"type": "generate", "prompt": ...}``).
@@ -83,7 +83,7 @@ class Serve(Message):
     concurrency: int
     decode_batch: int = 1
     prompt_cache_size: int = 0  # finished requests whose caches are kept for prefix reuse; 0: none
-    # The disk tier (worker.disk_cache): each rank's directory on its own host (rank r: prompt_cache_dirs[r]),
+    # The disk tier (worker.caches.disk_cache): each rank's directory on its own host (rank r: prompt_cache_dirs[r]),
     # and the bytes each may keep there, in GB; None or 0: no disk tier.
     prompt_cache_dirs: list[str] | None = None
     prompt_cache_gb: float = 0.0
@@ -141,7 +141,7 @@ class Step(Message):
     batch: list[list[int]]
     lengths: list[list[int]]
     micro_batches: int
-    schedule: str  # 1f1b or gpipe (worker.train_schedule)
+    schedule: str  # 1f1b or gpipe (worker.training.train_schedule)
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class Save(Message):
 TrainMessage = Resume | Step | Eval | Save
 
 
-# --- mlxpipe doctor --links: a links job's rank (``worker.links``), one measurement at a time --------------------
+# --- mlxpipe doctor --links: a links job's rank (``worker.measure.link_probe``), one measurement at a time ---------
 
 
 @dataclass(frozen=True)

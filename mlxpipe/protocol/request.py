@@ -38,7 +38,7 @@ class Image:
     """One image of a request: its file's bytes (base64, as the doors receive them) and their SHA-256.
 
     The bytes go to every rank with the request (``mlx.launch`` broadcasts standard input), but only the
-    first stage decodes them; the hash keys the prompt cache (``worker.engine``), so a follow-up about the
+    first stage decodes them; the hash keys the prompt cache (``worker.generation.engine``), so a follow-up about the
     same picture reuses its prefix and another picture never does.
     """
 
@@ -98,7 +98,7 @@ class Request:
     # What rank 0 reports with each token: its log-probability and the ``top_logprobs`` most likely tokens'.
     logprobs: bool = False
     top_logprobs: int = 0
-    # Constrained decoding (``worker.constraints``): OpenAI's ``{"type": "json_object"}`` or
+    # Constrained decoding (``worker.generation.constraints``): OpenAI's ``{"type": "json_object"}`` or
     # ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``; None: free text.
     response_format: dict[str, Any] | None = None
     # Images in (a vision-language model): the prompt as the controller tokenized it holds each image's
@@ -107,8 +107,9 @@ class Request:
     images: tuple[Image, ...] = ()
     vision_prompt: str | None = None
 
-    # Tool calls held to the model's own format by the same grammar engine (``worker.tool_grammar``): forced by
-    # ``tool_choice``, or completed once the model starts one; None: the reply's tool calls are the model's alone.
+    # Tool calls held to the model's own format by the same grammar engine (``worker.generation.tool_grammar``):
+    # forced by ``tool_choice``, or completed once the model starts one; None: the reply's tool calls are the model's
+    # alone.
     tool_calls: ToolCalls | None = None
 
     @property
@@ -280,8 +281,8 @@ def check_fields(values: Mapping[str, Any], name: Name, vocab_size: int | None =
 
 
 def check_response_format(value: Any, name: Name) -> dict[str, Any] | None:
-    """``response_format``'s shape (the schema itself is compiled by ``worker.constraints``): ``{"type": "text"}``
-    is None (free text); ``json_schema`` needs ``json_schema.schema``, an object."""
+    """``response_format``'s shape (the schema itself is compiled by ``worker.generation.constraints``):
+    ``{"type": "text"}`` is None (free text); ``json_schema`` needs ``json_schema.schema``, an object."""
     if value is None:
         return None
     field = name("response_format")

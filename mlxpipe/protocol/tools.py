@@ -1,4 +1,4 @@
-"""The tool calls a reply may make, as rank 0's grammar holds them to (``worker.tool_grammar``).
+"""The tool calls a reply may make, as rank 0's grammar holds them to (``worker.generation.tool_grammar``).
 
 The controller reads a body's ``tool_choice``, ``parallel_tool_calls`` and strict tools (``serve.tool_choice``)
 into one ``ToolCalls``; it travels inside the ``Request`` to the ranks, where rank 0 builds the grammar of the

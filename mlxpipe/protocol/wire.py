@@ -23,6 +23,7 @@ import base64
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -32,6 +33,10 @@ EVENT_PREFIX = "@@mlxpipe@@ "
 _CHUNK = 1000
 _END = "."
 _EMIT_LOCK = threading.Lock()
+# A rank's worker says it is alive to its supervisor (``launch/supervisor.py``), which keeps these lines to itself:
+# from a thread of its own, so a long step says it too, while a stopped or hung process says nothing.
+WORKER_BEAT_LINE = "@@mlxpipe-beat@@"
+WORKER_BEAT_SECONDS = 1.0
 
 
 def encode(message: Message) -> bytes:
@@ -71,6 +76,21 @@ def emit_wire(data: Wire, stream: IO[str] | None = None) -> None:
     with _EMIT_LOCK:
         out.write(line)
         out.flush()
+
+
+def start_beating(stream: IO[str] | None = None) -> None:
+    """Write ``WORKER_BEAT_LINE`` every ``WORKER_BEAT_SECONDS`` from a daemon thread, for as long as the process
+    runs. mlx computes and waits on the ring without Python's lock, so the thread beats through them."""
+
+    def beat() -> None:
+        out = stream or sys.stdout
+        while True:
+            with _EMIT_LOCK:
+                out.write(WORKER_BEAT_LINE + "\n")
+                out.flush()
+            time.sleep(WORKER_BEAT_SECONDS)
+
+    threading.Thread(target=beat, daemon=True, name="mlxpipe-beat").start()
 
 
 def parse_event(line: str) -> Wire | None:

@@ -21,7 +21,7 @@ from mlxpipe.errors import UsageError
 from mlxpipe.prompts import prompt_tokens
 from mlxpipe.protocol.request import Image, Request, RequestError, parse_logit_bias
 from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings
-from mlxpipe.worker.constraints import compile_error
+from mlxpipe.worker.generation.constraints import compile_error
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

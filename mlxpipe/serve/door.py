@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import threading
 import time
 from collections.abc import Awaitable
@@ -149,7 +150,13 @@ def authorize(request: Request, api_key: str | None) -> None:
 
 
 def admit(queue: RequestQueue) -> None:
-    """Room for one more request (it waits here while the ranks load or relaunch), else 429."""
+    """Room for one more request (it waits here while the ranks load or relaunch), else 429; none while the server
+    drains (SIGTERM), 503 until it has stopped."""
+    if queue.drain_ends is not None:
+        retry = max(1, math.ceil(queue.drain_ends - time.monotonic()))
+        raise ApiError(503, "the server is shutting down (SIGTERM): it finishes the requests in flight and takes "
+                            "no new ones; try again once it is back", code="shutting_down", kind="server_error",
+                       headers={"Retry-After": str(retry)})
     if queue.in_flight >= queue.capacity:
         raise ApiError(429, f"{queue.in_flight} requests in flight, the most this server takes "
                             f"(--max-concurrency + --max-queue); try again shortly",

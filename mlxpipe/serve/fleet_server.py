@@ -4,7 +4,9 @@ As ``server.serve`` does for one pipeline: every pipeline is planned, checked an
 command before anything listens), the hosts shared by entries are checked against everything they hold together,
 then the endpoint listens while every pipeline loads, each in its own ``RequestQueue``. A pipeline that fails past
 its restarts answers its requests with a 503 while the others serve; the server ends when every pipeline has
-failed, or on SIGINT or SIGTERM.
+failed, or on SIGINT or SIGTERM. SIGTERM drains, as a single serve's does (``server._Server``): every pipeline
+takes no new request (a 503 with Retry-After) while the ones in flight on any of them finish, for up to
+``--drain-seconds``; then every pipeline stops.
 """
 
 from __future__ import annotations

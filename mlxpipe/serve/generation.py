@@ -23,7 +23,8 @@ from mlxpipe import console
 from mlxpipe.errors import MlxpipeError, RequestFailed, UsageError
 from mlxpipe.protocol.request import Request as GenerationRequest
 from mlxpipe.serve.door import ApiError, ClientGone, admit, failure, gone, until
-from mlxpipe.serve.queue import Outcome, RequestLog, RequestQueue, Sampled, Stream
+from mlxpipe.serve.queue import RequestLog, RequestQueue
+from mlxpipe.serve.stream import Outcome, Sampled, Stream
 from mlxpipe.serve.text import Delta, Reply
 
 if TYPE_CHECKING:

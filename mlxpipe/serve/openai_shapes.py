@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from mlxpipe.serve.door import ApiError
 from mlxpipe.serve.generation import Generation
-from mlxpipe.serve.queue import Sampled
+from mlxpipe.serve.stream import Sampled
 from mlxpipe.serve.text import Delta
 
 DONE = "data: [DONE]\n\n"

@@ -3,7 +3,7 @@
 The HTTP server lives in the controller's process, never in a rank, so a rank's
 death does not take the API down. A background thread launches the pipeline
 (through ``launch.run.launch``, the same sequence every command uses), puts the
-ranks into their serving loop (``worker.loop``), and pumps their events:
+ranks into their serving loop (``worker.generation.loop``), and pumps their events:
 each token goes to its request's stream as it is sampled. When a rank fails,
 every request in flight ends at once with the root cause, ``/health`` says
 ``restarting``, and the thread launches and loads the pipeline again, up to
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxpipe.defaults import (
+    DEFAULT_DRAIN_SECONDS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_PROMPT_CACHE_GB,
@@ -54,6 +55,7 @@ from mlxpipe.protocol.events import Finished, Serving, Time, Token
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
 from mlxpipe.protocol.request import Request
+from mlxpipe.serve.stream import Outcome, Sampled, Stream
 
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
@@ -69,63 +71,7 @@ class ServeOptions:
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request waits for the ranks to be ready
     prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB  # the disk tier, per rank (0: none)
     prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
-
-
-@dataclass
-class Outcome:
-    """How a request ended, from rank 0's ``finished`` event (or a failure)."""
-
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generation_tokens: int = 0
-    error: MlxpipeError | None = None
-    cache_tier: str | None = None  # where the cached tokens came from: "memory" or "disk"
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A token with its log-probability and the top tokens' (``[id, logprob]``, best first), for a request that
-    asked for logprobs; the others' tokens are plain ints."""
-
-    token: int
-    logprob: float
-    top: list[list[float]]
-
-
-class Stream:
-    """The tokens of one request, readable from the HTTP server's event loop."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request  # as the ranks run it: its token ids (the chat template applied here), its options
-        self._loop = loop
-        self._queue: asyncio.Queue[int | Sampled | Outcome] = asyncio.Queue()
-        self._peeked: list[int | Sampled | Outcome] = []
-        self.submitted = time.monotonic()
-        self.first_token: float | None = None
-        self.outcome: Outcome | None = None
-
-    def put(self, item: int | Sampled | Outcome) -> None:
-        """From the pump thread."""
-        if not isinstance(item, Outcome) and self.first_token is None:
-            self.first_token = time.monotonic()
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the HTTP server has shut down: nobody reads this stream any more
-
-    async def next(self) -> int | Sampled | Outcome:
-        """The next token, or the outcome once the request has ended."""
-        item = self._peeked.pop() if self._peeked else await self._queue.get()
-        if isinstance(item, Outcome):
-            self.outcome = item
-        return item
-
-    async def peek(self) -> int | Sampled | Outcome:
-        """The first item ``next`` will give, without taking it."""
-        if not self._peeked:
-            self._peeked.append(await self._queue.get())
-        return self._peeked[0]
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS  # on SIGTERM: how long the requests in flight may take to finish
 
 
 @dataclass
@@ -156,6 +102,7 @@ class RequestQueue:
         self.tokens_out = 0  # tokens streamed since the server started: the page's tok/s
         self.run_dir: Path | None = None
         self.label = ""  # this pipeline's name among a fleet's ("small#1"), in its requests' lines; "" alone
+        self.drain_ends: float | None = None  # draining (SIGTERM): when it stops, by time.monotonic(); new requests 503
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
         self._waiting: deque[Stream] = deque()  # not sent to the ranks yet: they are loading or relaunching
@@ -351,9 +298,25 @@ class RequestQueue:
                     f"waited {self.options.queue_timeout:g} s for the pipeline, which is still {self.state}",
                     "try again later; /health says when it is ready")))
 
+    def drain(self) -> None:
+        """Take no new request (``serve.door.admit`` answers 503) for the ``drain_seconds`` that the ones in flight
+        have to finish; the server stops once they have (``idle``) or the time is up."""
+        if self.drain_ends is None:
+            self.drain_ends = time.monotonic() + self.options.drain_seconds
+
+    def wait_drained(self) -> bool:
+        """Wait until no request is in flight (True) or the drain's time is up (False)."""
+        assert self.drain_ends is not None
+        while self.in_flight and not self._stopping.is_set():
+            left = self.drain_ends - time.monotonic()
+            if left <= 0:
+                return False
+            self._stopping.wait(min(left, _EXPIRY_SECONDS))
+        return True
+
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "status": self.state,
+            "status": "draining" if self.drain_ends is not None and self.state != "failed" else self.state,
             "model": self.meta.source,
             "restarts": self.restarts,
             "in_flight": self.in_flight,

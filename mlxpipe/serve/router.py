@@ -7,7 +7,7 @@ goes to that entry's door, which reads the same body (``door.ROUTED_BODY``); a n
 the door's own shape listing the names (``--any-model-name``: the first entry takes it). Of an entry's replicas the
 request goes to the least loaded that is ready, else the least loaded one not failed. ``/v1/models``,
 ``/api/tags`` and ``/api/ps`` list every entry's names, each as its own door lists them; ``/health`` says every
-pipeline's state.
+pipeline's state. While the server drains (SIGTERM) every pipeline's door answers a new request with its 503.
 """
 
 from __future__ import annotations
@@ -164,9 +164,14 @@ class Router:
         return listing
 
     async def health(self, request: Request) -> Response:
-        """``ready`` once every pipeline is; else the least ready one's state; and each pipeline's health."""
+        """``ready`` once every pipeline is; ``draining`` once the server drains (SIGTERM: every pipeline does);
+        else the least ready one's state; and each pipeline's health."""
         pipelines = [{"name": s.label, **s.queue.health()} for s in self.served]
         states = [p["status"] for p in pipelines]
-        status = "ready" if all(s == "ready" for s in states) else max(
-            states, key=lambda s: _PREFERRED.index(s) if s in _PREFERRED else 0)
+        if all(s == "ready" for s in states):
+            status = "ready"
+        elif "draining" in states:
+            status = "draining"
+        else:
+            status = max(states, key=lambda s: _PREFERRED.index(s) if s in _PREFERRED else 0)
         return JSONResponse({"status": status, "pipelines": pipelines}, status_code=200 if status == "ready" else 503)

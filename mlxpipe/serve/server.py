@@ -117,7 +117,10 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that ends the queues' requests first on SIGINT/SIGTERM and does not re-raise the signal."""
+    """uvicorn's server that, on SIGTERM, drains: it takes no new request and gives the ones in flight
+    ``--drain-seconds`` to finish; on SIGINT (Ctrl-C), or a second SIGTERM, it ends the queues' requests at once.
+    It does not re-raise the signal. A fleet's server (``serve.fleet_server``) has one queue per pipeline: each
+    drains, and it stops once every one has drained or the time is up."""
 
     def __init__(self, config: uvicorn.Config, *queues: RequestQueue) -> None:
         super().__init__(config)
@@ -128,9 +131,40 @@ class _Server(uvicorn.Server):
     def signal_name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
+    @property
+    def drain_seconds(self) -> float:
+        """The longest drain of the queues (a fleet's share ``--drain-seconds``)."""
+        return max(q.options.drain_seconds for q in self.queues)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(q.in_flight for q in self.queues)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.signal is None and self.drain_seconds > 0:
+            self.signal = sig
+            for queue in self.queues:
+                queue.drain()
+            console.warn(f"SIGTERM: finishing the {self.in_flight} requests in flight, for at most "
+                         f"{self.drain_seconds:g} s (--drain-seconds), and taking no new ones; "
+                         "SIGTERM again or Ctrl-C stops now")
+            threading.Thread(target=self._drain, daemon=True, name="mlxpipe-drain").start()
+            return
         if self.signal is None:
             self.signal = sig
+        self._stop()
+
+    def _drain(self) -> None:
+        # Every queue in turn: each waits for its own requests, up to the one deadline they were all given.
+        drained = [queue.wait_drained() for queue in self.queues]
+        if all(drained):
+            console.err.print("drained: every request in flight finished")
+        else:
+            console.warn(f"drained for {self.drain_seconds:g} s (--drain-seconds): the "
+                         f"{self.in_flight} requests still in flight end now")
+        self._stop()
+
+    def _stop(self) -> None:
         # End the streams now: uvicorn's graceful shutdown waits for them.
         for queue in self.queues:
             threading.Thread(target=queue.stop, daemon=True).start()
@@ -196,6 +230,8 @@ def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max
         raise UsageError(f"--prompt-cache-gb must be 0 (no disk tier) or more, got {options.prompt_cache_gb:g}")
     if not options.queue_timeout > 0:
         raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
+    if not options.drain_seconds >= 0:
+        raise UsageError(f"--drain-seconds must be 0 (SIGTERM stops at once) or more, got {options.drain_seconds:g}")
     if max_body_bytes < 1024:
         raise UsageError(f"--max-body-size must be at least 1024 bytes, got {max_body_bytes}")
     if not 0 < port < 65536:

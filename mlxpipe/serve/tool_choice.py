@@ -11,9 +11,9 @@ Every door with tools reads its own spelling into a ``Choice`` and calls ``enfor
   hold is a 400 naming it; a tool that is not strict and cannot be held exactly is loosened (any arguments that
   still parse), with one warning line in the server's output naming it.
 
-A model whose tool-call format no grammar here writes (``worker.tool_grammar.SUPPORTED``), or a server with a draft
-model (whose sampling no grammar reaches), refuses what must be enforced (``required``, a named tool, a strict
-tool) with a 400 naming the field, and leaves ``auto`` as the model writes it.
+A model whose tool-call format no grammar here writes (``worker.generation.tool_formats.SUPPORTED``), or a server
+with a draft model (whose sampling no grammar reaches), refuses what must be enforced (``required``, a named tool, a
+strict tool) with a 400 naming the field, and leaves ``auto`` as the model writes it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from mlxpipe import console
 from mlxpipe.protocol.request import Request
 from mlxpipe.protocol.tools import Tool, ToolCalls
 from mlxpipe.serve.door import ApiError, ServerSettings
-from mlxpipe.worker.constraints import tool_compile_error
-from mlxpipe.worker.tool_grammar import SUPPORTED, Markers, format_of, loosened, resolve
+from mlxpipe.worker.generation.constraints import tool_compile_error
+from mlxpipe.worker.generation.lark_writer import Markers
+from mlxpipe.worker.generation.tool_formats import SUPPORTED, format_of, loosened, resolve
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -1,5 +1,8 @@
-"""Entry point of a rank: ``python -m mlxpipe.worker --job <base64 JSON>``; a links job's rank (``mlxpipe doctor
---links``): ``python -m mlxpipe.worker --links <ranks>``."""
+"""Entry point of a rank, and the one dispatch of every kind of job to its room.
+
+``python -m mlxpipe.worker --job <base64 JSON>`` serves (``generation.loop``) or, for a training job, trains
+(``training.train``); a links job's rank (``mlxpipe doctor --links``): ``python -m mlxpipe.worker --links <ranks>``
+(``measure.link_probe``)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxpipe.worker")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--job", help="the JobSpec, as JobSpec.encode() writes it")
-    what.add_argument("--links", type=int, metavar="RANKS", help="measure the job's hosts and links (worker.links)")
+    what.add_argument("--links", type=int, metavar="RANKS",
+                      help="measure the job's hosts and links (worker.measure.link_probe)")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("MLX_RANK", "-1"))
     try:
@@ -28,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         from mlxpipe.protocol.job import JobSpec
 
         if args.links is not None:
-            from mlxpipe.worker.links import main as links
+            from mlxpipe.worker.measure.link_probe import main as links
 
             links(args.links)
             return 0
         if JobSpec.decode(args.job).train is not None:
-            from mlxpipe.worker.train import run
+            from mlxpipe.worker.training.train import run
         else:
-            from mlxpipe.worker.loop import run
+            from mlxpipe.worker.generation.loop import run
         run(args.job)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure must reach the controller
@@ -61,4 +65,5 @@ def leave(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    wire.start_beating()  # to the supervisor, which stops a worker that falls silent (launch/supervisor.py)
     leave(main())

@@ -13,7 +13,8 @@ from mlxpipe.worker.progress import Progress
 
 @dataclass(frozen=True)
 class RankContext:
-    """One rank's model and peers, as the request loops (``engine``, ``streamed``) read them."""
+    """One rank's model and peers, as the request loops (``generation.engine``, ``generation.streamed``) read
+    them."""
 
     loaded: LoadedModel  # this rank's layers, its tokenizer, its draft model if any
     group: mx.distributed.Group  # the job's

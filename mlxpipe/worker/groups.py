@@ -3,7 +3,8 @@
 With ``--tp T`` the job's ranks, in order, form groups of T consecutive ranks;
 group g (ranks ``g*T .. g*T+T-1``) is pipeline stage g. As in mlx-lm, stage 0
 runs the last layers and the vocabulary head, the highest stage the first
-layers. T = 1 is the plain pipeline (a stage is one rank).
+layers. T = 1 is the plain pipeline (a stage is one rank). Every rank, whatever its job
+(serving, training, a links job), starts by joining the job's group (``init_group``).
 
 MLX's ring backend has no ``Group.split`` and its ``send``/``recv`` only reach
 the direct neighbours in the ring (r ± 1), so every exchange here is between
@@ -41,12 +42,13 @@ uses the neighbour exchanges on every backend, since every backend has them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxpipe.errors import UsageError
+from mlxpipe.errors import LaunchError, UsageError
 
 # What the tensor sharders slice for: an MLX group, or a TensorGroup standing in for one. mlx's shard_linear
 # and mlx-lm's shard() read only its size() and rank(), but are annotated with MLX's Group alone: Any here.
@@ -213,3 +215,18 @@ class Topology:
 def single_topology() -> Topology:
     """The topology of a lone rank (tests, tools that pipeline nothing)."""
     return Topology(mx.distributed.init(), 1)
+
+
+def init_group(world_size: int) -> mx.distributed.Group:
+    """The distributed group of the job; a single rank needs no backend."""
+    if world_size == 1:
+        # mlx.launch gives a lone rank an empty hostfile, which the ring
+        # backend fails to parse even when not strict.
+        os.environ.pop("MLX_HOSTFILE", None)
+    group = mx.distributed.init(strict=world_size > 1)
+    if group.size() != world_size:
+        raise LaunchError(
+            f"the job is for {world_size} ranks but mlx.launch started {group.size()}",
+            hint="the hostfile and the job must list the same hosts",
+        )
+    return group

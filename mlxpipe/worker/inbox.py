@@ -4,8 +4,9 @@
 every rank receives the same messages in the same order, but each at its own
 moment. A reader thread numbers them as they arrive; the request loop takes
 them in order. While requests are being served the ranks agree, through a
-collective, how many messages all of them hold (``Engine._share``), and apply
-exactly those: never a message one rank has and another has not yet read.
+collective, how many messages all of them hold
+(``generation.engine.Engine._share``), and apply exactly those: never a
+message one rank has and another has not yet read.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
 Every rank's directory holds the config, the tokenizer and only the weight
 files with its own layers (plus the files with the embeddings, final norm and
 head). The model is built lazily, pipelined, and only then evaluated, so a
-rank's peak memory is its share of the weights.
+rank's peak memory is its share of the weights. Every rank, serving or training,
+then says so in its ``loaded`` event (``loaded_event``).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from mlxpipe.errors import ModelError, PlanError
 from mlxpipe.model.facts import kv_sharing_groups, text_config_of
 from mlxpipe.plan.splits import check_groups
+from mlxpipe.protocol.events import Loaded
 from mlxpipe.protocol.job import JobSpec
 from mlxpipe.worker.groups import Topology
 from mlxpipe.worker.stages.cut import find_exchange, learn_layouts, pipeline_generic, pipeline_native, strip_weights
@@ -54,6 +57,22 @@ class LoadedModel:
     processor: Any = None
     vision: bool = False
     positions: bool = False
+
+
+def loaded_event(job: JobSpec, group: mx.distributed.Group, loaded: LoadedModel, trainable: int | None = None,
+                 frozen: int | None = None) -> Loaded:
+    """What a rank's ``loaded`` event says (serving and training ranks alike)."""
+    return Loaded(
+        rank=group.rank(),
+        host=socket.gethostname(),
+        layers=[loaded.start, loaded.end],
+        num_layers=sum(job.split),
+        mode=job.mode,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        load_seconds=loaded.load_seconds,
+        trainable=trainable,
+        frozen=frozen,
+    )
 
 
 class _LoadRecorder:

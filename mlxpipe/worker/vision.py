@@ -1,33 +1,26 @@
-"""A vision-language model on a rank: mlx-vlm's model behind mlx-lm's interface, and a prompt's image features.
+"""A vision-language model on a rank: mlx-vlm's model behind mlx-lm's interface.
 
 mlx-vlm splits each model into a vision tower and projector (``get_input_embeddings``: the prompt's images
 turned into input embeddings merged with the text's) and a language model whose blocks the generic pipeline
 cuts like any mlx-lm model's. ``load_vision_rank`` loads the model with mlx-vlm's own loader; the class
 swap of ``as_language_model`` makes ``model(tokens, cache=...)`` return the language model's logits, with
-the input embeddings and (Qwen-VL's multi-axis rotary) position ids a micro-batch brings.
+the input embeddings and (Qwen-VL's multi-axis rotary) position ids a micro-batch brings. Only the first
+stage (the highest rank, which holds the embeddings) keeps the vision tower (``vision_modules``); what its
+language model reads besides its tokens, and whether the pipeline carries it, is checked at load
+(``unsupported_features``, ``needs_positions``).
 
-The first stage (the highest rank, which holds the embeddings) alone runs the vision tower: ``features``
-gives a prompt's input embeddings and position ids, as ``mlx_vlm.generate`` computes them; its position ids
-travel with the hidden state to the later stages (``pack_positions``), which never see the pixels. Qwen3-VL's
-deepstack features, added to the hidden state after its first few layers, never leave the first stage: those
-layers are there (``mlxpipe.vision.families.check_deepstack``), and ``deepstack_inputs`` hands them each
-micro-batch's share.
+What a prompt's images become on the first stage, and what crosses the cuts with the hidden state, is the
+generation room's (``generation.vision_inputs``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from mlxpipe.errors import ModelError
-from mlxpipe.protocol.request import Image, Request
 
 # What mlx-vlm's ``get_input_embeddings`` may hand the language model besides the embeddings, and which of it
 # mlxpipe carries: position ids (rope deltas say how they go on after the prompt). Anything else a language
@@ -40,7 +33,6 @@ FIRST_STAGE_FEATURES = ("visual_pos_masks", "deepstack_visual_embeds")
 # ``attention_mask`` is an encoder-decoder model's (mlx-vlm's own comment); decoder-only language models name the
 # word only for the processor's padding mask, which a prompt of one request does not have.
 _IGNORED_FEATURES = ("attention_mask",)
-_POSITION_AXES = 3  # Qwen-VL's multi-axis rotary positions: time, height, width
 
 
 def load_vision_model(path: Path) -> tuple[nn.Module, dict[str, Any]]:
@@ -111,166 +103,3 @@ def needs_positions(model: nn.Module) -> bool:
     """Whether the language model takes position ids the embeddings compute (Qwen-VL's multi-axis rotary)."""
     features = model.get_input_embeddings(mx.array([[1, 2]], mx.int32))
     return getattr(features, "position_ids", None) is not None
-
-
-@dataclass
-class PromptFeatures:
-    """One prompt's inputs to the language model, on the first stage."""
-
-    embeddings: mx.array  # (1, prompt tokens, hidden)
-    positions: mx.array | None  # (3, 1, prompt tokens) int32, for models that take position ids
-    delta: int  # positions past the prompt: index + delta (Qwen-VL's rope deltas)
-    # Qwen3-VL's deepstack: where the prompt's image tokens are, and per deepstack layer their features
-    # (image tokens, hidden), in the prompt's order. None for other models and prompts without images.
-    visual: list[int] | None = None
-    deepstack: list[mx.array] | None = None
-
-
-def features(model: nn.Module, processor: Any, config: dict[str, Any], request: Request,
-             tokens: list[int]) -> PromptFeatures:
-    """The prompt's input embeddings (its images merged in by the vision tower) and position ids.
-
-    The processor runs on the prompt text the controller tokenized, as ``mlx_vlm.generate`` runs it; its
-    token ids must be the ones every rank was sent.
-    """
-    kwargs: dict[str, Any] = {}
-    pixel_values = None
-    if request.images:
-        from mlxpipe.vision.prompt import process
-
-        inputs = process(processor, config, request.vision_prompt or "", request.images)
-        ids = inputs.pop("input_ids")
-        if [int(t) for t in ids.reshape(-1).tolist()] != tokens:
-            raise ModelError("the image processor on the first stage tokenized the prompt differently from the "
-                             "controller", hint="install the same mlx-vlm and transformers on every host")
-        pixel_values = inputs.pop("pixel_values", None)
-        kwargs = {k: v for k, v in inputs.items() if v is not None and k != "attention_mask"}
-        kwargs["mask"] = inputs.get("attention_mask")
-    input_ids = mx.array([tokens], mx.int32)
-    out = model.get_input_embeddings(input_ids, pixel_values, **kwargs)
-    positions = getattr(out, "position_ids", None)
-    deltas = getattr(out, "rope_deltas", None)
-    # One request: one delta (``item`` is typed as any scalar; the int32 array's is an int).
-    delta = cast(int, mx.array(deltas).reshape(-1)[0].astype(mx.int32).item()) if deltas is not None else 0
-    if positions is not None:
-        positions = positions.astype(mx.int32)
-        if positions.ndim == 2:  # a prompt without images: (1, tokens), the same position on every axis
-            positions = mx.broadcast_to(positions[None], (_POSITION_AXES, *positions.shape))
-        mx.eval(out.inputs_embeds, positions)
-    else:
-        mx.eval(out.inputs_embeds)
-    deepstack = getattr(out, "deepstack_visual_embeds", None)
-    if deepstack is None:
-        return PromptFeatures(out.inputs_embeds, positions, delta)
-    mask = out.visual_pos_masks.reshape(-1).tolist()
-    visual = [i for i, is_image in enumerate(mask) if is_image]
-    return PromptFeatures(out.inputs_embeds, positions, delta, visual, [deepstack[k] for k in range(len(deepstack))])
-
-
-def deepstack_inputs(rows: Sequence[tuple[PromptFeatures | None, int]], width: int) -> dict[str, Any]:
-    """The deepstack keywords of a micro-batch on the first stage, as mlx-vlm's language model reads them: each
-    row's image-token mask over its tokens ``start`` .. ``start + width``, and those tokens' features row after
-    row. Empty where no row has an image token there (the language model then adds nothing)."""
-    masks, picked = [], []
-    for prompt, start in rows:
-        mask = [False] * width
-        if prompt is not None and prompt.visual is not None and prompt.deepstack is not None:
-            inside = [i for i, p in enumerate(prompt.visual) if start <= p < start + width]
-            for i in inside:
-                mask[prompt.visual[i] - start] = True
-            if inside:
-                picked.append([layer[inside[0] : inside[-1] + 1] for layer in prompt.deepstack])
-        masks.append(mask)
-    if not picked:
-        return {}
-    layers = [mx.concatenate([features[k] for features in picked]) for k in range(len(picked[0]))]
-    return {"visual_pos_masks": mx.array(masks), "deepstack_visual_embeds": layers}
-
-
-def text_embeddings(model: nn.Module, tokens: mx.array) -> mx.array:
-    """Input embeddings of tokens without images, as mlx-vlm makes them."""
-    embeddings: mx.array = model.get_input_embeddings(tokens).inputs_embeds
-    return embeddings
-
-
-def positions_of(prompt: PromptFeatures | None, start: int, width: int) -> mx.array:
-    """Position ids (3, 1, width) of the tokens ``start`` .. ``start + width`` of a request."""
-    length = prompt.positions.shape[-1] if prompt is not None and prompt.positions is not None else 0
-    delta = prompt.delta if prompt is not None else 0
-    parts = []
-    if start < length:
-        assert prompt is not None and prompt.positions is not None
-        parts.append(prompt.positions[:, :, start : min(start + width, length)])
-    after = start + width - max(start, length)
-    if after > 0:
-        first = max(start, length)
-        steps = mx.arange(first, first + after, dtype=mx.int32) + delta
-        parts.append(mx.broadcast_to(steps[None, None, :], (_POSITION_AXES, 1, after)))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-
-
-def pack_positions(hidden: mx.array, positions: mx.array) -> mx.array:
-    """The hidden state (batch, tokens, ...) and the position ids (3, batch, tokens) as one uint8 message:
-    one send, so the two never cross in another order."""
-    batch, tokens = positions.shape[1:]
-    data = mx.contiguous(hidden).view(mx.uint8).reshape(batch, tokens, -1)
-    ids = mx.contiguous(positions.astype(mx.int32).transpose(1, 2, 0)).view(mx.uint8).reshape(batch, tokens, -1)
-    return mx.concatenate([data, ids], axis=2)
-
-
-POSITION_BYTES = _POSITION_AXES * 4  # per token
-
-
-def unpack_positions(message: mx.array, shape: tuple[int, ...], dtype: Any) -> tuple[mx.array, mx.array]:
-    """``pack_positions``' message back: the hidden state of ``shape`` and ``dtype``, and the position ids."""
-    batch, tokens = message.shape[:2]
-    hidden = message[:, :, :-POSITION_BYTES]
-    ids = message[:, :, -POSITION_BYTES:]
-    hidden = mx.contiguous(hidden).view(dtype).reshape(shape)
-    positions = mx.contiguous(ids).view(mx.int32).reshape(batch, tokens, _POSITION_AXES).transpose(2, 0, 1)
-    return hidden, positions
-
-
-# --- the prompt cache's keys ---------------------------------------------------------
-
-
-def image_token_of(config: dict[str, Any]) -> int | None:
-    """A vision-language model's image placeholder token, as its config names it."""
-    for key in ("image_token_id", "image_token_index", "media_placeholder_token_id"):
-        value = config.get(key)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def cache_key(tokens: Sequence[int], images: Sequence[Image], image_token: int) -> list[int]:
-    """``tokens`` with each image's run of placeholder tokens replaced by a mark of that image's hash (a negative
-    id, which no token has). Where the runs are not one per image (a family that breaks an image into rows),
-    every placeholder is marked by the hash of all the images."""
-    marks = [_mark(image.sha256) for image in images]
-    runs = _runs(tokens, image_token)
-    if len(runs) != len(marks):
-        marks = [_mark(hashlib.sha256("".join(image.sha256 for image in images).encode()).hexdigest())]
-        runs = [[i for run in runs for i in run]]
-    key = list(tokens)
-    for run, mark in zip(runs, marks, strict=True):
-        for i in run:
-            key[i] = mark
-    return key
-
-
-def _mark(digest: str) -> int:
-    return -1 - int(digest[:15], 16)
-
-
-def _runs(tokens: Sequence[int], token: int) -> list[list[int]]:
-    """The positions of each run of ``token`` in ``tokens``."""
-    runs: list[list[int]] = []
-    for i, t in enumerate(tokens):
-        if t != token:
-            continue
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

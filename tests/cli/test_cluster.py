@@ -47,3 +47,13 @@ def test_install_names_a_missing_wheelhouse_and_hostfile(tmp_path: Path) -> None
     result = invoke("cluster", "install", "--hostfile", str(tmp_path / "h.json"))
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == f"error: {tmp_path / 'h.json'}: no such hostfile"
+
+
+def test_init_and_install_measure_the_links_through_the_links_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxpipe.cli.cluster import _links_job
+    from mlxpipe.launch import links_job
+
+    calls: list[Any] = []
+    monkeypatch.setattr(links_job, "measure", lambda hostfile, on_progress=None: calls.append(hostfile) or "facts")
+    assert _links_job(Path("cluster.json"), quiet=True) == ("facts", None)
+    assert calls == [Path("cluster.json")]

@@ -15,20 +15,14 @@ from typer.testing import CliRunner
 
 from fixtures.cli import REPO, invoke
 from fixtures.cluster import skip_or_fail_in_ci
-from fixtures.cluster_facts import facts_beside
 from fixtures.doctor import OTHER_MLX, doctor, failures, statuses
 from fixtures.hostfiles import LOCAL
 from mlxpipe.cli import app
-from mlxpipe.cluster.doctor import (
-    CheckResult,
-    preflight,
-    require_ok,
-    ring_ports,
-    tp_link_checks,
-)
-from mlxpipe.cluster.hostfile import load_hostfile, parse_hostfile
+from mlxpipe.cluster.check_result import CheckResult
+from mlxpipe.cluster.doctor import preflight, require_ok, ring_ports
+from mlxpipe.cluster.hostfile import load_hostfile
 from mlxpipe.errors import LaunchError
-from mlxpipe.launch.ranks import free_port_base
+from mlxpipe.launch.command import free_port_base
 
 LOCAL_2 = REPO / "hostfiles" / "local-2.json"
 
@@ -175,28 +169,7 @@ def test_require_ok_names_the_first_failure() -> None:
     require_ok(results[:1])
 
 
-# --- Doctor: a group over TCP -------------------------------------------------------------------------
-
-
-def hostfile(machines: list[str], backend: str = "ring") -> Any:
-    data = {"backend": backend, "hosts": [{"ssh": m, "ips": [f"10.0.0.{i}"]} for i, m in enumerate(machines)]}
-    return parse_hostfile(data, Path("h.json"))
-
-
-@pytest.mark.parametrize(("machines", "backend", "statuses"), [
-    (["a", "b", "c", "d"], "ring", ["warn", "warn"]),
-    (["a", "b", "c", "d"], "mpi", ["warn", "warn"]),
-    (["a", "b", "c", "d"], "jaccl", ["ok", "ok"]),
-    (["a", "a", "b", "b"], "ring", ["ok", "ok"]),  # each group on one machine; the pipeline crosses the link
-    (["127.0.0.1"] * 4, "ring", ["ok", "ok"]),
-])
-def test_doctor_warns_on_groups_over_tcp(machines: list[str], backend: str, statuses: list[str]) -> None:
-    checks = tp_link_checks(hostfile(machines, backend), 2, backend)
-    assert [(c.check, c.ranks, c.status) for c in checks] == [
-        ("tp links", (0, 1), statuses[0]), ("tp links", (2, 3), statuses[1])]
-    for c in checks:
-        assert (c.fix is not None and "JACCL" in c.fix and "mlx.distributed_config" in c.fix) == (c.status == "warn")
-    assert tp_link_checks(hostfile(machines, backend), 1, backend) == []
+# --- Doctor: the groups' links through the command line (cluster/layout_checks.py checks them) ----------
 
 
 def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,50 +179,6 @@ def test_doctor_cli_checks_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     links = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "tp links"]
     assert [(c["ranks"], c["status"]) for c in links] == [([0, 1], "ok")]
     assert "one machine" in links[0]["detail"]
-
-
-# --- the layout's check: predicted slower than fewer hosts ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fixtures.layouts import build_qwen2
-
-    return build_qwen2(tmp_path_factory.mktemp("doctor-layout") / "qwen2", 8)
-
-
-@pytest.mark.parametrize(("latency", "status"), [(50e-6, "ok"), (50e-3, "warn")])
-def test_a_layout_slower_than_fewer_hosts_is_warned_with_both_figures(wide_model: Path, tmp_path: Path,
-                                                                       latency: float, status: str) -> None:
-    from mlxpipe.cluster.doctor import layout_checks
-    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-
-    hostfile = tmp_path / "two.json"
-    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
-    facts_beside(hostfile, latency)
-    target = resolve_target(str(wide_model), None, hostfile, None, None, None, None, "pipeline")
-    meta = load_model_metadata(target)
-    (check,) = layout_checks(target, meta, plan_target(target, meta))
-    assert (check.check, check.status, check.ranks) == ("layout", status, (0, 1))
-    if status == "ok":
-        assert check.detail.endswith("no layout on fewer of these hosts is predicted faster")
-        return
-    # 50 ms links: a pipeline token pays a hop and two collectives of 100 ms; one host pays none.
-    assert check.detail.startswith("predicted slower than fewer hosts: pipeline balanced 4,4 on 2 hosts: ")
-    assert "; 1 host on the first 1 (127.0.0.1): " in check.detail and "tok/s decode" in check.detail
-    assert check.fix == ("run on 127.0.0.1 alone (a hostfile of it), or see `mlxpipe plan --layout auto` for a "
-                         "faster layout of every host")
-
-
-def test_no_layout_check_without_facts(wide_model: Path, tmp_path: Path) -> None:
-    from mlxpipe.cluster.doctor import layout_checks
-    from mlxpipe.cluster.target import load_model_metadata, plan_target, resolve_target
-
-    hostfile = tmp_path / "two.json"
-    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
-    target = resolve_target(str(wide_model), None, hostfile, None, None, None, None, "pipeline")
-    meta = load_model_metadata(target)
-    assert layout_checks(target, meta, plan_target(target, meta)) == []
 
 
 def test_calibrate_goes_with_links() -> None:

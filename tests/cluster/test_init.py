@@ -172,12 +172,3 @@ def test_written_whole_and_valid(tmp_path: Path) -> None:
     with pytest.raises(HostfileError):
         init.check_and_write(out, path)
     assert path.read_text() == "before\n"
-
-
-def test_init_measures_the_links_through_the_links_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxpipe.cluster import links
-
-    calls: list[Any] = []
-    monkeypatch.setattr(links, "measure", lambda hostfile, on_progress=None: calls.append(hostfile) or "facts")
-    assert init.measure_links(Path("cluster.json")) == "facts"
-    assert calls == [Path("cluster.json")]

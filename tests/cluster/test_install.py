@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from mlxpipe.cluster import install
-from mlxpipe.cluster.install import FAILED, INSTALLED, UNCHANGED, Installed, Target
+from mlxpipe.cluster.install import FAILED, INSTALLED, UNCHANGED, ControllerEnv, Installed
 from mlxpipe.cluster.survey import Machine, Python
 from mlxpipe.errors import SetupError
 
-TARGET = Target((3, 12), {"mlx": "0.32.4", "mlx-lm": "0.32.2", "mlxpipe": "0.1.0"}, "macosx-14.0-arm64")
+ENV = ControllerEnv((3, 12), {"mlx": "0.32.4", "mlx-lm": "0.32.2", "mlxpipe": "0.1.0"}, "macosx-14.0-arm64")
 
 
 def py(path: str, version: str, venv: bool = False, platform: str = "macosx-14.0-arm64") -> Python:
@@ -24,16 +24,16 @@ def test_the_venv_is_made_with_the_controllers_minor_else_the_newest() -> None:
     same = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"),
                                                    py("/opt/homebrew/bin/python3.13", "3.13.1"),
                                                    py("/opt/homebrew/bin/python3.12", "3.12.8")))
-    assert install._base_python(same, TARGET).path == "/opt/homebrew/bin/python3.12"
+    assert install._base_python(same, ENV).path == "/opt/homebrew/bin/python3.12"
     newest = Machine("m", "m", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"), py("/a/python3.10", "3.10.4"),
                                                      py("/a/python3.11", "3.11.2"),
                                                      py("/v/python", "3.13.0", venv=True)))
-    assert install._base_python(newest, TARGET).path == "/a/python3.11"
+    assert install._base_python(newest, ENV).path == "/a/python3.11"
 
 
 def test_a_mac_with_only_macos_python_is_told_what_to_install() -> None:
     with pytest.raises(SetupError) as e:
-        install._base_python(Machine("studio-1", "s", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"),)), TARGET)
+        install._base_python(Machine("studio-1", "s", "/Users/me", pythons=(py("/usr/bin/python3", "3.9.6"),)), ENV)
     assert e.value.message == "studio-1: no Python 3.10 or newer (macOS's own python3 is 3.9)"
     assert e.value.hint == ("install Python 3.12 on studio-1 (python.org's installer, or Homebrew: brew install "
                             "python@3.12), then run install again")
@@ -46,13 +46,13 @@ def test_a_mac_with_only_macos_python_is_told_what_to_install() -> None:
 def test_the_controllers_own_wheels_fit_the_same_os_architecture_and_python(
     platform: str, version: str, same: bool
 ) -> None:
-    assert install._same_platform(py("/v/python", version, True, platform), TARGET) is same
+    assert install._same_platform(py("/v/python", version, True, platform), ENV) is same
 
 
-def test_target_here_is_this_machines_versions() -> None:
+def test_controller_env_here_is_this_machines_versions() -> None:
     from importlib.metadata import version
 
-    here = Target.here()
+    here = ControllerEnv.here()
     assert here.versions == {name: version(name) for name in ("mlx", "mlx-lm", "mlxpipe")}
     assert here.pins() == [f"{name}=={version(name)}" for name in ("mlx", "mlx-lm", "mlxpipe")]
 
@@ -89,5 +89,5 @@ def test_a_yaml_hostfile_stays_yaml(tmp_path: Path) -> None:
 def test_a_local_host_is_left_to_the_controllers_environment() -> None:
     from mlxpipe.host import Host
 
-    (result,) = install.install([Host(0, "127.0.0.1"), Host(1, "127.0.0.1")], target=TARGET)
+    (result,) = install.install([Host(0, "127.0.0.1"), Host(1, "127.0.0.1")], env=ENV)
     assert result.status == install.SKIPPED and result.python is None

@@ -221,6 +221,28 @@ def test_killed_rank_is_the_root_cause(site: Site, rank: int, chat_model: Path, 
 
 
 @pytest.mark.ranks
+def test_stopped_rank_is_found_in_seconds_and_is_the_root_cause(chat_model: Path, tmp_path: Path,
+                                                                 controller: Any) -> None:
+    """``kill -STOP`` of a worker (a frozen Mac, a stuck driver): it stops beating, and its supervisor kills it
+    after ``WORKER_SILENCE_SECONDS``, where the watchdog on progress (``--timeout``, 600 s here) would wait."""
+    from mlxpipe.launch.supervisor import WORKER_SILENCE_SECONDS
+
+    site = Site(tmp_path / "local-2.json", ["127.0.0.1"] * 2)
+    site.hostfile.write_text(json.dumps([LOCAL, LOCAL]))
+    run = controller(*generate_args(site, chat_model, "--timeout", "600"))
+    run.wait_for_text()
+    pids = site.rank_pids(run.proc.pid)
+    os.kill(site.worker_pid(1, run.proc.pid), signal.SIGSTOP)
+    code, _ = run.wait(timeout=60)
+    assert code == 1, run.err
+    assert run.error_line == (f"error: rank 1 on {site.hosts[1]}: its worker stopped answering: no word from it for "
+                              f"{WORKER_SILENCE_SECONDS:g} s, though its host still answers; it was killed")
+    assert site.wait_gone(pids, timeout=5) == set()
+    [exited] = [e for e in event_lines(run.run_dir / "rank-1.log") if e["event"] == "exited"]
+    assert (exited["signal"], exited["stopped"]) == ("SIGKILL", "silent")
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize("site", ["local"], indirect=True)
 def test_killed_rank_mid_batch_keeps_the_finished_results(site: Site, chat_model: Path, tmp_path: Path,
                                                           controller: Any) -> None:

@@ -77,7 +77,7 @@ def test_added_latency_on_a_link_shows_in_the_measured_latency(cluster: Cluster)
     figures, predicted against measured, are ``bench/bench_layout.py``'s. Nothing bounds the growth above but
     10x the delay, which only a delay counted many times over exceeds.
     """
-    from mlxpipe.cluster.links import measure
+    from mlxpipe.launch.links_job import measure
 
     hostfile = cluster.hostfile(2, model_dir=lambda h: h.dir / "models")
 

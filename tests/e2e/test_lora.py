@@ -166,15 +166,16 @@ def test_a_rank_dying_mid_training_names_it_stops_every_rank_and_keeps_the_check
     from mlxpipe.cluster.target import resolve_target
     from mlxpipe.errors import LaunchError
     from mlxpipe.launch.config import PipelineConfig
-    from mlxpipe.lora import run as lora
+    from mlxpipe.lora.options import TrainOptions
+    from mlxpipe.lora.training import Reporter, train
 
     out = workdir / "dies"
     target = resolve_target(str(workdir / "llama"), None, REPO / "hostfiles" / "local-2.json", None, None, None)
     config = PipelineConfig(target, timeout=60, quiet=True, worker=faulty_trainer.worker(on_rank=1, at_step=3))
-    options = lora.TrainOptions.build({"model": str(workdir / "llama"), "train": True, "data": str(workdir / "text"),
-                                       "adapter_path": str(out), **FLAGS})
+    options = TrainOptions.build({"model": str(workdir / "llama"), "train": True, "data": str(workdir / "text"),
+                                  "adapter_path": str(out), **FLAGS})
     with pytest.raises(LaunchError) as e:
-        lora.train(config, options, lora.Reporter())
+        train(config, options, Reporter())
     assert e.value.message.startswith("rank 1 on 127.0.0.1: "), e.value.message
     assert "status 3" in e.value.message
     # The checkpoint of step 2 was written whole before the failure, and loads.

@@ -25,7 +25,7 @@ from fixtures.tiny_models import TinyModels
 pytestmark = pytest.mark.ranks
 
 MAX_TOKENS = 12
-# Long enough to be kept (worker.disk_cache.MIN_TOKENS): the byte-level tokenizer makes a token of each byte.
+# Long enough to be kept (worker.caches.disk_cache.MIN_TOKENS): the byte-level tokenizer makes a token of each byte.
 SYSTEM = "You are a careful assistant who answers in short sentences and cites nothing. " * 6
 FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about rivers."}]
 OTHER = [{"role": "system", "content": SYSTEM.upper()}, {"role": "user", "content": "Tell me about lakes."}]

@@ -4,11 +4,15 @@ One server for the whole module: the chat model (the demo's tokenizer and templa
 answering to ``big``, and a tiny qwen2 (byte tokenizer) on a third rank, answering to ``small``. Each name reaches
 its model, greedy output equal to that model alone in single-process mlx-lm, through OpenAI's, Anthropic's and
 Ollama's clients; an unknown name is each door's 404 listing the names; the lists name both; each request's line
-names the pipeline that served it.
+names the pipeline that served it. Last, SIGTERM drains the fleet: a stream in flight on one entry ends whole while
+a new request to either entry gets a 503, then the server exits 143 with every rank gone.
 """
 
 from __future__ import annotations
 
+import json
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +23,8 @@ import openai
 import pytest
 
 from fixtures.chat_reference import greedy
-from fixtures.serve_process import KEY, ServeProcess, ready_server
+from fixtures.processes import local_rank_processes
+from fixtures.serve_process import KEY, ServeProcess, ready_server, wait_gone
 from fixtures.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.ranks
@@ -28,6 +33,7 @@ MAX_TOKENS = 8
 CONTEXT = 2048
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 NAMES = ["big", "small"]
+DRAINED = 300  # a reply still running when SIGTERM comes (seconds at full speed), which the server finishes
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,9 @@ def fleet(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     path = tmp_path_factory.mktemp("fleet-file") / "fleet.yaml"
     path.write_text(f"models:\n  - model: {models['big']}\n    hosts: [0, 1]\n    names: [big]\n"
                     f"  - model: {models['small']}\n    hosts: [2]\n    names: [small]\n")
-    with ready_server(["--fleet", str(path), "--hostfile", "hostfiles/local-3.json", "--context", str(CONTEXT)],
+    # --drain-seconds: far longer than the drained reply takes on a loaded machine (the last test).
+    with ready_server(["--fleet", str(path), "--hostfile", "hostfiles/local-3.json", "--context", str(CONTEXT),
+                       "--drain-seconds", "120"],
                       tmp_path_factory.mktemp("fleet-home"), env={"MLXPIPE_API_KEY": KEY}) as proc:
         yield proc
 
@@ -99,3 +107,40 @@ def test_the_lists_name_every_model(fleet: ServeProcess, models: dict[str, Path]
     health = fleet.health()
     assert health["status"] == "ready"
     assert [(p["name"], len(p["ranks"])) for p in health["pipelines"]] == [("big", 2), ("small", 1)]
+
+
+def test_sigterm_drains_every_pipeline_then_stops_every_rank_and_exits_143(fleet: ServeProcess,
+                                                                           models: dict[str, Path]) -> None:
+    """Last on ``fleet``: SIGTERM with a stream in flight on ``big``. A new request to either entry gets a 503 with
+    Retry-After while the stream runs to its end, mlx-lm's reply whole; then the server stops, every pipeline's
+    ranks with it."""
+    pids = set(local_rank_processes(fleet.proc.pid))
+    assert pids
+    headers = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "Write a long story."}]
+    body = {"model": "big", "messages": messages, "max_tokens": DRAINED, "stream": True}
+    with httpx.stream("POST", f"{fleet.url}/chat/completions", json=body, headers=headers, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if '"content"' in line)
+        fleet.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while fleet.health().get("status") != "draining":
+            assert time.monotonic() < deadline, fleet.stderr
+            time.sleep(0.05)
+        refused = [httpx.post(f"{fleet.url}/chat/completions", headers=headers, timeout=30,
+                              json={"model": name, "messages": MESSAGES, "max_tokens": MAX_TOKENS})
+                   for name in NAMES]
+        chunks = [json.loads(line[len("data: "):]) for line in [first, *lines]
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    for response in refused:
+        assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1, response.text
+        assert "shutting down" in response.json()["error"]["message"]
+    assert [c for c in chunks if "error" in c] == [], fleet.stderr
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == greedy(models["big"], messages, DRAINED)[0]
+    assert fleet.proc.wait(timeout=60) == 143
+    fleet.stop()  # the stderr reader, to its end
+    left = wait_gone(pids, 5)  # gone with the server
+    assert left == set(), left
+    assert "drained: every request in flight finished" in fleet.stderr
+    assert "stopped by SIGTERM" in fleet.stderr

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.ranks
 
 MAX_TOKENS = 10
 LONG = 4000  # a reply the test ends first (a disconnect, a killed rank): the chat model decodes 400 tokens in seconds
+DRAINED = 300  # a reply still running when SIGTERM comes (seconds at full speed), which the server finishes
 QUESTIONS = [
     "What is the capital of France?",
     "Name a color.",
@@ -551,7 +552,9 @@ def test_after_its_last_restart_the_server_exits_1_with_the_root_cause(fragile: 
 @pytest.fixture(scope="module")
 def faulty(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     script = Path(__file__).parents[1] / "fixtures" / "faulty_serve.py"
-    proc = ServeProcess(["--model", str(chat_model), "--queue-timeout", "1"], tmp_path_factory.mktemp("faulty-home"),
+    # --drain-seconds: far longer than the drained reply takes on a loaded machine (7 tok/s seen).
+    proc = ServeProcess(["--model", str(chat_model), "--queue-timeout", "1", "--drain-seconds", "120"],
+                        tmp_path_factory.mktemp("faulty-home"),
                         command=[sys.executable, str(script)])
     try:
         proc.wait_listening()
@@ -589,13 +592,35 @@ def test_a_request_whose_sampler_fails_ends_alone(faulty: ServeProcess, chat_mod
     assert any(r["status"] == "error" and "failed on purpose" in r["error"] for r in _request_log(faulty))
 
 
-def test_sigterm_stops_every_rank_and_exits_143(faulty: ServeProcess) -> None:
-    """Last on ``faulty`` (the real server, ``serve.server.serve``, with the faulty worker in its ranks)."""
+def test_sigterm_drains_then_stops_every_rank_and_exits_143(faulty: ServeProcess, chat_model: Path) -> None:
+    """Last on ``faulty`` (the real server, ``serve.server.serve``, with the faulty worker in its ranks): SIGTERM
+    with a stream in flight. New requests get a 503 with Retry-After while the stream runs to its end, mlx-lm's
+    reply whole; then the server stops, and every rank with it."""
     pids = set(local_rank_processes(faulty.proc.pid))
     assert pids
-    assert faulty.stop(signal.SIGTERM) == 143
+    messages = _user("Write a long story.")
+    body = {"model": str(chat_model), "messages": messages, "max_tokens": DRAINED, "stream": True}
+    with httpx.stream("POST", f"{faulty.url}/chat/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if '"content"' in line)
+        faulty.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while faulty.health().get("status") != "draining":
+            assert time.monotonic() < deadline, faulty.stderr
+            time.sleep(0.05)
+        refused = httpx.post(f"{faulty.url}/chat/completions", json={**body, "stream": False}, timeout=30)
+        chunks = [json.loads(line[len("data: "):]) for line in [first, *lines]
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert [c for c in chunks if "error" in c] == [], faulty.stderr
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == reference(chat_model, messages, max_tokens=DRAINED)[0]
+    assert faulty.proc.wait(timeout=60) == 143
+    faulty.stop()  # the stderr reader, to its end
     left = wait_gone(pids, 5)  # gone with the server (orphans would live until their lease ran out, 30 s)
     assert left == set(), left
+    assert "drained: every request in flight finished" in faulty.stderr
     assert "stopped by SIGTERM" in faulty.stderr
 
 

@@ -4,7 +4,7 @@ A tiny random model's free text is noise, so only the grammar mask can make its 
 must all parse and validate against their schema and end (``stop``) when the JSON does. One server on 2 ranks
 for the module; constrained and free requests in flight together must each equal their solo (greedy) output,
 since each request keeps its own grammar state. The fields and the grammar itself are checked without
-ranks in ``tests/protocol/test_request.py`` and ``tests/worker/test_constraints.py``.
+ranks in ``tests/protocol/test_request.py`` and ``tests/worker/generation/test_constraints.py``.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ CASES_4: dict[str, dict[str, Any]] = {
 
 def _ahead_requests(checkpoint: Path, lengths: tuple[int, int, int] = (8, 5, 7)) -> list[dict[str, Any]]:
     """Greedy requests of several lengths, one ending on an end-of-sequence token (its third greedy token):
-    the decode step run ahead of it is taken back (see worker/ahead.py)."""
+    the decode step run ahead of it is taken back (see worker/generation/ahead.py)."""
     from fixtures.option_reference import reference
 
     prompts = [QUESTION, "Why split attention by heads?", "Short one."]
@@ -96,7 +96,7 @@ def _ahead_requests(checkpoint: Path, lengths: tuple[int, int, int] = (8, 5, 7))
     return requests
 
 
-# Pure tensor parallelism decodes a step ahead (worker/ahead.py): one request at a time, and one group of 3.
+# Pure tensor parallelism decodes a step ahead (worker/generation/ahead.py): one request at a time, and one group of 3.
 CASES_2["qwen2-ahead-k1"] = {"arch": "qwen2", "split": [6], "requests": _ahead_requests, "concurrency": [1]}
 # The short prompts decode while the long one prefills: long enough replies for a group of all three.
 CASES_2["qwen2-ahead-k3"] = {"arch": "qwen2", "split": [6], "requests": lambda c: _ahead_requests(c, (8, 14, 12)),
@@ -298,7 +298,7 @@ def test_decode_run_ahead_on_one_stage_matches_mlx_lm(tp_results, tiny_models, c
     assert dones[0]["run_ahead"]["used"] > 0 and dones[0]["run_ahead"]["taken_back"] >= 1
 
 
-# --- mlxpipe serve --tp 2: the per-tick agreement on messages, lazily (worker/ahead.py) -------------
+# --- mlxpipe serve --tp 2: the per-tick agreement on messages, lazily (worker/generation/ahead.py) -------------
 
 
 @pytest.fixture(scope="module")

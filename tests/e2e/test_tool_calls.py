@@ -6,7 +6,7 @@ has a ``tool_choice`` (OpenAI's chat completions, Anthropic's messages, OpenAI's
 and named, over many sampled replies, streamed and whole: each must come back as the door's own tool call, parsed,
 its arguments valid against the tool's schema. A reply with the tool's result continues the conversation;
 ``parallel_tool_calls: false`` gives exactly one call; under ``auto`` a call the model starts is completed. One
-server for the module. The grammar alone: ``tests/worker/test_tool_grammar.py``; the bodies:
+server for the module. The grammar alone: ``tests/worker/generation/test_tool_grammar.py``; the bodies:
 ``tests/serve/test_tool_choice.py``.
 """
 

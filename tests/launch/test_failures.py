@@ -109,6 +109,11 @@ PEER_LOST = {"event": "error", "type": "RuntimeError", "message": "[ring] connec
     ([{"event": "_node_exit", "rank": 1, "line": "Node with rank 1 completed", "code": None},
       {"event": "exited", "rank": 1, "returncode": 0, "finished": False}],
      "rank 1 on 127.0.0.2: exited with status 0 before finishing (mlx.launch would leave the other ranks waiting)"),
+    # A worker that fell silent (stopped, hung) was killed by its supervisor: it, not the peer waiting on it.
+    ([{**PEER_LOST, "rank": 0},
+      {"event": "exited", "rank": 1, "returncode": -9, "signal": "SIGKILL", "stopped": "silent"}],
+     "rank 1 on 127.0.0.2: its worker stopped answering: no word from it for 5 s, though its host still answers; "
+     "it was killed"),
     # A token or result garbled in mlx.launch's output beyond repair fails the run, naming the rank.
     ([{"event": "lost", "rank": 1, "frames": 2, "critical": False},
       {"event": "lost", "rank": 1, "frames": 2, "critical": True}],

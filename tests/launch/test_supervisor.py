@@ -18,17 +18,19 @@ import pytest
 
 from mlxpipe.launch import frames
 from mlxpipe.launch.supervisor import HEARTBEAT_LINE, main
+from mlxpipe.protocol import wire
 
 RANK = 1
 
 
 def supervise(worker: str, stdin: str = "", lease: float = 30.0, keep_open: float = 0.0,
-              timeout: float = 60.0) -> tuple[int, list[frames.Item]]:
+              timeout: float = 60.0, silence: float = 5.0) -> tuple[int, list[frames.Item]]:
     """Run ``worker`` (Python source) under the supervisor; its exit status and what the controller reads.
 
     ``stdin`` is written at once; it is closed after ``keep_open`` seconds (a controller that is still there)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxpipe.launch.supervisor", "--lease", str(lease), "--", "-c", textwrap.dedent(worker)],
+        [sys.executable, "-m", "mlxpipe.launch.supervisor", "--lease", str(lease), "--silence", str(silence), "--",
+         "-c", textwrap.dedent(worker)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "MLX_RANK": str(RANK)},
     )
@@ -106,6 +108,32 @@ def test_a_worker_whose_controller_stops_sending_heartbeats_is_stopped_when_the_
     assert (exited["stopped"], exited["signal"]) == ("lease", "SIGTERM")
     assert time.monotonic() - started < 30
     assert len(events(items, "alive")) >= 1  # its own heartbeat went out while it ran
+
+
+def test_a_stopped_worker_is_killed_once_it_has_been_silent_and_its_exit_says_so() -> None:
+    code, items = supervise("""
+        import os, signal, time
+        from mlxpipe.protocol import wire
+        wire.start_beating()
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)  # what `kill -STOP` does to a rank: no more beats, no exit
+    """, silence=1.5)
+    assert code == 128 + 9
+    (exited,) = events(items, "exited")
+    assert (exited["stopped"], exited["signal"], exited["finished"]) == ("silent", "SIGKILL", False)
+    assert not any(wire.WORKER_BEAT_LINE in e.get("text", "") for e in events(items, "log"))  # kept here
+
+
+def test_a_worker_busy_for_longer_than_the_silence_still_beats_and_is_left_alone() -> None:
+    code, items = supervise("""
+        import time
+        from mlxpipe.protocol import wire
+        wire.start_beating()
+        time.sleep(3.0)  # a long step (mlx computes without Python's lock): the beats go on
+        wire.emit_wire({"event": "bye"})
+    """, silence=1.5)
+    assert code == 0
+    assert events(items, "exited")[0]["stopped"] is None
 
 
 def test_a_long_plain_line_is_cut_into_log_events() -> None:

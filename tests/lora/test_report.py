@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlxpipe.lora.report import LoraReporter
-from mlxpipe.lora.run import RankMemory, StepReport, TrainResult
+from mlxpipe.lora.training import RankMemory, StepReport, TrainResult
 
 RESULT = TrainResult(steps=[StepReport(1, 2.5, 100, 1e-4, 0.5), StepReport(2, 2.0, 100, 1e-4, 0.5)],
                      val_losses={2: 1.75}, test_loss=1.5, saved=["out/adapters.safetensors"],

@@ -19,7 +19,6 @@ from mlxpipe.model.demo import (
     ensure_demo_model,
     find_demo_gguf,
     is_complete,
-    mlx_name,
     shard_groups,
 )
 
@@ -252,26 +251,3 @@ class TestShardGroups:
     def test_out_of_range(self, num_shards: int) -> None:
         with pytest.raises(UsageError):
             shard_groups(self.NAMES, 4, num_shards)
-
-
-@pytest.mark.parametrize(
-    ("gguf", "mlx"),
-    [
-        ("blk.7.attn_q.scales", "model.layers.7.self_attn.q_proj.scales"),
-        ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight"),
-        ("blk.12.ffn_gate.biases", "model.layers.12.mlp.gate_proj.biases"),
-        ("blk.3.ffn_norm.weight", "model.layers.3.post_attention_layernorm.weight"),
-        ("token_embd.weight", "model.embed_tokens.weight"),
-        ("output_norm.weight", "model.norm.weight"),
-    ],
-)
-def test_mlx_name(gguf: str, mlx: str) -> None:
-    assert mlx_name(gguf) == mlx
-
-
-@pytest.mark.parametrize(
-    "gguf", ["output.weight", "blk.0.attn_qkv.weight", "rope_freqs.weight"]
-)
-def test_mlx_name_rejects_unknown(gguf: str) -> None:
-    with pytest.raises(ModelError):
-        mlx_name(gguf)

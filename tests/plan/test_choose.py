@@ -11,8 +11,8 @@ from fixtures.plan_inputs import meta
 from mlxpipe.host import Host
 from mlxpipe.model.metadata import ModelMetadata, Tensor
 from mlxpipe.plan.choose import TIE, _settle_ties, candidates, fewer_hosts
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
-from mlxpipe.plan.layout import AGENT, BATCH, CHAT
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
+from mlxpipe.plan.parallel_layout import AGENT, BATCH, CHAT
 
 MS, US = 1e-3, 1e-6
 FAST, SLOW = (10 * US, 10e9), (2 * MS, 0.1e9)  # Thunderbolt RDMA-ish; a slow hop (Wi-Fi, a busy switch)

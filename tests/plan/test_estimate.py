@@ -12,23 +12,22 @@ import pytest
 
 from fixtures.plan_inputs import hosts, meta
 from mlxpipe.model.metadata import Tensor
+from mlxpipe.plan.cluster_facts import Calibration, ClusterFacts, HostFacts, LinkFacts
 from mlxpipe.plan.estimate import (
     NOMINAL,
     NOMINAL_LATENCY,
     Costing,
     Machine,
-    ModelWork,
     aggregate_rate,
     chunk_sizes,
     decode_token,
     estimate,
     machine,
-    model_work,
     network,
     prefill_seconds,
 )
-from mlxpipe.plan.facts import Calibration, ClusterFacts, HostFacts, LinkFacts
-from mlxpipe.plan.layout import BATCH, CHAT, Layout
+from mlxpipe.plan.model_work import ModelWork, model_work
+from mlxpipe.plan.parallel_layout import BATCH, CHAT, Layout
 from mlxpipe.plan.shard import make_plan
 
 MS = 1e-3
@@ -204,39 +203,6 @@ def test_the_measured_collective_is_used_for_the_whole_hostfile_only() -> None:
     f = facts(4, latency=1 * MS, collective=7 * MS)
     assert network(f, 4, "ring").collective == 7 * MS
     assert network(f, 2, "ring").collective == pytest.approx(2 * 1 * MS)  # 2 ranks: 2 steps of their link
-
-
-# --- the model's work, from its metadata -------------------------------------------------------------
-
-
-def _t(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> Tensor:
-    return Tensor(name, dtype, shape, "w.safetensors")
-
-
-def test_model_work_counts_two_flops_per_weight_a_token_uses() -> None:
-    tensors = [_t(f"model.layers.{i}.mlp.down_proj.weight", (64, 32)) for i in range(2)]
-    tensors += [_t("model.layers.0.input_layernorm.weight", (64,)), _t("lm_head.weight", (100, 64)),
-                _t("model.embed_tokens.weight", (100, 64))]
-    w = model_work(meta(tensors, 2, hidden_size=64, vocab_size=100))
-    assert w.layer_flops == (2 * 64 * 32, 2 * 64 * 32)  # the norm is no matrix product
-    assert w.head_flops == 2 * 100 * 64
-    assert w.attention_flops == (4 * 4 * 16,) * 2  # 4 heads of 16: QK^T and AV
-    assert (w.hidden, w.vocab, w.activation_bytes) == (64, 100, 2)
-
-
-def test_model_work_unpacks_quantized_weights_and_counts_routed_experts_at_their_share() -> None:
-    tensors = [_t("model.layers.0.mlp.down_proj.weight", (64, 4), "U32"),  # 4-bit: 8 weights per uint32
-               _t("model.layers.0.mlp.down_proj.scales", (64, 1)),
-               _t("model.layers.1.mlp.switch_mlp.down_proj.weight", (8, 64, 32))]
-    w = model_work(meta(tensors, 2, quantization={"bits": 4, "group_size": 32}, num_experts_per_tok=2,
-                        n_routed_experts=8))
-    assert w.layer_flops[0] == 2 * 64 * 32
-    assert w.layer_flops[1] == 2 * 8 * 64 * 32 * 2 // 8
-
-
-def test_a_tied_model_s_head_is_its_embedding() -> None:
-    w = model_work(meta([_t("model.layers.0.mlp.w.weight", (8, 8)), _t("model.embed_tokens.weight", (50, 8))], 1))
-    assert w.head_flops == 2 * 50 * 8 and w.head_bytes == 50 * 8 * 2
 
 
 def test_every_figure_is_finite_and_positive_on_the_nominal_host() -> None:

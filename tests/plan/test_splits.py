@@ -12,7 +12,7 @@ import pytest
 from fixtures.plan_inputs import GEMMA3N, MB, T, compositions, hosts, meta, uniform
 from mlxpipe.errors import PlanError, UsageError
 from mlxpipe.host import Host
-from mlxpipe.plan.layout import BATCH
+from mlxpipe.plan.parallel_layout import BATCH
 from mlxpipe.plan.shard import make_plan
 from mlxpipe.plan.splits import (
     PhaseCosts,

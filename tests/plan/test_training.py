@@ -30,7 +30,7 @@ def test_the_memory_estimate_counts_the_adapters_mlx_lm_makes(workdir: Path, mod
 
 def test_the_memory_estimate_holds_the_micro_batches_in_flight_and_the_backward_working_set(workdir: Path) -> None:
     from mlxpipe.cluster.hostfile import load_hostfile
-    from mlxpipe.lora.run import TrainOptions
+    from mlxpipe.lora.options import TrainOptions
     from mlxpipe.model.metadata import load_local
     from mlxpipe.plan.shard import make_plan
     from mlxpipe.plan.training import training_memory

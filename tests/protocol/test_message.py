@@ -1,4 +1,4 @@
-"""protocol/message.py: every message and event (``protocol.messages``, ``protocol.events``, ``protocol.download``)
+"""protocol/message.py: every message and event (``protocol.messages``, ``protocol.events``, ``protocol.fetch_events``)
 survives the wire, and a field one side does not know, or lacks, is refused naming the message and the field."""
 
 from __future__ import annotations

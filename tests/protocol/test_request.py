@@ -112,7 +112,7 @@ def test_logit_bias_names_only_tokens_the_model_has(bias: dict[Any, Any], messag
 def test_checked_numbers_reach_mlx_lm_as_the_types_it_takes() -> None:
     import mlx.core as mx
 
-    from mlxpipe.worker.sampling import logits_processors
+    from mlxpipe.worker.generation.sampling import logits_processors
 
     # A JSON integer for a float option used to reach mlx-lm's processor as a Python int (std::bad_cast).
     request = Request(temp=1, presence_penalty=2, frequency_penalty=1, logit_bias={3: 2}, seed=5).check()

@@ -24,7 +24,8 @@ from mlxpipe.errors import LaunchError, RequestFailed
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.app import build_app
 from mlxpipe.serve.door import ServerSettings
-from mlxpipe.serve.queue import Outcome, RequestLog, Stream
+from mlxpipe.serve.queue import RequestLog
+from mlxpipe.serve.stream import Outcome, Stream
 
 
 @pytest.fixture(scope="module")

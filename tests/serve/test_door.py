@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+import types
 from typing import Any
 
 import pytest
 from starlette.requests import Request
 
-from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings, refused
+from mlxpipe.serve.door import ApiError, ContextTooLong, ServerSettings, admit, refused
 from mlxpipe.serve.queue import RequestLog
 
 
@@ -57,3 +59,17 @@ def test_a_refusal_goes_to_the_request_log_file(tmp_path: Any) -> None:
     log = RequestLog(path=tmp_path / "requests.jsonl")
     refused(log, _http("GET", "/v1/models"), "openai", ApiError(401, "invalid or missing API key"))
     assert '"status": "401"' in log.path.read_text() and '"door": "openai"' in log.path.read_text()
+
+
+def test_a_draining_server_admits_nothing_and_says_when_to_come_back() -> None:
+    queue: Any = types.SimpleNamespace(drain_ends=time.monotonic() + 12.5, in_flight=0, capacity=8)
+    with pytest.raises(ApiError) as e:
+        admit(queue)
+    assert e.value.status == 503 and e.value.headers["Retry-After"] in ("12", "13")  # the drain's time left
+    assert "shutting down (SIGTERM)" in e.value.message
+    queue.drain_ends = None  # not draining: the room for one more is all that counts
+    admit(queue)
+    queue.in_flight = 8
+    with pytest.raises(ApiError) as e:
+        admit(queue)
+    assert e.value.status == 429

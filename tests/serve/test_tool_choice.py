@@ -2,7 +2,7 @@
 
 In-process, on the tiny tool tokenizer (``fixtures.tool_model``): each door's body becomes the ``ToolCalls`` rank 0
 holds the reply to, or a 400 naming the field when it cannot be held. The replies themselves are checked on ranks
-(``tests/e2e/test_tool_calls.py``) and the grammar alone in ``tests/worker/test_tool_grammar.py``.
+(``tests/e2e/test_tool_calls.py``) and the grammar alone in ``tests/worker/generation/test_tool_grammar.py``.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_a_picture_is_one_placeholder_per_merged_patch(vision_models: VisionMode
     """The tiny checkpoints' tokenizers name each family's own image token, so its processor expands a picture to
     as many placeholders as the vision tower gives features (a Qwen-VL picture: one per merged patch)."""
     from mlxpipe.vision.images import check_image
-    from mlxpipe.worker.vision import image_token_of
+    from mlxpipe.worker.generation.vision_inputs import image_token_of
 
     config = json.loads((vision_models[family] / "config.json").read_text())
     vision = prompt.VisionPrompt(vision_models[family], config)

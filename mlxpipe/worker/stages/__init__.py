@@ -27,7 +27,7 @@ mlx-lm's convention: rank 0 runs the last layers, the highest rank the first.
   replaced by the received ones where the model passes them on
   (``learn_layouts`` finds out at load what crosses each cut).
 
-Overlapped requests (``mlxpipe.worker.engine``) move hidden states
+Overlapped requests (``mlxpipe.worker.generation.engine``) move hidden states
 themselves, between micro-batches of different requests: with the rank's
 ``Exchange`` made explicit, the first local layer takes ``hidden_in``, the last
 one leaves its output in ``hidden_out``, and nothing is sent or gathered.
