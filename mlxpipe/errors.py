@@ -71,3 +71,7 @@ class SetupError(MlxpipeError):
 
 class RequestFailed(MlxpipeError):
     """One request failed on a rank (its options, its sampler): that request ends, the pipeline goes on."""
+
+
+class FleetError(MlxpipeError):
+    """A fleet file (``serve --fleet``) is malformed or describes a fleet that cannot be: which file, entry and key."""

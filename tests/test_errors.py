@@ -17,7 +17,8 @@ def test_the_message_is_the_string_and_the_hint_is_apart() -> None:
 
 
 @pytest.mark.parametrize("name", ["UsageError", "HostfileError", "ConfigError", "ModelError", "HubError",
-                                  "HubUnreachable", "PlanError", "DownloadError", "LaunchError", "RequestFailed"])
+                                  "HubUnreachable", "PlanError", "DownloadError", "LaunchError", "RequestFailed",
+                                  "FleetError"])
 def test_every_error_mlxpipe_raises_on_purpose_is_an_mlxpipe_error(name: str) -> None:
     # The CLI's boundary prints an MlxpipeError as one line; anything else keeps its traceback.
     assert issubclass(getattr(errors, name), MlxpipeError)

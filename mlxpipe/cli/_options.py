@@ -110,6 +110,13 @@ WorkloadOption = Annotated[str | None, typer.Option(
 Config = Annotated[Path | None, typer.Option(
     "--config", help="A preset from configs/*.yaml; flags override it.", show_default="none"
 )]
+FleetFile = Annotated[Path | None, typer.Option(
+    "--fleet",
+    help="A fleet file (YAML): several models, each on its own hosts of --hostfile, under its own names, behind "
+    "one endpoint; each entry takes the per-model options (layout, tp, draft-model, adapter-path, the prompt "
+    "cache's sizes...), which are then refused as flags. See docs/serve.md.",
+    show_default="none: the one --model",
+)]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 
 # --- generation: the Request's fields (mlx_lm.generate's options, by its names) ---------------

@@ -8,7 +8,7 @@ import typer
 
 from mlxpipe import console
 from mlxpipe.cli._groups import TargetFlags, option_groups
-from mlxpipe.cli._options import Backend, Json
+from mlxpipe.cli._options import Backend, FleetFile, Json
 from mlxpipe.defaults import DEFAULT_CONTEXT
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ def plan(
     )] = DEFAULT_CONTEXT,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-read metadata from the hub even if cached.")] = False,
     json_out: Json = False,
+    fleet: FleetFile = None,
 ) -> None:
     """Show which layers each host runs, what it must hold and fetch, and whether it fits.
 
@@ -38,6 +39,11 @@ def plan(
     from mlxpipe.cli._generation import settle_layout
     from mlxpipe.cluster.target import load_model_metadata, plan_target
 
+    if fleet is not None:  # every entry of the file, each on its own hosts of --hostfile
+        from mlxpipe.cli.fleet import plan_fleet
+
+        plan_fleet(fleet, flags, context=context, backend=backend, refresh=refresh, json_out=json_out)
+        return
     target = flags.target()
     with console.ProgressCallback("reading safetensors headers", enabled=not json_out) as progress:
         meta = load_model_metadata(target, refresh=refresh, progress=progress)

@@ -9,7 +9,7 @@ import typer
 
 from mlxpipe.cli._generation import check_draft_flags, settle_config
 from mlxpipe.cli._groups import LaunchFlags, RequestFlags, Take, TargetFlags, option_groups
-from mlxpipe.cli._options import FROM_PRESET, DecodeBatch, tcp_port
+from mlxpipe.cli._options import FROM_PRESET, DecodeBatch, FleetFile, tcp_port
 from mlxpipe.defaults import (
     DEFAULT_CONTEXT,
     DEFAULT_DECODE_BATCH,
@@ -210,6 +210,7 @@ def serve(
     launch: Annotated[LaunchFlags, Take(
         drop=("pipeline_mode",), context=ServeContext, draft_model=ServeDraftModel, ring_port=ServeRingPort,
     )],
+    fleet: FleetFile = None,
 ) -> None:
     """Serve the model behind OpenAI's, Anthropic's and Ollama's APIs, with a browser page, until Ctrl-C.
 
@@ -222,6 +223,10 @@ def serve(
 
     Example: mlxpipe serve --port 8080
     """
+    if fleet is not None:  # several models, each on its own hosts of --hostfile: the per-model flags are its entries'
+        from mlxpipe.cli.fleet import serve_fleet
+
+        raise typer.Exit(serve_fleet(fleet, target=target, server=server, request=request, launch=launch))
     from mlxpipe.cluster.presets import Preset
     from mlxpipe.serve import server as http
 

@@ -11,6 +11,7 @@ that request alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from starlette.applications import Starlette
@@ -37,8 +38,10 @@ class _Door(Protocol):
     def routes(self) -> list[Route]: ...
 
 
-def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog) -> Starlette:
-    """The Starlette app serving ``queue``."""
+def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: ServerSettings, log: RequestLog,
+              first: Sequence[BaseRoute] = ()) -> Starlette:
+    """The Starlette app serving ``queue``; ``first``: routes matched before its own (a fleet's router's, which
+    send each request to its model's pipeline: ``serve.router``)."""
 
     async def health(request: Request) -> Response:
         body = queue.health()
@@ -62,7 +65,8 @@ def build_app(queue: RequestQueue, tokenizer: TokenizerWrapper, settings: Server
 
     doors: list[_Door] = [OpenAIApi(queue, tokenizer, settings, log), AnthropicApi(queue, tokenizer, settings, log),
              ResponsesApi(queue, tokenizer, settings, log), OllamaApi(queue, tokenizer, settings, log)]
-    routes: list[BaseRoute] = [Route("/health", health, methods=["GET"]), *(r for door in doors for r in door.routes())]
+    routes: list[BaseRoute] = [*first, Route("/health", health, methods=["GET"]),
+                               *(r for door in doors for r in door.routes())]
     limits = settings.image_limits
     images = None if settings.vision is None else {"max_bytes": limits.max_bytes, "max_images": limits.max_images}
     view = ClusterView(queue, log, settings.model_id, images)  # the cluster's page at /

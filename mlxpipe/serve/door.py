@@ -41,6 +41,8 @@ T = TypeVar("T")
 _DRAIN_FACTOR = 16
 # How often a request answered in one body checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.5
+# Where a fleet's router (``serve.router``) leaves the body it read to find the model, for the door it picks.
+ROUTED_BODY = "mlxpipe.routed_body"
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,9 @@ def admit(queue: RequestQueue) -> None:
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; over ``limit`` bytes, a 413 (the body read to its end first, up to a point, so
     that the client, still sending, reads the answer instead of a reset connection)."""
+    routed: dict[str, Any] | None = request.scope.get(ROUTED_BODY)
+    if routed is not None:  # read (and checked) once already, by the router that picked this door's pipeline
+        return routed
     length = request.headers.get("content-length")
     declared = int(length) if length is not None and length.isdigit() else None
     raw = bytearray()

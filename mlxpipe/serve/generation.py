@@ -254,7 +254,8 @@ class Generation:
         self.log_file.write(record)
         ttft_text = f"{record['ttft']:.2f} s" if record["ttft"] is not None else "-"
         busy = "/".join(f"{b:.0%}" for b in record["busy"])
-        door = f" ({self.door})" if self.door else ""
+        where = ", ".join(w for w in (self.door, self.queue.label) if w)  # a fleet's pipeline too
+        door = f" ({where})" if where else ""
         line = (f"{record['id']}{door}: {record['status']}, prompt {record['prompt_tokens']} "
                 f"({record['cached_tokens']} cached), {record['generation_tokens']} tokens, ttft {ttft_text}, "
                 f"{record['tps']:.1f} tok/s" + (f", ranks busy {busy}" if busy else ""))
@@ -283,4 +284,5 @@ class Generation:
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
             "busy": [round(t["busy"], 3) for _, t in sorted(self.queue.time.items())],
             **({"notes": self.notes} if self.notes else {}),
+            **({"pipeline": self.queue.label} if self.queue.label else {}),
         }

@@ -1,4 +1,4 @@
-"""The Ollama door of ``mlxpipe serve``: ``POST /api/chat``, ``POST /api/generate``, ``GET /api/tags``,
+"""The Ollama door of ``mlxpipe serve``: ``POST /api/chat``, ``POST /api/generate``, ``GET /api/tags``, ``GET /api/ps``,
 ``POST /api/show``, ``GET /api/version``, for the desktop apps and tools that speak only Ollama's API.
 
 Replies stream as newline-delimited JSON (Ollama's default, ``"stream": true``) or come in one object; the last
@@ -32,6 +32,7 @@ NDJSON = "application/x-ndjson"
 DOOR = "ollama"  # this door's name in the server's output and request log
 
 OLLAMA_VERSION = "0.6.0"  # the API version these shapes follow, for the clients that ask
+_KEPT = "2999-01-01T00:00:00Z"  # /api/ps's expiry of a model the server keeps loaded until it stops
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -56,6 +57,7 @@ class OllamaApi:
         return [Route("/api/chat", self.chat, methods=["POST"]),
                 Route("/api/generate", self.generate, methods=["POST"]),
                 Route("/api/tags", self.tags, methods=["GET"]),
+                Route("/api/ps", self.ps, methods=["GET"]),
                 Route("/api/show", self.show, methods=["POST"]),
                 Route("/api/version", self.version, methods=["GET"])]
 
@@ -69,6 +71,17 @@ class OllamaApi:
             return error_response(refused(self.log, request, DOOR, e))
         return JSONResponse({"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0,
                                          "digest": "", "details": self._details()}
+                                        for name in self.settings.model_names]})
+
+    async def ps(self, request: Request) -> Response:
+        """The models loaded: this one under each name, kept loaded while the server runs (no expiry)."""
+        try:
+            authorize(request, self.settings.api_key)
+        except ApiError as e:
+            return error_response(refused(self.log, request, DOOR, e))
+        return JSONResponse({"models": [{"name": name, "model": name, "size": 0, "digest": "",
+                                         "details": self._details(), "expires_at": _KEPT, "size_vram": 0,
+                                         "context_length": self.settings.context}
                                         for name in self.settings.model_names]})
 
     async def show(self, request: Request) -> Response:

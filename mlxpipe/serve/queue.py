@@ -101,6 +101,7 @@ class RequestQueue:
         self.detail: str | None = None  # why the state is what it is (the root cause while restarting, failed)
         self.tokens_out = 0  # tokens streamed since the server started: the page's tok/s
         self.run_dir: Path | None = None
+        self.label = ""  # this pipeline's name among a fleet's ("small#1"), in its requests' lines; "" alone
         self.drain_ends: float | None = None  # draining (SIGTERM): when it stops, by time.monotonic(); new requests 503
         self._on_state = on_state or (lambda state, detail: None)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included

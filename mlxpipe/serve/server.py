@@ -118,24 +118,35 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
 class _Server(uvicorn.Server):
     """uvicorn's server that, on SIGTERM, drains: it takes no new request and gives the ones in flight
-    ``--drain-seconds`` to finish; on SIGINT (Ctrl-C), or a second SIGTERM, it ends the queue's requests at once.
-    It does not re-raise the signal."""
+    ``--drain-seconds`` to finish; on SIGINT (Ctrl-C), or a second SIGTERM, it ends the queues' requests at once.
+    It does not re-raise the signal. A fleet's server (``serve.fleet_server``) has one queue per pipeline: each
+    drains, and it stops once every one has drained or the time is up."""
 
-    def __init__(self, config: uvicorn.Config, queue: RequestQueue) -> None:
+    def __init__(self, config: uvicorn.Config, *queues: RequestQueue) -> None:
         super().__init__(config)
-        self.queue = queue
+        self.queues = queues  # a fleet's: one per pipeline
         self.signal: int | None = None
 
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
+    @property
+    def drain_seconds(self) -> float:
+        """The longest drain of the queues (a fleet's share ``--drain-seconds``)."""
+        return max(q.options.drain_seconds for q in self.queues)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(q.in_flight for q in self.queues)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and self.signal is None and self.queue.options.drain_seconds > 0:
+        if sig == signal.SIGTERM and self.signal is None and self.drain_seconds > 0:
             self.signal = sig
-            self.queue.drain()
-            console.warn(f"SIGTERM: finishing the {self.queue.in_flight} requests in flight, for at most "
-                         f"{self.queue.options.drain_seconds:g} s (--drain-seconds), and taking no new ones; "
+            for queue in self.queues:
+                queue.drain()
+            console.warn(f"SIGTERM: finishing the {self.in_flight} requests in flight, for at most "
+                         f"{self.drain_seconds:g} s (--drain-seconds), and taking no new ones; "
                          "SIGTERM again or Ctrl-C stops now")
             threading.Thread(target=self._drain, daemon=True, name="mlxpipe-drain").start()
             return
@@ -144,16 +155,19 @@ class _Server(uvicorn.Server):
         self._stop()
 
     def _drain(self) -> None:
-        if self.queue.wait_drained():
+        # Every queue in turn: each waits for its own requests, up to the one deadline they were all given.
+        drained = [queue.wait_drained() for queue in self.queues]
+        if all(drained):
             console.err.print("drained: every request in flight finished")
         else:
-            console.warn(f"drained for {self.queue.options.drain_seconds:g} s (--drain-seconds): the "
-                         f"{self.queue.in_flight} requests still in flight end now")
+            console.warn(f"drained for {self.drain_seconds:g} s (--drain-seconds): the "
+                         f"{self.in_flight} requests still in flight end now")
         self._stop()
 
     def _stop(self) -> None:
         # End the streams now: uvicorn's graceful shutdown waits for them.
-        threading.Thread(target=self.queue.stop, daemon=True).start()
+        for queue in self.queues:
+            threading.Thread(target=queue.stop, daemon=True).start()
         self.should_exit = True
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ REFERENCE = REPO / "docs" / "cli.md"
 # The pages whose examples are checked: the README and every page of docs/ but the generated reference.
 PAGES = [README] + sorted(page for page in (REPO / "docs").glob("*.md") if page != REFERENCE)
 # Files that examples name and that must ship with the repo (prompts files and outputs are the user's).
-REPO_FILE = re.compile(r"^(hostfiles|configs)/")
+REPO_FILE = re.compile(r"^(hostfiles|configs|fleets)/")
 # A command line in a page: at the start of a code line, possibly as .venv/bin/mlxpipe.
 PAGE_COMMAND = re.compile(r"^(\S*/)?mlxpipe\s")
 INLINE_CODE = re.compile(r"`(mlxpipe [^`]*)`")
@@ -274,9 +274,13 @@ def test_a_bad_example_would_be_caught() -> None:
 
 @pytest.fixture
 def llama_on_the_hub(hub_env: FakeHub, tmp_path: Path) -> Iterator[str]:
-    """The docs' 70B repo id, served by the fake hub as a tiny 6-layer llama (metadata is all plan reads)."""
+    """The docs' 70B repo id, served by the fake hub as a tiny 6-layer llama (metadata is all plan reads); the
+    shipped fleet's two models as tiny qwen2s."""
     repo = "mlx-community/Llama-3.3-70B-Instruct-4bit"
     hub_env.add_repo(repo, make_tiny_checkpoint("llama", tmp_path / "llama"))
+    for i, fleet_model in enumerate(("mlx-community/Qwen3-4B-Instruct-2507-4bit",
+                                     "mlx-community/Qwen2.5-0.5B-Instruct-4bit")):
+        hub_env.add_repo(fleet_model, make_tiny_checkpoint("qwen2", tmp_path / f"fleet-{i}"))
     yield repo
 
 
@@ -296,6 +300,9 @@ def test_plan_examples_run(llama_on_the_hub: str, monkeypatch: pytest.MonkeyPatc
             llama_on_the_hub, tp, len(data["ranks"]) // tp, 6)
         assert [(r["stage"], r["tp_index"]) for r in data["ranks"]] == [
             (i // tp, i % tp) for i in range(len(data["ranks"]))]
+        return
+    if "--fleet" in argv:  # fleets/local-3.yaml: two ranks of one model, the third of another
+        assert [len(p["plan"]["ranks"]) for p in data["pipelines"]] == [2, 1] and data["fits"]
         return
     assert (data["model"], data["split"], [r["host"] for r in data["ranks"]]) == (
         llama_on_the_hub, [3, 3], ["studio-1.local", "studio-2.local"],
