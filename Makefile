@@ -37,9 +37,19 @@ UNIT := -m "not ranks and not cluster"
 RANKS := -m "ranks or cluster"
 WORKERS ?= 2
 
+# BESIDE_UNIT: a command run beside the unit tier, its output printed once it ends; the ranks tier starts after both,
+# and only if both passed (.ci/run runs make check-install there: mostly pip on one core, while the unit tier's
+# workers share the cores with it).
+BESIDE_UNIT ?=
+
 test: install
-	@mkdir -p .runs && rm -f .runs/unit.xml .runs/ranks.xml
-	$(PY) -m pytest -q $(UNIT) -n $(WORKERS) --junitxml=.runs/unit.xml $(PYTEST_ARGS)
+	@mkdir -p .runs && rm -f .runs/unit.xml .runs/ranks.xml .runs/beside-unit.log
+	@status=0; \
+	if [ -n "$(BESIDE_UNIT)" ]; then ($(BESIDE_UNIT)) >.runs/beside-unit.log 2>&1 & beside=$$!; fi; \
+	$(PY) -m pytest -q $(UNIT) -n $(WORKERS) --junitxml=.runs/unit.xml $(PYTEST_ARGS) || status=$$?; \
+	if [ -n "$(BESIDE_UNIT)" ]; then \
+	  wait $$beside || { echo "$(BESIDE_UNIT) failed"; status=1; }; cat .runs/beside-unit.log; fi; \
+	[ $$status = 0 ] || exit $$status; \
 	$(PY) -m pytest -q $(RANKS) --junitxml=.runs/ranks.xml $(PYTEST_ARGS)
 
 # The unit tier alone: no MLX rank, no ssh cluster (the markers are enforced: tests/fixtures/tiers.py).
