@@ -5,8 +5,8 @@ first (host, rank, exit status or exception), signals to the controller stop
 every rank on every host, and nothing is left running anywhere. Ranks are
 started only by the tests about ranks; the controller runs as a real
 ``mlxpipe generate`` subprocess where signals and exit statuses matter. The model is ``chat_model`` (the
-demo's tokenizer and 30 layers in 10 shards, on tiny random weights): the failures are of ranks, hosts and
-processes, not of the weights, and it loads and runs in a fraction of the demo's time.
+demo's tokenizer and 8 layers each in its own shard, on tiny random weights): the failures are of ranks,
+hosts and processes, not of the weights, and it loads and runs in a fraction of the demo's time.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.cli import mlxpipe
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
+from fixtures.demo_model import CHAT_LAYERS, DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.option_reference import reference
 from mlxpipe.launch.mlx_launch import LAUNCHER
 
@@ -34,9 +34,9 @@ def test_greedy_tokens_equal_single_process(chat_model: Path) -> None:
     answer = json.loads(result.stdout)
     assert answer["tokens"] == expected
     assert [r["rank"] for r in answer["ranks"]] == [0, 1, 2]
-    # Rank 0 runs the LAST layers; together the ranks cover all 30 exactly once.
-    assert answer["ranks"][0]["end"] == 30 and answer["ranks"][-1]["start"] == 0
-    assert sum(r["end"] - r["start"] for r in answer["ranks"]) == 30
+    # Rank 0 runs the LAST layers; together the ranks cover them all exactly once.
+    assert answer["ranks"][0]["end"] == CHAT_LAYERS and answer["ranks"][-1]["start"] == 0
+    assert sum(r["end"] - r["start"] for r in answer["ranks"]) == CHAT_LAYERS
     assert answer["generation_tokens"] == len(expected)
     assert answer["prompt_tokens"] > 0 and answer["generation_tps"] > 0
     assert all(r["peak_memory_gb"] > 0 for r in answer["ranks"])

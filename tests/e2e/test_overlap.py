@@ -56,7 +56,7 @@ CHAT_REQUESTS: list[dict[str, Any]] = [
      "ignore_chat_template": True, "max_tokens": 5},
     {"id": "hello", "prompt": "Hello", "ignore_chat_template": True, "max_tokens": 3},
 ]
-CHAT_SPLIT = [12, 18]
+CHAT_SPLIT = [3, 5]
 CASES = {
     2: {**{arch: splits[0] for arch, splits in TINY_SPLITS.items()}, "chat": CHAT_SPLIT},
     # Three stages schedule requests alike whatever the model: two splits ([2, 2, 2], and [1, 1, 4] with

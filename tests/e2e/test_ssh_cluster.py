@@ -5,9 +5,9 @@ A fake hub listens on the cluster's bridge, so hosts can fetch from it directly
 when told where it is (each host's ``python`` is a wrapper exporting
 ``HF_ENDPOINT``, as a real host would have it in its environment); hosts without
 that reach no hub and get their files ``--from-controller``. The answer must be
-token for token what single-process mlx-lm generates. The model is ``chat_model`` (the demo's tokenizer,
-template and 30 layers in 10 shards, on tiny random weights): these tests are about hosts, files and
-processes, not the demo's real weights, whose smoke runs are ``test_generate.py``'s.
+token for token what single-process mlx-lm generates. The model is ``chat_model`` (the demo's tokenizer and
+template, and 8 layers each in its own shard, on tiny random weights): these tests are about hosts, files
+and processes, not the demo's real weights, whose smoke runs are ``test_generate.py``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 
 from fixtures.cli import cli
 from fixtures.cluster import Cluster
-from fixtures.demo_model import DEMO_MAX_TOKENS, DEMO_PROMPT
+from fixtures.demo_model import CHAT_LAYERS, DEMO_MAX_TOKENS, DEMO_PROMPT
 from fixtures.fake_hub import FakeHub, point_hf_hub_at
 from fixtures.option_reference import reference as mlx_lm_reference
 from mlxpipe.launch.mlx_launch import LAUNCHER
@@ -131,7 +131,7 @@ def check_plan(cluster: Cluster, hostfile: Path, hosts: int) -> dict[str, Any]:
     assert plan.exit_code == 0, plan.output
     the_plan: dict[str, Any] = json.loads(plan.stdout)
     assert [(r["rank"], r["host"]) for r in the_plan["ranks"]] == list(enumerate(cluster.hosts[:hosts]))
-    assert sum(the_plan["split"]) == 30
+    assert sum(the_plan["split"]) == CHAT_LAYERS
     return the_plan
 
 
