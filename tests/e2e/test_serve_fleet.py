@@ -10,9 +10,6 @@ a new request to either entry gets a 503, then the server exits 143 with every r
 
 from __future__ import annotations
 
-import json
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import pytest
 
 from fixtures.chat_reference import greedy
 from fixtures.processes import local_rank_processes
-from fixtures.serve_process import KEY, ServeProcess, ready_server, wait_gone
+from fixtures.serve_process import KEY, ServeProcess, assert_drained_and_gone, ready_server, stream_through_sigterm
 from fixtures.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.ranks
@@ -119,28 +116,12 @@ def test_sigterm_drains_every_pipeline_then_stops_every_rank_and_exits_143(fleet
     headers = {"Authorization": f"Bearer {KEY}"}
     messages = [{"role": "user", "content": "Write a long story."}]
     body = {"model": "big", "messages": messages, "max_tokens": DRAINED, "stream": True}
-    with httpx.stream("POST", f"{fleet.url}/chat/completions", json=body, headers=headers, timeout=120) as stream:
-        lines = stream.iter_lines()
-        first = next(line for line in lines if '"content"' in line)
-        fleet.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while fleet.health().get("status") != "draining":
-            assert time.monotonic() < deadline, fleet.stderr
-            time.sleep(0.05)
-        refused = [httpx.post(f"{fleet.url}/chat/completions", headers=headers, timeout=30,
-                              json={"model": name, "messages": MESSAGES, "max_tokens": MAX_TOKENS})
-                   for name in NAMES]
-        chunks = [json.loads(line[len("data: "):]) for line in [first, *lines]
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-    for response in refused:
-        assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1, response.text
-        assert "shutting down" in response.json()["error"]["message"]
-    assert [c for c in chunks if "error" in c] == [], fleet.stderr
+
+    def refuse() -> list[httpx.Response]:  # a new request to either entry
+        return [httpx.post(f"{fleet.url}/chat/completions", headers=headers, timeout=30,
+                           json={"model": name, "messages": MESSAGES, "max_tokens": MAX_TOKENS}) for name in NAMES]
+
+    chunks = stream_through_sigterm(fleet, body, headers, refuse)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == greedy(models["big"], messages, DRAINED)[0]
-    assert fleet.proc.wait(timeout=60) == 143
-    fleet.stop()  # the stderr reader, to its end
-    left = wait_gone(pids, 5)  # gone with the server
-    assert left == set(), left
-    assert "drained: every request in flight finished" in fleet.stderr
-    assert "stopped by SIGTERM" in fleet.stderr
+    assert_drained_and_gone(fleet, pids)

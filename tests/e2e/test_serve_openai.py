@@ -32,7 +32,14 @@ from fixtures.chat_reference import stop_in
 from fixtures.faulty_worker import FAILING_SEED
 from fixtures.option_reference import reference as option_reference
 from fixtures.processes import local_rank_processes, tree_cpu_seconds
-from fixtures.serve_process import CONTEXT, KEY, ServeProcess, stop_all, wait_gone
+from fixtures.serve_process import (
+    CONTEXT,
+    KEY,
+    ServeProcess,
+    assert_drained_and_gone,
+    stop_all,
+    stream_through_sigterm,
+)
 
 pytestmark = pytest.mark.ranks
 
@@ -600,28 +607,11 @@ def test_sigterm_drains_then_stops_every_rank_and_exits_143(faulty: ServeProcess
     assert pids
     messages = _user("Write a long story.")
     body = {"model": str(chat_model), "messages": messages, "max_tokens": DRAINED, "stream": True}
-    with httpx.stream("POST", f"{faulty.url}/chat/completions", json=body, timeout=120) as stream:
-        lines = stream.iter_lines()
-        first = next(line for line in lines if '"content"' in line)
-        faulty.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while faulty.health().get("status") != "draining":
-            assert time.monotonic() < deadline, faulty.stderr
-            time.sleep(0.05)
-        refused = httpx.post(f"{faulty.url}/chat/completions", json={**body, "stream": False}, timeout=30)
-        chunks = [json.loads(line[len("data: "):]) for line in [first, *lines]
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
-    assert "shutting down" in refused.json()["error"]["message"]
-    assert [c for c in chunks if "error" in c] == [], faulty.stderr
+    chunks = stream_through_sigterm(faulty, body, {}, lambda: [
+        httpx.post(f"{faulty.url}/chat/completions", json={**body, "stream": False}, timeout=30)])
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == reference(chat_model, messages, max_tokens=DRAINED)[0]
-    assert faulty.proc.wait(timeout=60) == 143
-    faulty.stop()  # the stderr reader, to its end
-    left = wait_gone(pids, 5)  # gone with the server (orphans would live until their lease ran out, 30 s)
-    assert left == set(), left
-    assert "drained: every request in flight finished" in faulty.stderr
-    assert "stopped by SIGTERM" in faulty.stderr
+    assert_drained_and_gone(faulty, pids)
 
 
 # --- helpers ------------------------------------------------------------------------------------
