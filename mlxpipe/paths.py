@@ -1,9 +1,9 @@
-"""Where mlxpipe keeps its own files, and how it replaces one whole."""
+"""Where mlxpipe keeps its own files, how it replaces one whole, and how it reads a file the user names."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,3 +33,17 @@ def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all."""
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def read_users_text(path: Path, error: Callable[..., Exception], what: str, missing_hint: str, text_hint: str) -> str:
+    """The text of a file the user named (a hostfile, a fleet file), or ``error`` (an ``MlxpipeError`` class,
+    called with a message and a hint) in one line naming ``path``: ``no such {what}`` (with ``missing_hint``),
+    ``cannot read {what}`` (the system's reason), or ``not a text file`` (with ``text_hint``)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}", missing_hint) from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a text file", text_hint) from None

@@ -27,6 +27,7 @@ import yaml
 
 from mlxpipe.errors import HostfileError, UsageError
 from mlxpipe.host import Host
+from mlxpipe.paths import read_users_text
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi", "nccl")
 
@@ -134,14 +135,8 @@ def parse_hostfile(data: Any, path: Path) -> Hostfile:
 
 
 def _read(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise HostfileError(f"{path}: no such hostfile", "pass --hostfile with an existing file") from None
-    except OSError as e:
-        raise HostfileError(f"{path}: cannot read hostfile ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise HostfileError(f"{path}: not a text file", "a hostfile is JSON or YAML text") from None
+    text = read_users_text(path, HostfileError, "hostfile", "pass --hostfile with an existing file",
+                           "a hostfile is JSON or YAML text")
     try:
         if path.suffix in (".yaml", ".yml"):
             return yaml.safe_load(text)

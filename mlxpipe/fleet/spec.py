@@ -29,6 +29,7 @@ import yaml
 
 from mlxpipe.cluster.hostfile import Hostfile
 from mlxpipe.errors import FleetError, MlxpipeError
+from mlxpipe.paths import read_users_text
 from mlxpipe.plan.parallel_layout import LAYOUTS
 from mlxpipe.plan.splits import STRATEGIES
 
@@ -142,14 +143,8 @@ def parse_fleet(data: Any, path: Path, hostfile: Hostfile) -> Fleet:
 
 
 def _read(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise FleetError(f"{path}: no such fleet file", "pass --fleet with an existing YAML file") from None
-    except OSError as e:
-        raise FleetError(f"{path}: cannot read the fleet file ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise FleetError(f"{path}: not a text file", "a fleet file is YAML text") from None
+    text = read_users_text(path, FleetError, "fleet file", "pass --fleet with an existing YAML file",
+                           "a fleet file is YAML text")
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
