@@ -17,9 +17,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# From tests/fixtures/, below this line: the tiers' plugin, and every fixture tests share (a test names one as a
-# parameter and never imports it).
-from fixtures import tiers
+# From tests/fixtures/, below this line: MLX's compilation off for the whole suite, the tiers' plugin, and every
+# fixture tests share (a test names one as a parameter and never imports it).
+from fixtures import mlx_compile, tiers
 from fixtures.agents import agent_clis, agent_model, recording_proxy  # noqa: F401
 from fixtures.arch_launches import arch_root, arch_runs  # noqa: F401
 from fixtures.browser import browser  # noqa: F401
@@ -37,6 +37,8 @@ from fixtures.serve_process import server  # noqa: F401
 from fixtures.tiny_models import tiny_models, tp_llama  # noqa: F401
 from fixtures.tool_model import tool_model  # noqa: F401
 from fixtures.vision_models import vision_models  # noqa: F401
+
+mlx_compile.disable()  # before anything compiles: fixtures/mlx_compile.py says why
 
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs sessions of its own
 
