@@ -478,16 +478,18 @@ def test_version_names_mlxpipe_mlx_and_mlx_lm() -> None:
 
 
 def modules_loaded_by(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
-    """``mlxpipe ARGS`` run in a fresh interpreter: its exit status and every module it loaded."""
+    """``mlxpipe ARGS`` run in a fresh interpreter: its exit status and every module it loaded (written as ``main``
+    leaves, which it does without Python's exit: ``cli.leave``)."""
     out = tmp_path / "modules.json"
     script = "\n".join([
         "import json, sys",
         f"sys.argv = {['mlxpipe', *args]!r}",
-        "from mlxpipe.cli import main",
-        "try:",
-        "    main()",
-        "finally:",
+        "from mlxpipe import cli",
+        "def leave(code):",
         f"    open({str(out)!r}, 'w').write(json.dumps(sorted(sys.modules)))",
+        "    sys.exit(code)",
+        "cli.leave = leave",
+        "cli.main()",
     ])
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     return done.returncode, json.loads(out.read_text())
