@@ -32,17 +32,23 @@ from mlxpipe.model.metadata import ModelMetadata
 from mlxpipe.plan.shard import Plan, make_plan
 
 DEMO = "dl/demo"
+SHAPED = "dl/demo-shaped"
 TINY = "dl/tiny"
 MLXPIPE = Path(sys.executable).parent / "mlxpipe"
 
 
 @pytest.fixture(scope="session")
 def repos(fake_hub: FakeHub, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The demo model (30 layers, 10 shards) and a tiny llama (6 layers, 6 shards) on the hub."""
+    """The demo model (30 layers, 10 shards, 114 MB), a tiny llama of the demo's shape (30 layers, 10 shards, a few
+    MB) and a tiny llama (6 layers, 6 shards) on the hub. The demo's real bytes are for what is about them (a
+    connection dropped mid-file, a full disk); the shaped one for what is about which files each host fetches."""
     tiny = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("dl-tiny") / "tiny", num_layers=6, num_shards=6)
+    shaped = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("dl-shaped") / "shaped", num_layers=30,
+                                  num_shards=10)
     fake_hub.add_repo(DEMO, demo_model)
+    fake_hub.add_repo(SHAPED, shaped)
     fake_hub.add_repo(TINY, tiny)
-    return {DEMO: demo_model, TINY: tiny}
+    return {DEMO: demo_model, SHAPED: shaped, TINY: tiny}
 
 
 # --- Helpers ------------------------------------------------------------------------------
@@ -109,11 +115,11 @@ def last_line(text: str) -> str:
 # --- Each rank fetches exactly its files -----------------------------------------------------
 
 SPLITS = {  # (repo, ranks) -> explicit split, in rank order (rank 0 runs the last layers)
-    (DEMO, 2): "20,10", (DEMO, 3): "4,20,6", (TINY, 2): "1,5", (TINY, 3): "3,2,1",
+    (SHAPED, 2): "20,10", (SHAPED, 3): "4,20,6", (TINY, 2): "1,5", (TINY, 3): "3,2,1",
 }
 
 
-@pytest.mark.parametrize("repo", [DEMO, TINY])
+@pytest.mark.parametrize("repo", [SHAPED, TINY])
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("strategy", ["even", "memory", "balanced", "split"])
 def test_each_rank_fetches_exactly_its_plan(
@@ -161,9 +167,9 @@ def test_console_script_end_to_end_then_a_second_run_moves_nothing(
     hub_env: FakeHub, repos: dict, tmp_path: Path
 ) -> None:
     hostfile = write_hostfile(tmp_path, 2)
-    meta = prime(hub_env, DEMO)
+    meta = prime(hub_env, SHAPED)
     plan = plan_for(meta, hostfile)
-    argv = [str(MLXPIPE), "download", "--model", DEMO, "--hostfile", str(hostfile)]
+    argv = [str(MLXPIPE), "download", "--model", SHAPED, "--hostfile", str(hostfile)]
 
     first = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
