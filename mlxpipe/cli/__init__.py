@@ -12,6 +12,10 @@ tests/cli/test_reference.py checks.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import threading
 from typing import Annotated, NoReturn
 
 import typer
@@ -107,11 +111,6 @@ def main() -> None:
 def leave(code: int) -> NoReturn:
     """Exit with ``code`` now, when nothing is left running that Python's exit would wait for (a thread that is not
     a daemon, a child of multiprocessing): logging and standard output flushed first. Otherwise, Python's own exit."""
-    import logging
-    import os
-    import sys
-    import threading
-
     running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     children = "multiprocessing" in sys.modules and sys.modules["multiprocessing"].active_children()
     if running or children:
