@@ -45,7 +45,7 @@ BESIDE_UNIT ?=
 test: install
 	@mkdir -p .runs && rm -f .runs/unit.xml .runs/ranks.xml .runs/beside-unit.log
 	@status=0; \
-	if [ -n "$(BESIDE_UNIT)" ]; then ($(BESIDE_UNIT)) >.runs/beside-unit.log 2>&1 & beside=$$!; fi; \
+	$(if $(BESIDE_UNIT),($(BESIDE_UNIT)) >.runs/beside-unit.log 2>&1 & beside=$$!;) \
 	$(PY) -m pytest -q $(UNIT) -n $(WORKERS) --junitxml=.runs/unit.xml $(PYTEST_ARGS) || status=$$?; \
 	if [ -n "$(BESIDE_UNIT)" ]; then \
 	  wait $$beside || { echo "$(BESIDE_UNIT) failed"; status=1; }; cat .runs/beside-unit.log; fi; \
