@@ -96,6 +96,7 @@ class Wheels:
         self.env, self.wheelhouse, self.work = env, wheelhouse, work
         self._lock = threading.RLock()  # download() packs mlxpipe's wheel while holding it
         self._made: dict[str, Path] = {}
+        self._pip: tuple[Path | None] | None = None  # (pip's wheel or None), once looked for
 
     def mlxpipe(self) -> Path:
         """mlxpipe's own wheel at the controller's version: the wheelhouse's, else this install's (``wheels.own``)."""
@@ -110,6 +111,21 @@ class Wheels:
 
                     self._made["mlxpipe"] = wheels.own(distribution("mlxpipe"), self.work / "mlxpipe")
             return self._made["mlxpipe"]
+
+    def pip(self) -> Path | None:
+        """pip's wheel, which runs the install on every host (``python pip.whl/pip install``, as pip supports for
+        bootstrapping) and puts pip in the venv: the wheelhouse's, else packed from this machine's pip; None when
+        neither has one (the venv's own pip then, from ensurepip)."""
+        with self._lock:
+            if self._pip is None:
+                from importlib.metadata import PackageNotFoundError, distribution
+
+                given = sorted(self.wheelhouse.glob("pip-*-py3-none-any.whl")) if self.wheelhouse else []
+                try:
+                    self._pip = (given[0] if given else wheels.pack(distribution("pip"), self.work / "pip"),)
+                except PackageNotFoundError:
+                    self._pip = (None,)
+            return self._pip[0]
 
     def controller(self) -> Path:
         """A directory with the wheels of everything mlxpipe runs on here (this machine's installed packages;
@@ -182,8 +198,11 @@ def _install_host(host: Host, env: ControllerEnv, made: Wheels, wheelhouse: Path
     if venv is None:
         base = _base_python(machine, env)
         say(f"creating ~/{VENV} with Python {base.version}")
-        _remote(host, ["sh", "-c", 'mkdir -p "$1" && exec "$2" -m venv "$3"', "sh",
-                       str(Path(venv_path).parents[2]), base.path, str(Path(venv_path).parents[1])], "making the venv")
+        # Without ensurepip, whose install of pip compiles every one of its modules (three quarters of the venv's
+        # time); the pip that installs the packages runs from the controller's wheel and installs itself too.
+        without_pip = ["--without-pip"] if made.pip() is not None else []
+        _remote(host, ["sh", "-c", 'mkdir -p "$1" && shift && exec "$@"', "sh", str(Path(venv_path).parents[2]),
+                       base.path, "-m", "venv", *without_pip, str(Path(venv_path).parents[1])], "making the venv")
         venv = probe_python(host, venv_path)
         if venv is None:
             raise SetupError(f"{host.ssh}: the new venv's {venv_path} does not run",
@@ -217,30 +236,35 @@ def _install_wheels(host: Host, machine: Machine, venv: Python, env: ControllerE
                     wheelhouse: Path | None, say: Callable[[str], None]) -> str:
     """Install the pinned versions into the venv; returns where the wheels came from."""
     dest = f"{machine.home.rstrip('/')}/{WHEELS_DIR}"
-    # --no-compile, as uv installs by default: a module is compiled on its first import instead, and most of
-    # transformers' thousands never are (compiling them all took three quarters of the install).
-    pip = [machine.venv_python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
-           "--no-compile"]
+    pip_wheel = made.pip()
+    # pip from its wheel where the controller has one (it installs itself into the venv beside the packages), else
+    # the venv's own. --no-compile, as uv installs by default: a module is compiled on its first import instead, and
+    # most of transformers' thousands never are (compiling them all took three quarters of the install).
+    shipped_pip = f"{dest}/{pip_wheel.name}" if pip_wheel else None
+    runner = [f"{shipped_pip}/pip"] if shipped_pip else ["-m", "pip"]
+    pip = [machine.venv_python, *runner, "install", "-q", "--disable-pip-version-check", "--no-input", "--no-compile"]
+    ours = [made.mlxpipe()] if pip_wheel is None else [made.mlxpipe(), pip_wheel]
+    pins = env.pins() if pip_wheel is None else [*env.pins(), f"pip=={_wheel_version(pip_wheel)}"]
     if wheelhouse is None:
         say("installing from the host's package registry")
-        _ship(host, [made.mlxpipe()], dest)
-        online = _pip(host, [*pip, "--retries", "0", "--timeout", str(REGISTRY_TIMEOUT), "--find-links", dest,
-                             *env.pins()])
+        _ship(host, ours, dest)
+        online = _pip(host, [*pip, "--retries", "0", "--timeout", str(REGISTRY_TIMEOUT), "--find-links", dest, *pins])
         if online.returncode == 0:
             return "registry"
         say(f"no registry ({_tail(online.stderr)}): using the controller's wheels")
         if _same_platform(venv, env):
-            files = [*sorted(made.controller().glob("*.whl")), made.mlxpipe()]
+            files = [*sorted(made.controller().glob("*.whl")), *ours]
         else:
-            files = [*sorted(made.download(venv, _platforms(host, machine)).glob("*.whl")), made.mlxpipe()]
+            files = [*sorted(made.download(venv, _platforms(host, machine, shipped_pip)).glob("*.whl")), *ours]
         source = "the controller's wheels"
     else:
-        files = [*sorted(wheelhouse.glob("*.whl")), made.mlxpipe()]
+        files = [*sorted(wheelhouse.glob("*.whl")), *ours]
         source = f"the wheelhouse {wheelhouse}"
+    files = list({f.name: f for f in files}.values())  # a wheelhouse's pip is also ours
     say(f"copying {len(files)} wheels to ~/{WHEELS_DIR}")
     _ship(host, files, dest)
     say(f"installing {env.describe()}")
-    offline = _pip(host, [*pip, "--no-index", "--find-links", dest, *env.pins()], isolated=True)
+    offline = _pip(host, [*pip, "--no-index", "--find-links", dest, *pins], isolated=True)
     if offline.returncode != 0:
         raise SetupError(f"{host.ssh}: pip install from {source} failed: {_tail(offline.stderr)}",
                          "give --wheelhouse the missing wheels (pip download them for the hosts' platform)")
@@ -256,17 +280,23 @@ def _same_platform(venv: Python, env: ControllerEnv) -> bool:
     return venv.minor == env.python and os_arch(venv.platform) == os_arch(env.platform)
 
 
-def _platforms(host: Host, machine: Machine) -> list[str]:
-    """The platform tags the host's venv accepts (pip's own list), for ``pip download --platform``."""
-    code = ("import json; from pip._vendor.packaging import tags; "
+def _platforms(host: Host, machine: Machine, pip_wheel: str | None) -> list[str]:
+    """The platform tags the host's venv accepts (pip's own list), for ``pip download --platform``; ``pip_wheel``:
+    pip's wheel on the host, where the venv has no pip of its own."""
+    code = ("import json, sys; sys.path[:0] = sys.argv[1:]; from pip._vendor.packaging import tags; "
             "print(json.dumps(list(dict.fromkeys(t.platform for t in tags.sys_tags()))))")
-    proc = subprocess.run(remote.host_argv(host, [machine.venv_python, "-c", code]), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True)
+    argv = [machine.venv_python, "-c", code, *([pip_wheel] if pip_wheel else [])]
+    proc = subprocess.run(remote.host_argv(host, argv), stdin=subprocess.DEVNULL, capture_output=True, text=True)
     try:
         return list(json.loads(proc.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         raise SetupError(f"{host.ssh}: cannot read the platform tags of {machine.venv_python}",
                          "pass --wheelhouse with wheels for that host") from None
+
+
+def _wheel_version(wheel: Path) -> str:
+    """The version in a wheel's file name (``pip-25.3-py3-none-any.whl``: 25.3)."""
+    return wheel.name.split("-")[1]
 
 
 def _ship(host: Host, files: Sequence[Path], dest: str) -> None:
