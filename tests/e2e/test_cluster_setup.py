@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,6 @@ def venv_versions(cluster: Cluster, index: int) -> dict[str, str]:
 
 
 def controller_versions() -> dict[str, str]:
-    from importlib.metadata import version
-
     return {name: version(name) for name in ("mlx", "mlx-lm", "mlxpipe")}
 
 
@@ -314,5 +313,8 @@ def test_install_without_a_registry_uses_the_controllers_wheels(macs: Cluster, w
     assert any(line.startswith(f"{h}: installed: ") and line.endswith("(from the controller's wheels)")
                for line in install.stdout.splitlines()), install.output
     assert venv_versions(macs, 2) == controller_versions()
+    # The venv was made without pip; the controller's pip, which ran the install from its wheel, is in it now.
+    pip = macs.ssh(2, f"{macs.host(2).home}/{VENV_PYTHON} -m pip --version").stdout
+    assert pip.startswith(f"pip {version('pip')} from {macs.host(2).home}/.mlxpipe/venv/"), pip
     assert json.loads(hostfile.read_text())[0]["python"] == f"{macs.host(2).home}/{VENV_PYTHON}"
     assert f"{hostfile}: python now names the venv for {h}" in install.stdout
