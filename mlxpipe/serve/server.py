@@ -57,17 +57,15 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
     refused).
     """
     from mlxpipe.launch.pipeline import controller_model_dir
-    from mlxpipe.serve.app import build_app
     from mlxpipe.serve.door import ServerSettings
 
     _check(options, host, port, api_key, max_body_bytes)
     if any(not name.strip() for name in served_names):
         raise UsageError("--served-model-name: a name may not be empty")
     meta, plan = prepare(config)
-    tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
-    vision = _vision_prompt(config, meta)
     vision_missing = _vision_missing(meta)
     log = RequestLog()
+    server: _Server | None = None
 
     def on_state(state: str, detail: str | None) -> None:
         if state == "ready":
@@ -79,19 +77,16 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
         elif state == "restarting":
             console.warn(f"a rank failed ({detail}); relaunching the pipeline (restart {queue.restarts} "
                          f"of {options.max_restarts})")
-        elif state == "failed":
-            server.should_exit = True  # bound below, before the queue starts
+        elif state == "failed" and server is not None:
+            server.should_exit = True  # a failure before the server exists is read once it does, below
 
     queue = RequestQueue(replace(config, quiet=True), meta, plan, options, on_state)
     settings = ServerSettings(
         model_id=config.target.model, api_key=api_key, context=context or _context(meta), defaults=defaults,
         vocab_size=meta.text_config.get("vocab_size"), max_body_bytes=max_body_bytes,
         draft_model=config.draft_model is not None, served_names=served_names, any_model_name=any_model_name,
-        vision=vision, vision_missing=vision_missing, image_limits=image_limits, image_url_timeout=image_url_timeout,
+        vision=None, vision_missing=vision_missing, image_limits=image_limits, image_url_timeout=image_url_timeout,
     )
-    app = build_app(queue, tokenizer, settings, log)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                    timeout_graceful_shutdown=3), queue)
     names = ", ".join(repr(n) for n in settings.model_names) + (", or any name" if any_model_name else "")
     console.err.print(f"serving {config.target.model} at http://{_url_host(host)}:{port}/v1 "
                       f"(model id {names}); loading {len(plan.ranks)} ranks...")
@@ -100,7 +95,20 @@ def serve(config: PipelineConfig, options: ServeOptions, *, host: str, port: int
 
         console.warn(f"a vision-language model, served as text only: this install lacks mlx-vlm "
                      f"(for images: {VISION_HINT})")
-    queue.start()
+    queue.start()  # the ranks load while this process loads the tokenizer, the image processor and the app
+    try:
+        from mlxpipe.serve.app import build_app
+
+        tokenizer = _load_tokenizer(controller_model_dir(meta), meta.config)
+        settings = replace(settings, vision=_vision_prompt(config, meta))
+        app = build_app(queue, tokenizer, settings, log)
+        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                        timeout_graceful_shutdown=3), queue)
+    except BaseException:
+        queue.stop()
+        raise
+    if queue.state == "failed":  # before the server existed to be told
+        server.should_exit = True
     _quiet_lost_connections()
     try:
         server.run()
