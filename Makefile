@@ -44,8 +44,8 @@ RANKS := -m "ranks or cluster"
 WORKERS ?= 2
 
 # BESIDE_UNIT: a command run beside the unit tier, its output printed once it ends; the ranks tier starts after both,
-# and only if both passed (.ci/run runs make check-install there: mostly pip on one core, while the unit tier's
-# workers share the cores with it).
+# and only if both passed (.ci/run starts make check-install before make lint, and passes here the wait for it: it is
+# mostly pip on one core, while lint and then the unit tier's workers share the cores with it).
 BESIDE_UNIT ?=
 
 test: install
