@@ -85,11 +85,13 @@ def source_tree(dist: metadata.Distribution) -> Path | None:
 
 def build(root: Path, name: str, version: str, out_dir: Path) -> Path:
     """The wheel of project ``name`` at ``root``, built by its own build backend (``pip wheel --no-deps``: PEP 517,
-    in an isolated environment with ``[build-system]``'s requirements), into ``out_dir``; ``SetupError`` when the
-    build fails or makes another version than ``version`` (the installed metadata, which the hosts are pinned to)."""
+    with ``[build-system]``'s requirements: this environment's where it has them, as .ci/check-install builds, else
+    an isolated environment's), into ``out_dir``; ``SetupError`` when the build fails or makes another version than
+    ``version`` (the installed metadata, which the hosts are pinned to)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    isolation = ["--no-build-isolation"] if _backend_here(root) else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check",
-                           "--wheel-dir", str(out_dir), str(root)], capture_output=True, text=True)
+                           *isolation, "--wheel-dir", str(out_dir), str(root)], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = " | ".join([line.strip() for line in proc.stderr.splitlines() if line.strip()][-2:])
         raise SetupError(f"building a wheel of {root} failed: {tail or f'exit status {proc.returncode}'}",
@@ -147,6 +149,27 @@ def pack(dist: metadata.Distribution, out_dir: Path) -> Path:
 
 def _hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _backend_here(root: Path) -> bool:
+    """Whether this environment has every requirement of ``root``'s ``[build-system]`` (then the build needs no
+    isolated environment, which takes pip seconds to make); False where that cannot be told."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if sys.version_info < (3, 11):
+        return False  # no tomllib to read [build-system] with
+    else:
+        import tomllib
+
+        try:
+            for line in tomllib.loads((root / "pyproject.toml").read_text())["build-system"]["requires"]:
+                req = Requirement(line)
+                if (req.marker is None or req.marker.evaluate()) and not req.specifier.contains(
+                        metadata.version(req.name), prereleases=True):
+                    return False
+        except (OSError, KeyError, TypeError, ValueError, InvalidRequirement, metadata.PackageNotFoundError):
+            return False
+        return True
 
 
 def _editable_root(dist: metadata.Distribution) -> Path | None:

@@ -121,3 +121,17 @@ def test_an_installed_binary_package_keeps_its_platform_tag(tmp_path: Path) -> N
 def test_tags_of_several_lines_join_per_field() -> None:
     text = "Tag: cp311-cp311-manylinux_2_17_x86_64\nTag: cp311-cp311-manylinux2014_x86_64\n"
     assert wheels._tag(text) == "cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 has no tomllib: every build is isolated there")
+@pytest.mark.parametrize(("requires", "here"), [
+    ('["setuptools>=1"]', True),  # this environment has it: built without an isolated environment
+    ('["setuptools>=999"]', False),
+    ('["no-such-backend-xyz"]', False),
+    ('["setuptools>=999; python_version < \'3\'"]', True),  # a marker that leaves it out
+    (None, False),  # no [build-system] to read
+])
+def test_the_build_backend_is_this_environments_where_it_has_what_the_project_asks(
+        tmp_path: Path, requires: str | None, here: bool) -> None:
+    (tmp_path / "pyproject.toml").write_text(f"[build-system]\nrequires = {requires}\n" if requires else "[project]\n")
+    assert wheels._backend_here(tmp_path) is here
