@@ -31,8 +31,12 @@ from mlxpipe.protocol.message import Event, Registry, Wire, tag_of
 
 # Every rank's supervisor must say ``started`` within this; heartbeats begin once all have.
 START_TIMEOUT_SECONDS = 45.0
-# How long to keep collecting failures after the first, looking for the root cause.
+# How long to keep collecting failures after the first, looking for the root cause; longer while every failure
+# known is a consequence of another (a peer's lost connection): the rank that died says so through its supervisor
+# and mlx.launch, which on a loaded machine can pause seconds (a killed rank's exit came after the peer's lost
+# connection by over 2 s once, and the consequence was named the root cause).
 ROOT_CAUSE_GRACE_SECONDS = 2.0
+CONSEQUENCE_GRACE_SECONDS = 6.0
 # mlx.launch logs a rank's exit before it forwards that rank's last output; on a loaded machine
 # (mlx.launch is reniced) that output can pause for seconds (1.5 s failed a 3-rank flood at load 20).
 EXIT_GRACE_SECONDS = 5.0
@@ -272,8 +276,9 @@ class FailureTracker:
 
     @property
     def grace_ends(self) -> float:
-        """Until when to collect more failures before choosing the root cause."""
-        return min(f.at for f in self.failures) + ROOT_CAUSE_GRACE_SECONDS
+        """Until when to collect more failures before choosing the root cause (longer while none is plain)."""
+        return min(f.at for f in self.failures) + (ROOT_CAUSE_GRACE_SECONDS if self.plain else
+                                                   CONSEQUENCE_GRACE_SECONDS)
 
     def choose_root_cause(self) -> RankFailure:
         """The first failure that is no consequence of another (else the first of all)."""
