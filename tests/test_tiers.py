@@ -99,9 +99,27 @@ def test_a_test_that_starts_ranks_unmarked_fails_and_starts_nothing(pytester: py
 
         def test_plain_processes_are_fine():
             assert subprocess.run(["true"]).returncode == 0
+
+
+        @pytest.fixture(scope="module")
+        def remote_ranks():
+            tiers.require_marker(tiers.RANKS, "starts remote ranks")
+
+
+        @pytest.fixture
+        def site(request):
+            # A test's own fixture that sets up a shared one for one parameter only (as test_failures.py's).
+            if request.param == "remote":
+                request.getfixturevalue("remote_ranks")
+            return request.param
+
+
+        @pytest.mark.parametrize("site", [pytest.param("remote", marks=pytest.mark.ranks), "local"], indirect=True)
+        def test_local_after_remote(site):
+            pass
     """)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, failed=3, errors=2)  # the child's launch: found at teardown
+    result.assert_outcomes(passed=5, failed=3, errors=2)  # the child's launch: found at teardown
     result.stdout.fnmatch_lines_random([
         "*test_launch starts ranks (/nonexistent/mlx.launch --hostfile h.json ...) but is not marked ranks*",
         "*test_worker starts ranks (python3 -m mlxpipe.worker ...) but is not marked ranks*",
