@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from mlxpipe.protocol import events
@@ -21,7 +22,8 @@ class Progress:
     the others' is the one waiting. A reporter thread sends the latest step at
     most every ``PROGRESS_SECONDS``, and soon after the rank stops advancing, so
     a stuck rank's last report is exactly where it stands (MLX releases the GIL
-    while it waits in a collective).
+    while it waits in a collective). The thread ends once nothing holds the
+    ``Progress`` (a test driver makes one per case).
     """
 
     def __init__(self, emit: Emit, rank: int) -> None:
@@ -30,7 +32,7 @@ class Progress:
         self._sent: tuple[int, str] | None = None
         self._sent_at = self._changed_at = 0.0
         self._lock = threading.Lock()
-        threading.Thread(target=self._report, daemon=True, name="mlxpipe-progress").start()
+        threading.Thread(target=_report, args=(weakref.ref(self),), daemon=True, name="mlxpipe-progress").start()
 
     def reset(self) -> None:
         self._set(0, "idle")
@@ -49,16 +51,26 @@ class Progress:
         with self._lock:
             self.step, self.what, self._changed_at = step, what, time.monotonic()
 
-    def _report(self) -> None:
-        while True:
-            time.sleep(PROGRESS_SECONDS / 4)
-            now = time.monotonic()
-            with self._lock:
-                current = (self.step, self.what)
-                due = current != self._sent and (
-                    now - self._sent_at >= PROGRESS_SECONDS or now - self._changed_at >= PROGRESS_SECONDS / 2
-                )
-                if due:
-                    self._sent, self._sent_at = current, now
+    def _report_due(self) -> None:
+        """Send the latest step if it is due."""
+        now = time.monotonic()
+        with self._lock:
+            current = (self.step, self.what)
+            due = current != self._sent and (
+                now - self._sent_at >= PROGRESS_SECONDS or now - self._changed_at >= PROGRESS_SECONDS / 2
+            )
             if due:
-                self._emit(events.Progress(rank=self.rank, what=current[1], step=current[0]))
+                self._sent, self._sent_at = current, now
+        if due:
+            self._emit(events.Progress(rank=self.rank, what=current[1], step=current[0]))
+
+
+def _report(ref: weakref.ref[Progress]) -> None:
+    """The reporter thread: holds its ``Progress`` only while it reports, and ends when it is gone."""
+    while True:
+        time.sleep(PROGRESS_SECONDS / 4)
+        progress = ref()
+        if progress is None:
+            return
+        progress._report_due()
+        del progress
