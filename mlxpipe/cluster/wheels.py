@@ -158,7 +158,7 @@ def _backend_here(root: Path) -> bool:
 
     if sys.version_info < (3, 11):
         return False  # no tomllib to read [build-system] with
-    else:
+    else:  # not a plain fall-through: mypy checks for 3.10, and would look for tomllib there
         import tomllib
 
         try:
