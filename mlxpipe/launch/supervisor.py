@@ -69,6 +69,8 @@ class _Supervisor:
         self.last_word: float | None = None  # the worker's latest line (a beat, an event, any output)
         self.finished = False
         self.stop_reason: str | None = None
+        # A signal to this supervisor (mlx.launch stopping the rank): why the worker was stopped, if it still ran.
+        self.signalled: str | None = None
         self._wake = threading.Event()
         self._frames = frames.Writer(self.rank)
 
@@ -87,7 +89,7 @@ class _Supervisor:
             t.start()
         threading.Thread(target=self._read_stdin, daemon=True).start()
         last_alive = 0.0
-        while self.child.poll() is None and self.stop_reason is None:
+        while self.child.poll() is None and self.stop_reason is None and self.signalled is None:
             if self._lease_expired():
                 self.stop_reason = "lease"
                 break
@@ -100,6 +102,10 @@ class _Supervisor:
                 last_alive = time.monotonic()
             self._wake.wait(_POLL_SECONDS)
         if self.child.poll() is None:
+            # Only a worker still running is stopped by the signal. mlx.launch stops every rank once one has
+            # failed, and a worker killed on its own can have ended before this loop saw it: its exit is the
+            # root cause, and said so it is no consequence ("stopped by SIGTERM") of its peer's lost connection.
+            self.stop_reason = self.stop_reason or self.signalled
             _terminate(self.child)
         code = self.child.wait()
         for t in pumps:
@@ -120,7 +126,7 @@ class _Supervisor:
             pass  # the controller is gone (a hung-up terminal): nobody to tell
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.stop_reason = self.stop_reason or signal.Signals(signum).name
+        self.signalled = self.signalled or signal.Signals(signum).name
         self._wake.set()
 
     def _lease_expired(self) -> bool:

@@ -97,6 +97,36 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal() -> None:
     assert (exited["returncode"], exited["signal"], exited["finished"]) == (-9, "SIGKILL", False)
 
 
+def test_a_signal_that_comes_after_the_worker_died_is_not_said_to_have_stopped_it() -> None:
+    # mlx.launch stops every rank (SIGTERM to its supervisor) once one has failed. When a worker is killed, its
+    # peer's lost connection can fail first, and the SIGTERM reach this supervisor before it has seen its worker
+    # end: the exit must still say SIGKILL on its own, or the controller takes the kill for a consequence. Here the
+    # order is made certain: the supervisor is stopped, sent SIGTERM, its worker dies, then it is continued.
+    code, items = supervise("""
+        import os, signal, subprocess
+        supervisor = os.getppid()
+        subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -CONT {supervisor}"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        os.kill(supervisor, signal.SIGSTOP)
+        os.kill(supervisor, signal.SIGTERM)  # held until it continues
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert code == 128 + 9
+    (exited,) = events(items, "exited")
+    assert (exited["returncode"], exited["signal"], exited["stopped"]) == (-9, "SIGKILL", None)
+
+
+def test_a_signal_stops_a_running_worker_and_its_exit_says_so() -> None:
+    code, items = supervise("""
+        import os, signal, time
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(60)
+    """)
+    assert code == 128 + 15
+    (exited,) = events(items, "exited")
+    assert (exited["signal"], exited["stopped"]) == ("SIGTERM", "SIGTERM")
+
+
 def test_a_worker_whose_controller_stops_sending_heartbeats_is_stopped_when_the_lease_runs_out() -> None:
     started = time.monotonic()
     code, items = supervise("""
