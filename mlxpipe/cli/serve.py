@@ -25,6 +25,7 @@ from mlxpipe.defaults import (
     DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
+    DEFAULT_RESUME_TIMEOUT,
     PROMPT_CACHE_UNDER_HF_HOME,
 )
 from mlxpipe.errors import UsageError
@@ -59,6 +60,12 @@ MaxQueue = Annotated[int, typer.Option(
 QueueTimeout = Annotated[float, typer.Option(
     "--queue-timeout",
     help="Seconds a request waits for the ranks to be ready (loading, relaunching) before it gets a 503.",
+)]
+ResumeTimeout = Annotated[float, typer.Option(
+    "--resume-timeout",
+    help="When a rank fails, the requests in flight pause while the pipeline relaunches, then go on where their "
+         "clients left off (the prompt and the reply so far prefilled again). Seconds they wait for it before they "
+         "end with the failure's root cause. 0: they end at once.",
 )]
 MaxBodySize = Annotated[int, typer.Option(
     "--max-body-size", help="Largest request body, in bytes; a larger one gets a 413."
@@ -149,6 +156,7 @@ class ServeFlags:
     decode_batch: DecodeBatch = DEFAULT_DECODE_BATCH
     max_queue: MaxQueue = DEFAULT_MAX_QUEUE
     queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT
+    resume_timeout: ResumeTimeout = DEFAULT_RESUME_TIMEOUT
     max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS
     drain_seconds: DrainSeconds = DEFAULT_DRAIN_SECONDS
@@ -194,6 +202,7 @@ class ServeFlags:
             max_queue=self.max_queue, max_restarts=self.max_restarts, prompt_cache_size=self.prompt_cache_size,
             decode_batch=self.decode_batch, queue_timeout=self.queue_timeout, prompt_cache_gb=self.prompt_cache_gb,
             prompt_cache_dir=self.prompt_cache_dir, drain_seconds=self.drain_seconds,
+            resume_timeout=self.resume_timeout,
         )
 
 

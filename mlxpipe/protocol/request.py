@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, cast
 
@@ -111,6 +111,10 @@ class Request:
     # forced by ``tool_choice``, or completed once the model starts one; None: the reply's tool calls are the model's
     # alone.
     tool_calls: ToolCalls | None = None
+    # A request continued after its ranks failed (``serve.queue``): the last ``resumed`` of ``tokens`` are the reply
+    # already sent to its client. Rank 0's sampler starts from its random key as it was after them, and its grammar
+    # reads them first, so the reply goes on as it would have (``worker.generation.sampling``).
+    resumed: int = 0
 
     @property
     def constrained(self) -> bool:
@@ -122,6 +126,14 @@ class Request:
         ``float``); raises ``RequestError`` naming the first that is not. ``vocab_size`` bounds ``logit_bias``."""
         normalized = check_fields(asdict(self), name, vocab_size)
         return replace(self, **normalized) if normalized else self
+
+    def resume(self, sent: Sequence[int]) -> Request:
+        """This request (as first sent) continued after ``sent``, the reply's tokens its client already has: they
+        join the prompt, and count against ``max_tokens``."""
+        if not sent:
+            return self
+        assert self.tokens is not None, "serve sends token ids"
+        return replace(self, tokens=[*self.tokens, *sent], max_tokens=self.max_tokens - len(sent), resumed=len(sent))
 
     def with_seed(self, seed: Callable[[], int]) -> Request:
         """Sampled without a seed: give it one, so every rank samples alike and a run can be repeated."""
@@ -225,6 +237,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "quantized_kv_start": (lambda v: v >= 0, ">= 0"),
     "num_draft_tokens": (_positive, "at least 1"),
     "top_logprobs": (lambda v: v >= 0, ">= 0"),
+    "resumed": (lambda v: v >= 0, ">= 0"),
 }
 # The most each number may be: what the ranks can represent (integers), or what still means something.
 _HIGHEST: dict[str, float] = {
@@ -238,7 +251,7 @@ _HIGHEST: dict[str, float] = {
 }
 _INTEGER = {"max_tokens", "min_tokens_to_keep", "top_k", "seed", "repetition_context_size", "presence_context_size",
             "frequency_context_size", "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start",
-            "num_draft_tokens", "top_logprobs"}
+            "num_draft_tokens", "top_logprobs", "resumed"}
 
 
 def check_fields(values: Mapping[str, Any], name: Name, vocab_size: int | None = None) -> dict[str, Any]:

@@ -263,6 +263,8 @@ class Generation:
             line += f"; error: {record['error'][:300]}"
         if self.notes:
             line += "; " + "; ".join(self.notes)
+        if self.stream.resumed:  # its ranks failed while it ran: the failure, the pause, the tokens prefilled again
+            line += "; " + "; ".join(r.describe() for r in self.stream.resumed)
         console.note(line, style="yellow" if record["error"] else "dim")
 
     def _record(self, status: str | None) -> dict[str, Any]:
@@ -284,5 +286,7 @@ class Generation:
             # Each rank's busy fraction so far (rank order): where the pipeline's time goes.
             "busy": [round(t["busy"], 3) for _, t in sorted(self.queue.time.items())],
             **({"notes": self.notes} if self.notes else {}),
+            **({"resumed": [{"after": r.cause, "pause": r.pause, "replayed": r.replayed} for r in stream.resumed]}
+               if stream.resumed else {}),
             **({"pipeline": self.queue.label} if self.queue.label else {}),
         }

@@ -5,10 +5,20 @@ death does not take the API down. A background thread launches the pipeline
 (through ``launch.run.launch``, the same sequence every command uses), puts the
 ranks into their serving loop (``worker.generation.loop``), and pumps their events:
 each token goes to its request's stream as it is sampled. When a rank fails,
-every request in flight ends at once with the root cause, ``/health`` says
-``restarting``, and the thread launches and loads the pipeline again, up to
-``max_restarts`` times with backoff; after that the server gives up with the
-root cause.
+``/health`` says ``restarting`` and the thread launches and loads the pipeline
+again, up to ``max_restarts`` times with backoff; after that the server gives up
+with the root cause.
+
+The requests in flight pause meanwhile and then go on where their clients left
+off: each is sent again with the reply's tokens so far after its prompt
+(``Request.resume``), which the new ranks prefill (from the prompt cache's disk
+tier where it holds the prefix), and rank 0 samples on from the random key and
+grammar state it would have had. Its client sees a pause, never an error or a
+repeated token. A request waits ``resume_timeout`` seconds for the pipeline to
+come back, and is resumed at most ``MAX_RESUMES`` times (a request that fails
+its ranks again and again may be their cause); else it ends with the root
+cause. So does a request with images: its prompt's image features are not
+rebuilt for a longer prompt yet.
 
 A request that arrives while the pipeline loads or relaunches waits here, and
 is sent to the ranks once they are ready (in arrival order), for at most
@@ -42,6 +52,7 @@ from mlxpipe.defaults import (
     DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
+    DEFAULT_RESUME_TIMEOUT,
 )
 from mlxpipe.errors import LaunchError, MlxpipeError, RequestFailed
 from mlxpipe.launch.batch import RankStats
@@ -55,10 +66,11 @@ from mlxpipe.protocol.events import Finished, Serving, Time, Token
 from mlxpipe.protocol.message import Event
 from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
 from mlxpipe.protocol.request import Request
-from mlxpipe.serve.stream import Outcome, Sampled, Stream
+from mlxpipe.serve.stream import Outcome, Resumed, Sampled, Stream
 
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
+MAX_RESUMES = 2  # times one request is continued after its ranks failed; then it ends with the root cause
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class ServeOptions:
     prompt_cache_gb: float = DEFAULT_PROMPT_CACHE_GB  # the disk tier, per rank (0: none)
     prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # on SIGTERM: how long the requests in flight may take to finish
+    resume_timeout: float = DEFAULT_RESUME_TIMEOUT  # a rank failed: how long its requests wait to go on (0: they end)
 
 
 @dataclass
@@ -140,7 +153,7 @@ class RequestQueue:
                 except MlxpipeError as e:
                     if self._stopping.is_set():
                         return
-                    self._fail_all(e)  # the requests the ranks had; the waiting ones run after the relaunch
+                    self._resume_or_fail(e)  # the requests the ranks had; the waiting ones run after the relaunch
                     if self.restarts >= self.options.max_restarts:
                         self.error = e
                         self._set_state("failed", f"{e.message} (gave up after {self.restarts} restarts)")
@@ -209,11 +222,12 @@ class RequestQueue:
         else:
             with self._lock:
                 self._streams.pop(stream.request.id, None)
+            replayed = stream.resumed[-1].replayed if stream.resumed else 0  # counted as the reply's, not the prompt's
             stream.put(Outcome(
                 finish_reason=event.finish_reason,
-                prompt_tokens=event.prompt_tokens,
-                cached_tokens=event.cached_tokens,
-                generation_tokens=event.generation_tokens,
+                prompt_tokens=event.prompt_tokens - replayed,
+                cached_tokens=min(event.cached_tokens, event.prompt_tokens - replayed),
+                generation_tokens=event.generation_tokens + replayed,
                 error=RequestFailed(event.error) if event.error is not None else None,
                 cache_tier=event.cache_tier,
             ))
@@ -258,9 +272,18 @@ class RequestQueue:
         return stream
 
     def _send(self, stream: Stream) -> None:
-        """To every rank (under the lock, so that the ranks see requests in the order they came)."""
+        """To every rank (under the lock, so that the ranks see requests in the order they came); a resumed
+        request with the reply so far after its prompt."""
         assert self._pipe is not None
-        self._pipe.ranks.send(Submit(stream.request.with_seed(lambda: random.randrange(2**31))))
+        # A sampled request without a seed gets one here, kept: resumed, it goes on with the same draws.
+        stream.request = stream.request.with_seed(lambda: random.randrange(2**31))
+        left = stream.request.max_tokens - len(stream.sent)
+        if left <= 0:  # its ranks failed after its last token, before they said it ended
+            self._streams.pop(stream.request.id, None)
+            stream.put(Outcome(finish_reason="length", prompt_tokens=len(stream.request.tokens or ()),
+                               generation_tokens=len(stream.sent)))
+            return
+        self._pipe.ranks.send(Submit(stream.request.resume(stream.sent)))
 
     def cancel(self, request_id: str) -> None:
         """The client is gone or its stop string came: free its slot on every rank (or its place here)."""
@@ -272,6 +295,25 @@ class RequestQueue:
         pipe = self._pipe
         if stream is not None and pipe is not None:
             pipe.ranks.send(Cancel(request_id))
+
+    def _resume_or_fail(self, error: MlxpipeError) -> None:
+        """The ranks failed with ``error``: the requests they had wait to go on once the pipeline is back (first,
+        in the order they came); those resumed ``MAX_RESUMES`` times already (or all, with ``resume_timeout`` 0)
+        end with ``error``."""
+        now = time.monotonic()
+        with self._lock:
+            kept = set(map(id, self._waiting))
+            running = sorted((s for s in self._streams.values() if id(s) not in kept), key=lambda s: s.submitted)
+            resumed = [s for s in running if self.options.resume_timeout > 0 and len(s.resumed) < MAX_RESUMES
+                       and s.request.tokens is not None and not s.request.images]
+            for stream in resumed:
+                stream.resumed.append(Resumed(error.message, len(stream.sent), now))
+            self._waiting.extendleft(reversed(resumed))
+            ended = [s for s in running if s not in resumed]
+            for stream in ended:
+                self._streams.pop(stream.request.id, None)
+        for stream in ended:
+            stream.put(Outcome(error=error))
 
     def _fail_all(self, error: MlxpipeError, waiting: bool = False) -> None:
         """End the requests the ranks had with ``error``; with ``waiting``, the waiting ones too."""
@@ -289,14 +331,26 @@ class RequestQueue:
         while not self._stopping.wait(_EXPIRY_SECONDS):
             now = time.monotonic()
             with self._lock:
-                late = [s for s in self._waiting if now - s.submitted > self.options.queue_timeout]
+                late = [s for s in self._waiting if self._late(s, now)]
                 for stream in late:
                     self._waiting.remove(stream)
                     self._streams.pop(stream.request.id, None)
             for stream in late:
-                stream.put(Outcome(error=LaunchError(
-                    f"waited {self.options.queue_timeout:g} s for the pipeline, which is still {self.state}",
-                    "try again later; /health says when it is ready")))
+                if stream.resumed:
+                    error = LaunchError(f"{stream.resumed[-1].cause}; the pipeline was not back within "
+                                        f"{self.options.resume_timeout:g} s (--resume-timeout), still {self.state}",
+                                        "/health says which host is missing; raise --resume-timeout to wait longer")
+                else:
+                    error = LaunchError(f"waited {self.options.queue_timeout:g} s for the pipeline, which is still "
+                                        f"{self.state}", "try again later; /health says when it is ready")
+                stream.put(Outcome(error=error))
+
+    def _late(self, stream: Stream, now: float) -> bool:
+        """Whether a waiting request waited too long: a resumed one ``resume_timeout`` since the failure, a new one
+        ``queue_timeout`` since it came."""
+        if stream.resumed:
+            return now - stream.resumed[-1].failed_at > self.options.resume_timeout
+        return now - stream.submitted > self.options.queue_timeout
 
     def drain(self) -> None:
         """Take no new request (``serve.door.admit`` answers 503) for the ``drain_seconds`` that the ones in flight

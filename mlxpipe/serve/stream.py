@@ -24,6 +24,20 @@ class Outcome:
     cache_tier: str | None = None  # where the cached tokens came from: "memory" or "disk"
 
 
+@dataclass
+class Resumed:
+    """One resumption of a request whose ranks failed: the failure, the tokens prefilled again, the pause."""
+
+    cause: str  # the failure's root cause (its host and rank)
+    replayed: int  # the reply's tokens the client already had, prefilled again with the prompt
+    failed_at: float  # time.monotonic() at the failure
+    pause: float | None = None  # seconds from the failure to the first token after it (None: none yet)
+
+    def describe(self) -> str:
+        pause = f"paused {self.pause:.1f} s" if self.pause is not None else "no token since"
+        return f"resumed after {self.cause}: {pause}, {self.replayed} tokens replayed"
+
+
 @dataclass(frozen=True)
 class Sampled:
     """A token with its log-probability and the top tokens' (``[id, logprob]``, best first), for a request that
@@ -45,11 +59,18 @@ class Stream:
         self.submitted = time.monotonic()
         self.first_token: float | None = None
         self.outcome: Outcome | None = None
+        self.sent: list[int] = []  # the reply's token ids put so far: what a resumed request continues after
+        self.resumed: list[Resumed] = []  # each time its ranks failed and it went on
 
     def put(self, item: int | Sampled | Outcome) -> None:
         """From the pump thread."""
-        if not isinstance(item, Outcome) and self.first_token is None:
-            self.first_token = time.monotonic()
+        if not isinstance(item, Outcome):
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+            self.sent.append(item.token if isinstance(item, Sampled) else item)
+            if self.resumed and self.resumed[-1].pause is None:
+                self.resumed[-1].pause = now - self.resumed[-1].failed_at
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:

@@ -143,3 +143,13 @@ def test_request_checks_the_new_fields(values: dict[str, Any], field: str) -> No
 
 def test_text_format_is_free_text() -> None:
     assert Request(prompt="p", response_format={"type": "text"}).check().response_format is None
+
+
+def test_a_resumed_request_continues_after_the_reply_so_far() -> None:
+    request = Request(tokens=[1, 2, 3], max_tokens=10, temp=0.5, seed=4)
+    resumed = request.resume([7, 8])
+    assert (resumed.tokens, resumed.max_tokens, resumed.resumed, resumed.seed) == ([1, 2, 3, 7, 8], 8, 2, 4)
+    assert Request.from_wire(resumed.to_wire()) == resumed  # as the ranks read it
+    assert request.resume([]) is request
+    with pytest.raises(RequestError, match="'resumed' must be >= 0"):
+        Request(tokens=[1], resumed=-1).check()

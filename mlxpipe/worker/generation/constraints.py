@@ -93,7 +93,9 @@ def request_grammar(request: Request, tokenizer: TokenizerWrapper) -> str:
     if request.response_format is not None:
         return grammar_of(request.response_format)
     assert request.tool_calls is not None
-    return tool_grammar_of(request.tool_calls, tokenizer, list(request.tokens or ()))
+    tokens = list(request.tokens or ())
+    prompt = tokens[: len(tokens) - request.resumed]  # a resumed request's reply so far is read by the grammar
+    return tool_grammar_of(request.tool_calls, tokenizer, prompt)
 
 
 def compile_error(response_format: dict[str, Any]) -> str | None:

@@ -157,6 +157,8 @@ class Engine:
             if request.images and self.vision is None:
                 raise UsageError("this model takes no images")
             request = request.check(vocab_size=self.vocab_size)
+            if request.resumed >= len(prompt):
+                raise UsageError(f"'resumed' ({request.resumed}) must be below the prompt's {len(prompt)} tokens")
             extra = extra_eos_ids(tokenizer, request.extra_eos_token)
         except MlxpipeError as e:
             return self.refuse(request, e.message)

@@ -81,6 +81,13 @@ class KeyedSampler:
         self.key = (int(high) << 32) | int(low)
         return token
 
+    def skip(self, draws: int, logprobs: mx.array) -> None:
+        """Move the key past ``draws`` tokens drawn earlier (a resumed request's): mlx-lm's samplers draw the same
+        random numbers whatever the logits, so drawing from ``logprobs``' shape of zeros moves it as they did."""
+        zeros = mx.zeros_like(logprobs)
+        for _ in range(draws):
+            self(zeros)
+
 
 TokenLogprobs = tuple[float, list[list[float]]]  # the token's logprob; the top tokens as [id, logprob], best first
 
@@ -113,16 +120,19 @@ class Samplers:
         self.eos: dict[int, set[int]] = {}  # each request's end-of-sequence ids, its extra ones included
         self.constraints: dict[int, Constraint] = {}  # each constrained request's grammar
         self.logprobs: dict[int, TokenLogprobs] = {}  # the last token's, for its reporter (when asked)
+        self.skips: dict[int, int] = {}  # a resumed request's draws made before it was resumed, not yet skipped
 
     def admit(self, index: int, request: Request, eos: set[int], processors: list[LogitsProcessor]) -> None:
         """A request starts: its sampler, with its logits ``processors`` (made for every rank's look at them)."""
         self.samplers[index] = keyed_sampler(request, self.tokenizer, eos)
         self.processors[index] = processors
         self.eos[index] = eos
+        if request.resumed and isinstance(self.samplers[index], KeyedSampler):
+            self.skips[index] = request.resumed
 
     def drop(self, index: int) -> None:
         """A request ended: its sampling goes."""
-        for held in (self.samplers, self.processors, self.eos, self.constraints, self.logprobs):
+        for held in (self.samplers, self.processors, self.eos, self.constraints, self.logprobs, self.skips):
             held.pop(index, None)
 
     def sample(self, index: int, request: Request, state: RequestState, logits: mx.array) -> int:
@@ -137,7 +147,10 @@ class Samplers:
         if constraint is not None:  # after logit_bias and penalties: the grammar has the last word
             logits = mx.where(mx.array(constraint.allowed(logits.shape[-1])), logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = int(cast(int, self.samplers[index](logprobs).item()))  # mlx types item() as any scalar
+        sampler = self.samplers[index]
+        if index in self.skips and isinstance(sampler, KeyedSampler):
+            sampler.skip(self.skips.pop(index), logprobs)
+        token = int(cast(int, sampler(logprobs).item()))  # mlx types item() as any scalar
         if constraint is not None:
             constraint.accept(token)
         if request.logprobs:  # from the very logprobs the sampler drew from
@@ -158,6 +171,10 @@ class Samplers:
         if not request.constrained:
             return None
         if index not in self.constraints:
-            self.constraints[index] = Constraint(request_grammar(request, self.tokenizer), self.tokenizer, width,
-                                                 self.eos[index])
+            constraint = Constraint(request_grammar(request, self.tokenizer), self.tokenizer, width, self.eos[index])
+            if request.resumed:  # the reply so far, sent before the request was resumed
+                assert request.tokens is not None
+                for token in request.tokens[-request.resumed:]:
+                    constraint.accept(token)
+            self.constraints[index] = constraint
         return self.constraints[index]
