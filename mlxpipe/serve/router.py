@@ -5,7 +5,10 @@ router builds every door once per pipeline and puts one route in front of each o
 names a model (every ``POST``) has its body read once here, its ``model`` looked up among the entries' names, and
 goes to that entry's door, which reads the same body (``door.ROUTED_BODY``); a name no entry answers to is a 404 in
 the door's own shape listing the names (``--any-model-name``: the first entry takes it). Of an entry's replicas the
-request goes to the least loaded that is ready, else the least loaded one not failed. ``/v1/models``,
+request goes to a ready one, else one loading or restarting, else any: among them the one that was sent the longest
+prefix of its conversation, when that is at least half of it (``serve.prefixes``: a returning conversation lands
+where its cache is, and a system prompt many conversations share does not pile them on one), then the least loaded,
+then the one whose latest request is the oldest. ``/v1/models``,
 ``/api/tags`` and ``/api/ps`` list every entry's names, each as its own door lists them; ``/health`` says every
 pipeline's state. While the server drains (SIGTERM) every pipeline's door answers a new request with its 503.
 """
@@ -13,7 +16,7 @@ pipeline's state. While the server drains (SIGTERM) every pipeline's door answer
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,7 @@ from starlette.routing import Route
 
 from mlxpipe.serve import anthropic_api, anthropic_shapes, ollama_api, openai_api, openai_shapes, responses_api
 from mlxpipe.serve.door import ROUTED_BODY, ApiError, ServerSettings, authorize, gone, read_json, refused
+from mlxpipe.serve.prefixes import Prefixes, chain
 from mlxpipe.serve.queue import RequestLog, RequestQueue
 from mlxpipe.serve.responses_store import ResponseStore
 
@@ -35,6 +39,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 _LISTS = {"/v1/models": "data", "/api/tags": "models", "/api/ps": "models"}
 # A pipeline's state, the better first: where a request for an entry of several replicas goes.
 _PREFERRED = ("ready", "loading", "restarting", "failed")
+# The share of a request's prefix parts (by weight) a replica must have been sent for the request to go there first.
+MIN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -80,20 +86,38 @@ class Router:
         self.any_model_name = any_model_name
         self.served = [s for e in self.entries for s in e]
         self.first = self.served[0]
+        self.prefixes = [Prefixes() for _ in self.served]  # what each pipeline was sent (by its place in served)
+        self.picks = 0  # requests routed so far
+        self.last = [0 for _ in self.served]  # each pipeline's latest request, by its number among them (0: none)
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every name the endpoint answers to, entry by entry."""
         return tuple(n for e in self.entries for n in e[0].settings.model_names)
 
-    def pick(self, name: str | None) -> Served | None:
+    def pick(self, name: str | None, body: Mapping[str, Any] | None = None) -> Served | None:
         """The pipeline for a request naming ``name`` (None: it names none, the first entry takes it), or None when
-        no entry answers to it."""
+        no entry answers to it; of several replicas, the pipeline picked remembers ``body``'s prefix."""
         entry = self._entry(name)
         if entry is None:
             return None
-        return min(entry, key=lambda s: (_PREFERRED.index(s.queue.state) if s.queue.state in _PREFERRED else 0,
-                                         s.queue.in_flight))
+        places = [self.served.index(s) for s in entry]
+        keys = chain(body) if body is not None and len(entry) > 1 else None
+
+        def rank(place: int) -> tuple[int, int, int, int]:
+            queue = self.served[place].queue
+            state = _PREFERRED.index(queue.state) if queue.state in _PREFERRED else 0
+            match = self.prefixes[place].match(keys) if keys else 0
+            if keys and match < MIN_SHARE * keys[-1][1]:
+                match = 0  # a prefix shared by many conversations (a system prompt) must not pile them on one
+            return state, -match, queue.in_flight, self.last[place]
+
+        place = min(places, key=rank)
+        self.picks += 1
+        self.last[place] = self.picks
+        if keys:
+            self.prefixes[place].add(keys)
+        return self.served[place]
 
     def _entry(self, name: str | None) -> list[Served] | None:
         if name is None:
@@ -136,7 +160,7 @@ class Router:
                 name = body.get("model")
                 # A name that is no string goes to the first entry, whose door refuses it in its own words.
                 name = name.removesuffix(kind.suffix) if isinstance(name, str) and kind.suffix else name
-                served = self.pick(name if isinstance(name, str) else None)
+                served = self.pick(name if isinstance(name, str) else None, body)
                 if served is None:
                     raise self.unknown(str(name))
             except ApiError as e:

@@ -1,17 +1,20 @@
 """``mlxpipe serve --fleet`` end to end: two tiny models behind one endpoint, on local ranks, through the real SDKs.
 
 One server for the whole module: the chat model (the demo's tokenizer and template on tiny weights) on 2 ranks,
-answering to ``big``, and a tiny qwen2 (byte tokenizer) on a third rank, answering to ``small``. Each name reaches
-its model, greedy output equal to that model alone in single-process mlx-lm, through OpenAI's, Anthropic's and
-Ollama's clients; an unknown name is each door's 404 listing the names; the lists name both; each request's line
-names the pipeline that served it. Last, SIGTERM drains the fleet: a stream in flight on one entry ends whole while
+answering to ``big``, and a tiny qwen2 (byte tokenizer) in 2 replicas of one rank each, answering to ``small``.
+Each name reaches its model, greedy output equal to that model alone in single-process mlx-lm, through OpenAI's,
+Anthropic's and Ollama's clients; an unknown name is each door's 404 listing the names; the lists name both; each
+request's line names the pipeline that served it. Two conversations spread over the replicas, and each returns to
+the replica that holds its prefix. Last, SIGTERM drains the fleet: a stream in flight on one entry ends whole while
 a new request to either entry gets a 503, then the server exits 143 with every rank gone.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -40,11 +43,13 @@ def models(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def fleet(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    path = tmp_path_factory.mktemp("fleet-file") / "fleet.yaml"
+    folder = tmp_path_factory.mktemp("fleet-file")
+    path, hostfile = folder / "fleet.yaml", folder / "local-4.json"
     path.write_text(f"models:\n  - model: {models['big']}\n    hosts: [0, 1]\n    names: [big]\n"
-                    f"  - model: {models['small']}\n    hosts: [2]\n    names: [small]\n")
+                    f"  - model: {models['small']}\n    hosts: [2, 3]\n    replicas: 2\n    names: [small]\n")
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 4))
     # --drain-seconds: far longer than the drained reply takes on a loaded machine (the last test).
-    with ready_server(["--fleet", str(path), "--hostfile", "hostfiles/local-3.json", "--context", str(CONTEXT),
+    with ready_server(["--fleet", str(path), "--hostfile", str(hostfile), "--context", str(CONTEXT),
                        "--drain-seconds", "120"],
                       tmp_path_factory.mktemp("fleet-home"), env={"MLXPIPE_API_KEY": KEY}) as proc:
         yield proc
@@ -57,7 +62,8 @@ def test_each_name_reaches_its_model_through_openai(fleet: ServeProcess, models:
                                            temperature=0.0)
     assert reply.choices[0].message.content == greedy(models[name], MESSAGES, MAX_TOKENS)[0]
     assert reply.model == name
-    assert fleet.said(f"(openai, {name}): length, prompt {reply.usage.prompt_tokens}")  # type: ignore[union-attr]
+    label = name if name == "big" else "small#"  # either replica of small
+    assert fleet.said(f"(openai, {label}")  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -103,7 +109,36 @@ def test_the_lists_name_every_model(fleet: ServeProcess, models: dict[str, Path]
     assert [m.model for m in ollama.Client(host=fleet.base, headers=headers).ps().models] == names
     health = fleet.health()
     assert health["status"] == "ready"
-    assert [(p["name"], len(p["ranks"])) for p in health["pipelines"]] == [("big", 2), ("small", 1)]
+    assert [(p["name"], len(p["ranks"])) for p in health["pipelines"]] == [("big", 2), ("small#0", 1), ("small#1", 1)]
+
+
+def test_conversations_spread_over_the_replicas_and_each_returns_to_the_one_that_holds_its_prefix(
+        fleet: ServeProcess, models: dict[str, Path]) -> None:
+    """Two conversations to ``small`` (2 replicas): their first turns go to one replica each; their second turns,
+    the second conversation's first, each to the replica that served its first (where load alone would send the
+    second conversation's to the first replica), and each reuses its first turn's KV cache there."""
+    client = openai.OpenAI(base_url=fleet.url, api_key=KEY, max_retries=0, timeout=120)
+    system = {"role": "system", "content": "Be terse."}
+    questions = {"a": "Name a city on a river, and the river.", "b": "Name a river that crosses three countries."}
+    turns = {k: [system, {"role": "user", "content": q}] for k, q in questions.items()}
+
+    def ask(key: str) -> tuple[str, Any]:
+        since = len(fleet.err)
+        reply = client.chat.completions.create(model="small", messages=turns[key], max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+                                               temperature=0.0)
+        assert reply.choices[0].message.content == greedy(models["small"], turns[key], MAX_TOKENS)[0]
+        line = fleet.said("(openai, small#", since)
+        return line.split("(openai, ", 1)[1].split(")", 1)[0], reply
+
+    first = {k: ask(k)[0] for k in ("a", "b")}
+    assert sorted(first.values()) == ["small#0", "small#1"]
+    for key in ("b", "a"):
+        turns[key] += [{"role": "assistant", "content": greedy(models["small"], turns[key], MAX_TOKENS)[0]},
+                       {"role": "user", "content": "And another?"}]
+    for key in ("b", "a"):
+        where, reply = ask(key)
+        assert where == first[key]
+        assert reply.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
 
 
 def test_sigterm_drains_every_pipeline_then_stops_every_rank_and_exits_143(fleet: ServeProcess,

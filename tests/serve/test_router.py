@@ -126,3 +126,21 @@ def test_a_request_goes_to_the_least_loaded_ready_replica(tokenizer: Any) -> Non
     queues[1].state = "failed"  # type: ignore[misc]
     assert router.pick("org/small") is replicas[0]
     assert router.pick("gpt-4") is None
+
+
+def test_a_returning_conversation_goes_to_the_replica_that_was_sent_its_prefix(tokenizer: Any) -> None:
+    replicas = [served(tokenizer, f"small#{i}", "org/small", (), "Rome.") for i in range(2)]
+    router = Router([replicas])
+    system = {"role": "system", "content": "Be terse."}
+    a1 = {"messages": [system, {"role": "user", "content": "Name a city on a river, and the river."}]}
+    b1 = {"messages": [system, {"role": "user", "content": "Name a river that crosses three countries."}]}
+    # Two new conversations (their system prompt alike, a small share of each): spread over the replicas.
+    assert [router.pick("org/small", a1), router.pick("org/small", b1)] == replicas
+    b2 = {"messages": [*b1["messages"], {"role": "assistant", "content": "Rhine."}, {"role": "user", "content": "?"}]}
+    a2 = {"messages": [*a1["messages"], {"role": "assistant", "content": "Rome."}, {"role": "user", "content": "?"}]}
+    # Each returns where it was: b2 first, where the replicas' load and counts alone would send it to small#0.
+    assert [router.pick("org/small", b2), router.pick("org/small", a2)] == [replicas[1], replicas[0]]
+    replicas[0].queue.in_flight = 3  # type: ignore[misc]
+    assert router.pick("org/small", a2) is replicas[0]  # its prefix outweighs the load
+    replicas[0].queue.state = "restarting"  # type: ignore[misc]
+    assert router.pick("org/small", a2) is replicas[1]  # but not a replica that is not ready
