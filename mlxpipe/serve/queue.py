@@ -17,8 +17,7 @@ grammar state it would have had. Its client sees a pause, never an error or a
 repeated token. A request waits ``resume_timeout`` seconds for the pipeline to
 come back, and is resumed at most ``MAX_RESUMES`` times (a request that fails
 its ranks again and again may be their cause); else it ends with the root
-cause. So does a request with images: its prompt's image features are not
-rebuilt for a longer prompt yet.
+cause.
 
 A request that arrives while the pipeline loads or relaunches waits here, and
 is sent to the ranks once they are ready (in arrival order), for at most
@@ -305,7 +304,7 @@ class RequestQueue:
             kept = set(map(id, self._waiting))
             running = sorted((s for s in self._streams.values() if id(s) not in kept), key=lambda s: s.submitted)
             resumed = [s for s in running if self.options.resume_timeout > 0 and len(s.resumed) < MAX_RESUMES
-                       and s.request.tokens is not None and not s.request.images]
+                       and s.request.tokens is not None]
             for stream in resumed:
                 stream.resumed.append(Resumed(error.message, len(stream.sent), now))
             self._waiting.extendleft(reversed(resumed))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -30,6 +32,7 @@ from PIL import Image as Pil
 
 from fixtures.browser import open_page as _open
 from fixtures.browser import until as _until
+from fixtures.processes import local_rank_processes
 from fixtures.schemas import SCHEMAS
 from fixtures.serve_process import ServeProcess, ready_server
 from fixtures.vision_models import VisionModels
@@ -601,3 +604,46 @@ def test_the_page_attaches_an_image(vision_server: ServeProcess, images: list[Pa
     client = OpenAI(base_url=vision_server.url, api_key="none")
     assert streamed == _ask(client, _data_uri(images[0].read_bytes())).choices[0].message.content and streamed
     assert vision_server.health()["restarts"] == 0
+
+
+RESUMED_TOKENS = 500  # a reply long enough to kill a rank in the middle of (~150 tok/s on 2 ranks here)
+
+
+@pytest.mark.ranks
+def test_serve_a_killed_rank_resumes_an_image_request_as_mlx_vlms_reply(vision_server: ServeProcess,
+                                                                         vision_models: VisionModels,
+                                                                         images: list[Path]) -> None:
+    """Last on ``vision_server``: ``kill -9`` of rank 1 while a reply about a picture streams. The request goes on
+    after the relaunch, the picture's features made again for its prompt and the reply so far embedded as text, and
+    the client's tokens are mlx-vlm's greedy reply, whole."""
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load_tokenizer
+
+    model, processor = load(str(vision_models["qwen2_5_vl"]))
+    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+    expected = [r.token for r in stream_generate(model, processor, prompt, image=[str(images[0])],
+                                                 max_tokens=RESUMED_TOKENS, temperature=0.0)][:RESUMED_TOKENS]
+    tokenizer = load_tokenizer(vision_models["qwen2_5_vl"])
+    client = OpenAI(base_url=vision_server.url, api_key="none", max_retries=0, timeout=300)
+    content = [{"type": "image_url", "image_url": {"url": _data_uri(images[0].read_bytes())}},
+               {"type": "text", "text": PROMPT}]
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": content}],  # type: ignore[misc, list-item]
+        max_tokens=RESUMED_TOKENS, temperature=0.0, logprobs=True, stream=True)
+    tokens: list[str] = []
+    chunks = iter(stream)
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            tokens += [entry.token for entry in chunk.choices[0].logprobs.content]
+        if len(tokens) >= 5:
+            break
+    worker = next(pid for pid, (rank, cmd) in local_rank_processes(vision_server.proc.pid).items()
+                  if rank == 1 and "mlxpipe.launch.supervisor" not in cmd)
+    os.kill(worker, signal.SIGKILL)
+    for chunk in chunks:  # an error would raise here
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            tokens += [entry.token for entry in chunk.choices[0].logprobs.content]
+    assert tokens == [tokenizer.decode([t]) for t in expected]
+    assert vision_server.health()["restarts"] == 1  # it was resumed, not finished before the kill
+    assert vision_server.said("tokens replayed")

@@ -45,8 +45,10 @@ def features(model: nn.Module, processor: Any, config: dict[str, Any], request: 
     """The prompt's input embeddings (its images merged in by the vision tower) and position ids.
 
     The processor runs on the prompt text the controller tokenized, as ``mlx_vlm.generate`` runs it; its
-    token ids must be the ones every rank was sent.
+    token ids must be the ones every rank was sent. A resumed request's reply so far (its last ``resumed`` tokens)
+    is no part of them: those are embedded as replies are (``VisionInputs.inputs``).
     """
+    tokens = tokens[: len(tokens) - request.resumed]
     kwargs: dict[str, Any] = {}
     pixel_values = None
     if request.images:
@@ -233,7 +235,11 @@ class VisionInputs:
             for row, (i, start) in enumerate(rows):
                 prompt = self.prompts.get(i)
                 if prompt is not None and start < prompt.embeddings.shape[1]:
-                    embeddings.append(prompt.embeddings[:, start : start + batch.width])
+                    part = prompt.embeddings[:, start : start + batch.width]
+                    if part.shape[1] < batch.width:  # a resumed request: its reply so far follows the prompt
+                        rest = text_embeddings(self.model, tokens[row : row + 1, part.shape[1] :])
+                        part = mx.concatenate([part, rest.astype(part.dtype)], axis=1)
+                    embeddings.append(part)
                 else:  # a reply's token: embedded as the language model would embed it
                     embeddings.append(text_embeddings(self.model, tokens[row : row + 1]))
             extra["input_embeddings"] = mx.concatenate(embeddings, axis=0)
