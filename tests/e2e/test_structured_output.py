@@ -10,6 +10,8 @@ ranks in ``tests/protocol/test_request.py`` and ``tests/worker/generation/test_c
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -114,3 +116,37 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(tiny_server: ServeProce
     error = r.json()["error"]
     assert error["param"] == "response_format" and "'broken'" in error["message"] and "strang" in error["message"]
     assert httpx.get(f"{tiny_server.base}/health", timeout=10).json()["status"] == "ready"
+
+
+# A reply of 300 letters and spaces (the byte tokenizer: as many tokens): long enough to kill a rank in its middle.
+STORY = {"type": "object", "properties": {"story": {"type": "string", "pattern": "^[a-z ]{300}$"}},
+         "required": ["story"], "additionalProperties": False}
+
+
+@pytest.mark.ranks
+def test_a_seeded_structured_reply_resumed_after_a_killed_rank_is_the_undisturbed_one(
+        tiny_server: ServeProcess, client: openai.OpenAI) -> None:
+    """Last on ``tiny_server``: a sampled, seeded reply held to a JSON schema, streamed; ``kill -9`` of rank 1 after
+    its first 10 pieces. The request goes on after the relaunch (its grammar state rebuilt from the reply so far,
+    its random key past the draws made) and the client gets the very reply an undisturbed run gives: valid JSON."""
+    from fixtures.processes import local_rank_processes
+
+    def stream(kill_after: int | None) -> str:
+        chunks = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=_ask("A story?"), max_tokens=400, temperature=1.0,
+            seed=5, response_format=_schema_format(STORY, "story"), stream=True)  # type: ignore[call-overload]
+        pieces = []
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if len(pieces) == kill_after:
+                    worker = next(pid for pid, (rank, cmd) in local_rank_processes(tiny_server.proc.pid).items()
+                                  if rank == 1 and "mlxpipe.launch.supervisor" not in cmd)
+                    os.kill(worker, signal.SIGKILL)
+        return "".join(pieces)
+
+    undisturbed = stream(None)
+    jsonschema.validate(json.loads(undisturbed), STORY)
+    assert stream(10) == undisturbed
+    assert tiny_server.health()["restarts"] == 1  # it was resumed, not finished before the kill
+    assert tiny_server.said("tokens replayed")
