@@ -46,6 +46,8 @@ DEFAULT_PROMPT_CACHE_SIZE = 10  # finished requests whose KV caches are kept for
 DEFAULT_PROMPT_CACHE_GB = 16.0
 PROMPT_CACHE_UNDER_HF_HOME = "mlxpipe/prompt-cache"
 DEFAULT_QUEUE_TIMEOUT = DEFAULT_LOAD_TIMEOUT  # a request waits for the ranks as long as they may take to load
+# serve: a prefill chunk's tokens while other requests decode, so their streams keep going during a long prompt.
+DEFAULT_PREFILL_BUDGET = 32
 # A rank failed: seconds the requests it was computing wait for the relaunched pipeline to continue them.
 DEFAULT_RESUME_TIMEOUT = 120.0
 # SIGTERM: seconds the server keeps answering the requests in flight (taking no new ones) before it stops.

@@ -22,6 +22,7 @@ from mlxpipe.defaults import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_PORT,
+    DEFAULT_PREFILL_BUDGET,
     DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
@@ -60,6 +61,12 @@ MaxQueue = Annotated[int, typer.Option(
 QueueTimeout = Annotated[float, typer.Option(
     "--queue-timeout",
     help="Seconds a request waits for the ranks to be ready (loading, relaunching) before it gets a 503.",
+)]
+PrefillBudget = Annotated[int, typer.Option(
+    "--prefill-budget",
+    help="Tokens of a prompt prefilled per step while other requests decode: each decoding stream waits for one "
+         "such step between its tokens, so a long prompt slows them by at most that much, and itself takes more "
+         "steps. Alone, a prompt is prefilled --prefill-step-size tokens at a time. 0: no bound.",
 )]
 ResumeTimeout = Annotated[float, typer.Option(
     "--resume-timeout",
@@ -157,6 +164,7 @@ class ServeFlags:
     max_queue: MaxQueue = DEFAULT_MAX_QUEUE
     queue_timeout: QueueTimeout = DEFAULT_QUEUE_TIMEOUT
     resume_timeout: ResumeTimeout = DEFAULT_RESUME_TIMEOUT
+    prefill_budget: PrefillBudget = DEFAULT_PREFILL_BUDGET
     max_body_size: MaxBodySize = DEFAULT_MAX_BODY_BYTES
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS
     drain_seconds: DrainSeconds = DEFAULT_DRAIN_SECONDS
@@ -202,7 +210,7 @@ class ServeFlags:
             max_queue=self.max_queue, max_restarts=self.max_restarts, prompt_cache_size=self.prompt_cache_size,
             decode_batch=self.decode_batch, queue_timeout=self.queue_timeout, prompt_cache_gb=self.prompt_cache_gb,
             prompt_cache_dir=self.prompt_cache_dir, drain_seconds=self.drain_seconds,
-            resume_timeout=self.resume_timeout,
+            resume_timeout=self.resume_timeout, prefill_budget=self.prefill_budget,
         )
 
 
@@ -227,8 +235,9 @@ def serve(
     /v1/chat/completions, /v1/completions, /v1/responses and /v1/models, Anthropic's /v1/messages
     and Ollama's /api/chat and /api/generate (streaming or not). The page at / shows the cluster
     and lets you try the model in a browser; /health says the status. Requests that arrive while
-    the ranks load wait for them. A failed rank ends the requests in flight with an error, and the
-    pipeline is relaunched; a request that fails alone ends alone.
+    the ranks load wait for them. When a rank fails the pipeline is relaunched, and the requests in
+    flight pause meanwhile, then go on where their clients left off (--resume-timeout); a request
+    that fails alone ends alone.
 
     Example: mlxpipe serve --port 8080
     """

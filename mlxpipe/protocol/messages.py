@@ -87,10 +87,14 @@ class Serve(Message):
     # and the bytes each may keep there, in GB; None or 0: no disk tier.
     prompt_cache_dirs: list[str] | None = None
     prompt_cache_gb: float = 0.0
+    # A prefill chunk's tokens while another request decodes (``worker.generation.schedule``); None: no bound.
+    prefill_budget: int | None = None
 
     def __post_init__(self) -> None:
         at_least(self.concurrency, 1, "concurrency")
         at_least(self.decode_batch, 1, "decode_batch")
+        if self.prefill_budget is not None:
+            at_least(self.prefill_budget, 1, "prefill_budget")
         at_least(self.prompt_cache_size, 0, "prompt_cache_size")
         if not self.prompt_cache_gb >= 0:
             raise UsageError(f"prompt_cache_gb must be 0 or more, got {self.prompt_cache_gb}")

@@ -48,6 +48,7 @@ from mlxpipe.defaults import (
     DEFAULT_DRAIN_SECONDS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_PREFILL_BUDGET,
     DEFAULT_PROMPT_CACHE_GB,
     DEFAULT_PROMPT_CACHE_SIZE,
     DEFAULT_QUEUE_TIMEOUT,
@@ -84,6 +85,7 @@ class ServeOptions:
     prompt_cache_dir: str | None = None  # the disk tier's directory on every host (None: each host's default)
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # on SIGTERM: how long the requests in flight may take to finish
     resume_timeout: float = DEFAULT_RESUME_TIMEOUT  # a rank failed: how long its requests wait to go on (0: they end)
+    prefill_budget: int = DEFAULT_PREFILL_BUDGET  # a prefill chunk's tokens while others decode (0: no bound)
 
 
 @dataclass
@@ -172,7 +174,8 @@ class RequestQueue:
         self._pipe, self.run_dir = pipe, pipe.run_dir
         try:
             pipe.ranks.send(Serve(concurrency=self.options.max_concurrency, decode_batch=self.options.decode_batch,
-                                  prompt_cache_size=self.options.prompt_cache_size, **self._disk_tier()))
+                                  prompt_cache_size=self.options.prompt_cache_size,
+                                  prefill_budget=self.options.prefill_budget or None, **self._disk_tier()))
             for event in pipe.events(self.config.timeout, busy=lambda: bool(self._streams)):
                 self._dispatch(event)
         finally:

@@ -238,6 +238,8 @@ def _check(options: ServeOptions, host: str, port: int, api_key: str | None, max
         raise UsageError(f"--prompt-cache-gb must be 0 (no disk tier) or more, got {options.prompt_cache_gb:g}")
     if not options.queue_timeout > 0:
         raise UsageError(f"--queue-timeout must be positive, got {options.queue_timeout:g}")
+    if options.prefill_budget < 0:
+        raise UsageError(f"--prefill-budget must be 0 (no bound) or more, got {options.prefill_budget}")
     if not options.resume_timeout >= 0:
         raise UsageError(f"--resume-timeout must be 0 (a rank's failure ends the requests in flight) or more, "
                          f"got {options.resume_timeout:g}")

@@ -33,3 +33,18 @@ def test_serve_refuses_a_bad_image_limit_in_one_line(flag: str, value: str, line
 def test_image_limit_flags_become_the_servers_limits() -> None:
     assert image_limits(20, 50, 8) == ImageLimits()  # the defaults --help shows are today's constants
     assert image_limits(0.5, 1.5, 2) == ImageLimits(max_bytes=512 * 1024, max_pixels=1_500_000, max_images=2)
+
+
+def test_the_resume_and_prefill_flags_become_the_queues_options() -> None:
+    from mlxpipe.cli.serve import ServeFlags
+    from mlxpipe.defaults import DEFAULT_PREFILL_BUDGET, DEFAULT_RESUME_TIMEOUT
+    from mlxpipe.protocol.messages import Serve
+
+    given = ServeFlags(max_concurrency=2, resume_timeout=30, prefill_budget=16).options(None)  # type: ignore[arg-type]
+    assert (given.resume_timeout, given.prefill_budget) == (30, 16)
+    default = ServeFlags(max_concurrency=2).options(None)  # type: ignore[arg-type]
+    assert (default.resume_timeout, default.prefill_budget) == (DEFAULT_RESUME_TIMEOUT, DEFAULT_PREFILL_BUDGET)
+    # What the ranks read: the budget, or none.
+    assert Serve.from_wire(Serve(concurrency=2, prefill_budget=16).to_wire()).prefill_budget == 16
+    with pytest.raises(Exception, match="prefill_budget"):
+        Serve(concurrency=2, prefill_budget=0)

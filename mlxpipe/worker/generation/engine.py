@@ -94,10 +94,11 @@ class Engine:
     def __init__(
         self, context: RankContext, slots: int, reporter: Reporter, prompt_cache_size: int = 0,
         prompt_cache: LRUPromptCache | None = None, decode_batch: int = 1, disk_cache: DiskCache | None = None,
-        disk_tier: bool = False,
+        disk_tier: bool = False, prefill_budget: int | None = None,
     ) -> None:
         """``prompt_cache``: a memory tier the caller keeps (chat turns), else one of ``prompt_cache_size``
-        entries; ``disk_cache``, ``disk_tier``: the disk tier (``caches.prompt_caches.PromptCaches``)."""
+        entries; ``disk_cache``, ``disk_tier``: the disk tier (``caches.prompt_caches.PromptCaches``);
+        ``prefill_budget``: a prefill chunk's tokens while another request decodes (``schedule``)."""
         loaded, group = context.loaded, context.group
         self.context, self.reporter = context, reporter
         self.model = loaded.model
@@ -115,7 +116,7 @@ class Engine:
         self.decode_batch = decode_batch_for(self.model, context.job, decode_batch)
         self.schedule = Schedule(
             [], [], stages=self.pipe_size, slots=slots, prefill_step=context.job.prefill_step_size,
-            eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch,
+            eos_ids=loaded.tokenizer.eos_token_ids, decode_batch=self.decode_batch, prefill_budget=prefill_budget,
         )
         self.requests: list[Request] = []
         self.caches = BatchCaches(self.schedule, self.decode_batch)

@@ -198,7 +198,8 @@ class RankLoop:
         disk_tier = bool(message.prompt_cache_dirs) and message.prompt_cache_gb > 0
         self._disk_cache, disk_error = self._open_disk_cache(message) if disk_tier else (None, None)
         engine = Engine(self.context, message.concurrency, StreamReporter(self._emit), message.prompt_cache_size,
-                        decode_batch=message.decode_batch, disk_cache=self._disk_cache, disk_tier=disk_tier)
+                        decode_batch=message.decode_batch, disk_cache=self._disk_cache, disk_tier=disk_tier,
+                        prefill_budget=message.prefill_budget)
         engine.on_time = self._report_time
         if self.rank == 0 and engine.vocab_size:
             self._warm_constraints(engine.vocab_size)

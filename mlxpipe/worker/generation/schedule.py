@@ -27,6 +27,13 @@ grown too large sheds its last members as it next enters (they join another
 group, or open one, at the next tick), and a new request joins the next group
 with room to enter. With ``decode_batch`` 1 every request is its own group.
 
+While any request decodes, another's prefill chunks hold at most ``prefill_budget``
+tokens (when set): a tick runs one micro-batch per stage, and a decoding request
+gets one token per tick it enters, so a chunk of ``prefill_step`` tokens would
+stretch every decoding stream's time between tokens to that chunk's compute, for
+the whole prefill (vLLM's and SGLang's chunked prefill bound it the same way, by
+a token budget per step). Alone, a prefill runs in chunks of ``prefill_step``.
+
 Requests may join at any tick (``add``), in the order every rank applies them,
 and leave early (``cancel``): a cancelled request stops entering at once and
 frees its slot once its last micro-batch has left the last stage, so no stage
@@ -127,17 +134,21 @@ class Schedule:
         prefill_step: int,
         eos_ids: Collection[int],
         decode_batch: int = 1,
+        prefill_budget: int | None = None,
     ) -> None:
         if len(prompts) != len(max_tokens):
             raise ValueError("one max_tokens per prompt")
         if stages < 1 or slots < 1 or prefill_step < 1 or decode_batch < 1:
             raise ValueError("stages, slots, prefill_step and decode_batch must be positive")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError("prefill_budget must be positive (or None: none)")
         self.requests: list[RequestState] = []
         for prompt, most in zip(prompts, max_tokens, strict=True):
             self.add(prompt, most)
         self.stages = stages
         self.slots: list[int | None] = [None] * slots  # slot -> request index
         self.prefill_step = prefill_step
+        self.prefill_budget = prefill_budget  # a prefill chunk's tokens while another request decodes (None: any)
         self.eos_ids = frozenset(eos_ids)
         self.decode_batch = decode_batch
         self.max_groups = max(stages, math.ceil(slots / decode_batch))
@@ -385,12 +396,19 @@ class Schedule:
         """Whether a request waits for a slot and one is free: the next tick admits it."""
         return None in self.slots and any(r.finish_reason is None for r in self.requests[self._pending :])
 
+    def _decoding(self) -> bool:
+        """Whether a request decodes (a member of a group, or waiting to join one)."""
+        return any(g.members for g in self.groups.values()) or any(
+            r.group is None and not r.cancelled and len(r.prompt) - r.fed <= 1 for r in self._running())
+
     def _next_micro_batch(self, request: RequestState) -> MicroBatch:
         """Feed ``request``'s next tokens as ``generate_step`` does, and say when it may enter again."""
         remaining = len(request.prompt) - request.fed
         start = (len(request.fed_tokens),)
         if remaining > 1:
             n = min(self.prefill_step, remaining - 1)
+            if self.prefill_budget is not None and self._decoding():
+                n = min(n, self.prefill_budget)
             tokens = tuple(request.prompt[request.fed : request.fed + n])
             request.fed += n
             request.ready_at = self.tick + 1

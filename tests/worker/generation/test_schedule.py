@@ -168,6 +168,38 @@ def test_a_long_prefill_does_not_freeze_the_streams_in_decode(stages: int) -> No
     assert sched.requests[0].generated == [100] * 60
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_while_a_request_decodes_another_prefills_in_chunks_of_the_budget(stages: int) -> None:
+    """``prefill_budget`` 4 and ``prefill_step`` 16: request 1's 61-token prompt is cut into chunks of 4 while
+    request 0 decodes, and of 16 once it has ended; request 0's tokens come as before."""
+    sched = Schedule([[1, 2]], [12], stages=stages, slots=2, prefill_step=16, eos_ids=set(), prefill_budget=4)
+    chunks: list[tuple[int, bool]] = []  # each chunk of request 1: its tokens, whether request 0 still decoded
+    while not sched.done:
+        sched.begin_tick()
+        if sched.tick == 2 * stages:
+            sched.add(list(range(61)), 1)
+        entered = sched.at(0)
+        if entered is not None and not entered.samples and entered.requests == (1,):
+            chunks.append((entered.width, sched.requests[0].finish_reason is None))
+        sampling = sched.sampling
+        sched.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    assert sum(width for width, _ in chunks) == 60  # all but the prompt's last token
+    during = [width for width, decoding in chunks if decoding]
+    assert len(during) >= 3 and set(during) == {4}
+    after = [width for width, decoding in chunks if not decoding]
+    assert after and max(after) == 16  # full chunks again once it has ended
+    assert sched.requests[0].generated == [100] * 12
+    alone = Schedule([list(range(61))], [1], stages=stages, slots=2, prefill_step=16, eos_ids=set(), prefill_budget=4)
+    widths = []
+    while not alone.done:
+        alone.begin_tick()
+        if (entered := alone.at(0)) is not None and not entered.samples:
+            widths.append(entered.width)
+        sampling = alone.sampling
+        alone.end_tick([100] * len(sampling.requests) if sampling is not None else None)
+    assert widths == [16, 16, 16, 12]  # alone: the full chunks
+
+
 def test_only_requests_with_caches_of_one_kind_share_a_decode_group() -> None:
     # Requests 0, 1: plain caches; 2, 3: rotating (another kind); 4, 5: quantized (no merge).
     keys = [(None,), (None,), (64,), (64,), None, None]
