@@ -80,6 +80,7 @@ bench: install demo-model
 	$(PY) bench/bench_serve.py
 	$(PY) bench/bench_tools.py
 	$(PY) bench/bench_fairness.py
+	$(PY) bench/bench_resume.py
 	$(PY) bench/bench_prompt_cache.py
 	$(PY) bench/bench_lora.py
 	$(PY) bench/bench_tp.py

@@ -68,7 +68,10 @@ from mlxpipe.protocol.messages import Cancel, Exit, Serve, Submit
 from mlxpipe.protocol.request import Request
 from mlxpipe.serve.stream import Outcome, Resumed, Sampled, Stream
 
+# The wait before each relaunch, for the 1st, 2nd... failure in a row; a pipeline that served STABLE_SECONDS before
+# it failed starts the row again (a rare failure costs its requests a pause of 1 s plus the relaunch, not 30 s).
 _BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+STABLE_SECONDS = 20.0
 _EXPIRY_SECONDS = 0.25  # how often waiting requests are checked against --queue-timeout
 MAX_RESUMES = 2  # times one request is continued after its ranks failed; then it ends with the root cause
 
@@ -118,6 +121,8 @@ class RequestQueue:
         self.label = ""  # this pipeline's name among a fleet's ("small#1"), in its requests' lines; "" alone
         self.drain_ends: float | None = None  # draining (SIGTERM): when it stops, by time.monotonic(); new requests 503
         self._on_state = on_state or (lambda state, detail: None)
+        self._ready_since: float | None = None  # when the pipeline last became ready (None: not since it failed)
+        self._in_a_row = 0  # failures in a row (``_backoff``)
         self._streams: dict[str, Stream] = {}  # every live request, waiting ones included
         self._waiting: deque[Stream] = deque()  # not sent to the ranks yet: they are loading or relaunching
         self._lock = threading.Lock()
@@ -162,7 +167,7 @@ class RequestQueue:
                         return
                     self.restarts += 1
                     self._set_state("restarting", e.message)
-                    self._stopping.wait(_BACKOFF_SECONDS[min(self.restarts, len(_BACKOFF_SECONDS)) - 1])
+                    self._stopping.wait(self._backoff())
         finally:
             self.finished.set()
 
@@ -234,8 +239,18 @@ class RequestQueue:
                 cache_tier=event.cache_tier,
             ))
 
+    def _backoff(self) -> float:
+        """The wait before relaunching after a failure: longer for each failure in a row, the row started again
+        by a pipeline that was ready ``STABLE_SECONDS`` before it failed."""
+        stable = self._ready_since is not None and time.monotonic() - self._ready_since >= STABLE_SECONDS
+        self._in_a_row = 1 if stable else self._in_a_row + 1
+        self._ready_since = None
+        return _BACKOFF_SECONDS[min(self._in_a_row, len(_BACKOFF_SECONDS)) - 1]
+
     def _set_state(self, state: str, detail: str | None) -> None:
         self.state, self.detail = state, detail
+        if state == "ready":
+            self._ready_since = time.monotonic()
         if state != "ready":
             for r in self.ranks:
                 r.state = state

@@ -100,3 +100,18 @@ def test_a_request_resumed_too_often_or_with_resume_off_ends_with_the_root_cause
         outcome = loop.run_until_complete(stream.next())
         assert outcome.error is error  # type: ignore[union-attr]
     loop.close()
+
+
+def test_the_wait_before_a_relaunch_grows_with_failures_in_a_row_and_starts_again_after_a_stable_run() -> None:
+    from types import SimpleNamespace
+
+    from mlxpipe.serve.queue import STABLE_SECONDS, RequestQueue, ServeOptions
+
+    queue = RequestQueue(None, None, SimpleNamespace(ranks=[]), ServeOptions(max_concurrency=1))  # type: ignore[arg-type]
+    waits = []
+    for served in (STABLE_SECONDS + 1, 0.5, 0.5, 0.5, STABLE_SECONDS + 1, 0.5):
+        queue._set_state("ready", None)
+        queue._ready_since -= served  # type: ignore[operator]  # as if it had been ready that long
+        waits.append(queue._backoff())
+    assert waits == [1.0, 2.0, 5.0, 10.0, 1.0, 2.0]
+    assert queue._backoff() == 5.0  # failed again before it was ever ready: still in a row
