@@ -606,14 +606,16 @@ def test_the_page_attaches_an_image(vision_server: ServeProcess, images: list[Pa
     assert vision_server.health()["restarts"] == 0
 
 
-RESUMED_TOKENS = 500  # a reply long enough to kill a rank in the middle of (~150 tok/s on 2 ranks here)
+# A reply long enough that the kill, sent as its first token arrives, always finds it running (~150 tok/s on 2 ranks
+# here; the client can lag seconds behind the ranks on a loaded machine).
+RESUMED_TOKENS = 800
 
 
 @pytest.mark.ranks
 def test_serve_a_killed_rank_resumes_an_image_request_as_mlx_vlms_reply(vision_server: ServeProcess,
                                                                          vision_models: VisionModels,
                                                                          images: list[Path]) -> None:
-    """Last on ``vision_server``: ``kill -9`` of rank 1 while a reply about a picture streams. The request goes on
+    """Last on ``vision_server``: ``kill -9`` of rank 1 as a reply about a picture starts. The request goes on
     after the relaunch, the picture's features made again for its prompt and the reply so far embedded as text, and
     the client's tokens are mlx-vlm's greedy reply, whole."""
     from mlx_vlm import load, stream_generate
@@ -636,7 +638,7 @@ def test_serve_a_killed_rank_resumes_an_image_request_as_mlx_vlms_reply(vision_s
     for chunk in chunks:
         if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
             tokens += [entry.token for entry in chunk.choices[0].logprobs.content]
-        if len(tokens) >= 5:
+        if tokens:
             break
     worker = next(pid for pid, (rank, cmd) in local_rank_processes(vision_server.proc.pid).items()
                   if rank == 1 and "mlxpipe.launch.supervisor" not in cmd)
