@@ -103,8 +103,8 @@ class _Supervisor:
             self._wake.wait(_POLL_SECONDS)
         if self.child.poll() is None:
             # Only a worker still running is stopped by the signal. mlx.launch stops every rank once one has
-            # failed, and a worker killed on its own can have ended before this loop saw it: its exit is the
-            # root cause, and said so it is no consequence ("stopped by SIGTERM") of its peer's lost connection.
+            # failed, and a worker killed on its own can have ended before this loop saw it: its own exit is then
+            # the root cause, and must not read as a consequence ("stopped by SIGTERM") of its peer's failure.
             self.stop_reason = self.stop_reason or self.signalled
             _terminate(self.child)
         code = self.child.wait()
