@@ -141,7 +141,7 @@ class RequestQueue:
     def stop(self) -> None:
         """End every request, stop every rank (cleanly when it answers), and wait for the run thread."""
         self._stopping.set()
-        self._fail_all(LaunchError("the server is shutting down"), waiting=True)
+        self._fail_all(LaunchError("the server is shutting down"))
         pipe = self._pipe
         if pipe is not None:
             pipe.ranks.send(Exit())
@@ -163,7 +163,7 @@ class RequestQueue:
                     if self.restarts >= self.options.max_restarts:
                         self.error = e
                         self._set_state("failed", f"{e.message} (gave up after {self.restarts} restarts)")
-                        self._fail_all(e, waiting=True)
+                        self._fail_all(e)
                         return
                     self.restarts += 1
                     self._set_state("restarting", e.message)
@@ -251,7 +251,7 @@ class RequestQueue:
         self.state, self.detail = state, detail
         if state == "ready":
             self._ready_since = time.monotonic()
-        if state != "ready":
+        else:
             for r in self.ranks:
                 r.state = state
         self._on_state(state, detail)
@@ -332,19 +332,18 @@ class RequestQueue:
         for stream in ended:
             stream.put(Outcome(error=error))
 
-    def _fail_all(self, error: MlxpipeError, waiting: bool = False) -> None:
-        """End the requests the ranks had with ``error``; with ``waiting``, the waiting ones too."""
+    def _fail_all(self, error: MlxpipeError) -> None:
+        """End every request with ``error``, those waiting for the ranks too (the server stops or gives up; a
+        failure of the ranks alone goes through ``_resume_or_fail``)."""
         with self._lock:
-            kept = set(map(id, self._waiting)) if not waiting else set()
-            ended = [s for s in self._streams.values() if id(s) not in kept]
-            self._streams = {k: s for k, s in self._streams.items() if id(s) in kept}
-            if waiting:
-                self._waiting.clear()
+            ended = list(self._streams.values())
+            self._streams = {}
+            self._waiting.clear()
         for stream in ended:
             stream.put(Outcome(error=error))
 
     def _expire(self) -> None:
-        """End the requests that waited longer than ``--queue-timeout`` for the ranks to be ready."""
+        """End the requests that waited too long for the ranks to be ready (``_late``)."""
         while not self._stopping.wait(_EXPIRY_SECONDS):
             now = time.monotonic()
             with self._lock:
@@ -356,7 +355,7 @@ class RequestQueue:
                 if stream.resumed:
                     error = LaunchError(f"{stream.resumed[-1].cause}; the pipeline was not back within "
                                         f"{self.options.resume_timeout:g} s (--resume-timeout), still {self.state}",
-                                        "/health says which host is missing; raise --resume-timeout to wait longer")
+                                        "check that host (the cause names it); raise --resume-timeout to wait longer")
                 else:
                     error = LaunchError(f"waited {self.options.queue_timeout:g} s for the pipeline, which is still "
                                         f"{self.state}", "try again later; /health says when it is ready")
